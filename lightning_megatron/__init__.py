@@ -1,0 +1,32 @@
+"""lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron.models.module import ParallelGPTModule
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+    apply_tp,
+    vocab_parallel_cross_entropy,
+)
+from lightning_megatron.strategy import MegatronStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPTConfig",
+    "GPTModel",
+    "ParallelGPTModule",
+    "ParallelConfig",
+    "ParallelMesh",
+    "MegatronStrategy",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "TensorParallelRNG",
+    "apply_tp",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,345 @@
+"""A plain GPT / LLaMA decoder with no parallelism inside, in Megatron's module names and layout.
+
+Activations are sequence-first ``[s, b, h]``. The model holds plain ``nn.Linear`` / ``nn.Embedding`` layers;
+:func:`lightning_megatron.parallel.apply_tp` swaps them for tensor-parallel layers using
+:meth:`GPTModel.tensor_parallel_plan`, and calls :meth:`GPTModel.set_tensor_parallel` so the few places that
+need the TP group (loss, sequence-parallel norms and embedding scatter, dropout RNG) get it.
+
+Initialisation is layout-independent: every parameter is drawn from its own generator seeded by the base
+seed and the parameter's name, as a whole global tensor, then sliced to this rank's shard
+(:meth:`GPTModel.init_weights`). So the same seed gives the same global weights under any tp/dp layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from typing import Callable, ContextManager, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_rows, pad_vocab_size
+from lightning_megatron.parallel.tensor_parallel.mappings import (
+    Group,
+    copy_to_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from lightning_megatron.parallel.tensor_parallel.plan import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallelNorm,
+    VocabParallel,
+)
+
+RngFork = Callable[[], ContextManager]
+
+
+def _null_fork() -> ContextManager:
+    return contextlib.nullcontext()
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim.
+
+    ``sequence_parallel_group`` (set by ``apply_tp`` under sequence parallelism): the weights are used
+    through an identity whose backward all-reduces their gradients over that TP group, since each TP rank
+    only saw its slice of the sequence.
+    """
+
+    def __init__(self, hidden_size: int, kind: str = "RMSNorm", eps: float = 1e-5) -> None:
+        super().__init__()
+        self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if kind == "LayerNorm" else None
+        self.sequence_parallel_group: Group = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        if self.sequence_parallel_group is not None:
+            w = copy_to_tensor_model_parallel_region(w, self.sequence_parallel_group)
+            b = copy_to_tensor_model_parallel_region(b, self.sequence_parallel_group) if b is not None else None
+        if self.kind == "RMSNorm":
+            return F.rms_norm(x, (self.hidden_size,), w, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
+
+
+def rotary_cos_sin(position_ids: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """RoPE tables for ``position_ids`` ``[s, b]``: ``cos, sin`` of shape ``[s, b, 1, dim]`` (halves layout)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[s, b, n, d]`` by RoPE (Megatron's non-interleaved "rotate half" convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with GQA through ``scaled_dot_product_attention`` (flash kernels on GPU).
+
+    ``linear_qkv`` packs queries, keys and values by query group, Megatron's layout: for each of the
+    ``g`` groups, ``n/g`` query heads then one key and one value head, ``d`` channels each. A contiguous
+    split of its output rows over TP is therefore a split over whole groups.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads_per_group = c.num_attention_heads // c.num_query_groups
+        self.kv_channels = c.kv_channels
+        self.rotary_base = c.rotary_base
+        self.use_rope = c.position_embedding_type == "rope"
+        self.attention_dropout = c.attention_dropout
+        qkv_out = c.num_query_groups * (self.heads_per_group + 2) * c.kv_channels
+        self.linear_qkv = nn.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear)
+        self.linear_proj = nn.Linear(c.num_attention_heads * c.kv_channels, c.hidden_size, bias=c.add_bias_linear)
+        self.tp_fork: RngFork = _null_fork
+
+    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+        """``x``: ``[s(/tp under SP), b, h]`` -> same shape."""
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[0], qkv.shape[1]
+        d, hpg = self.kv_channels, self.heads_per_group
+        qkv = qkv.view(s, b, -1, hpg + 2, d)
+        q = qkv[:, :, :, :hpg].reshape(s, b, -1, d)
+        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        dropout = self.attention_dropout if self.training else 0.0
+        with self.tp_fork():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """``linear_fc2(act(linear_fc1(x)))``; SwiGLU packs ``[gate; up]`` in ``linear_fc1``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+        fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.input_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
+        self.self_attention = SelfAttention(config)
+        self.pre_mlp_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
+        self.mlp = MLP(config)
+        self.hidden_dropout = config.hidden_dropout
+        self.hidden_fork: RngFork = _null_fork
+
+    def _dropout(self, x: Tensor) -> Tensor:
+        if self.hidden_dropout == 0.0 or not self.training:
+            return x
+        with self.hidden_fork():
+            return F.dropout(x, self.hidden_dropout, True)
+
+    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class Embedding(nn.Module):
+    """Word (+ learned absolute position) embeddings, ``ids [s, b] -> [s(/tp under SP), b, h]``."""
+
+    def __init__(self, config: GPTConfig, padded_vocab_size: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+        self.scatter_group: Group = None  # set when SP needs a scatter after adding position embeddings
+
+    def forward(self, ids: Tensor, position_ids: Tensor) -> Tensor:
+        x = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        if self.scatter_group is not None:
+            x = scatter_to_sequence_parallel_region(x, self.scatter_group)
+        return x
+
+
+class Decoder(nn.Module):
+    """The layer stack (a ``ModuleDict`` keyed by global layer index, so names survive a pipeline split)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in range(config.num_layers)})
+        self.final_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
+
+
+class OutputLayer(nn.Module):
+    """The LM head ``[s, b, h] -> [s, b, V_pad]``; holds no weight when tied to the word embeddings."""
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, tied: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = hidden_size, padded_vocab_size
+        self.weight = None if tied else nn.Parameter(torch.empty(padded_vocab_size, hidden_size))
+        self.bias = None
+
+    def forward(self, x: Tensor, weight: Optional[Tensor] = None) -> Tensor:
+        return F.linear(x, self.weight if weight is None else weight)
+
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+SCALED_INIT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """Seed of parameter ``name``'s own generator: a function of the base seed and the name only."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+class GPTModel(nn.Module):
+    """GPT / LLaMA decoder. ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)``.
+
+    With ``labels`` returns the per-token loss ``[b, s]`` (fp32); without, logits ``[b, s, V_pad/tp]``
+    (this rank's vocabulary slice under TP). Built on the meta device, it skips initialisation; call
+    :meth:`init_weights` after materialising (the strategy does).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
+        self.embedding = Embedding(config, self.padded_vocab_size)
+        self.decoder = Decoder(config)
+        tied = not config.untie_embeddings_and_output_weights
+        self.output_layer = OutputLayer(config.hidden_size, self.padded_vocab_size, tied)
+        self.tp_group: Group = None
+        self.sequence_parallel = False
+        self.embedding_fork: RngFork = _null_fork
+        if not self.embedding.word_embeddings.weight.is_meta:
+            self.init_weights()
+
+    # ---- tensor parallelism hooks ----
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool) -> Dict[str, object]:
+        """Name pattern -> TP style, for :func:`lightning_megatron.parallel.apply_tp`."""
+        c = self.config
+        padded = pad_vocab_size(c.vocab_size, tp, c.make_vocab_size_divisible_by)
+        learned_pos = c.position_embedding_type == "learned_absolute"
+        plan: Dict[str, object] = {
+            "embedding.word_embeddings": VocabParallel(c.vocab_size, padded, sequence_parallel and not learned_pos,
+                                                       canonical_size=self.padded_vocab_size),
+            "decoder.layers.*.self_attention.linear_qkv": ColwiseParallel(),
+            "decoder.layers.*.self_attention.linear_proj": RowwiseParallel(),
+            "decoder.layers.*.mlp.linear_fc1": ColwiseParallel(stride=2 if c.swiglu else 1),
+            "decoder.layers.*.mlp.linear_fc2": RowwiseParallel(),
+            "output_layer": ColwiseParallel(vocab_size=c.vocab_size, padded_size=padded,
+                                            tied=not c.untie_embeddings_and_output_weights,
+                                            canonical_size=self.padded_vocab_size),
+        }
+        if sequence_parallel:
+            plan.update({
+                "decoder.layers.*.input_layernorm": SequenceParallelNorm(),
+                "decoder.layers.*.pre_mlp_layernorm": SequenceParallelNorm(),
+                "decoder.final_layernorm": SequenceParallelNorm(),
+            })
+        return plan
+
+    def set_tensor_parallel(self, group: Group, sequence_parallel: bool,
+                            tp_fork: Optional[RngFork] = None) -> None:
+        """Record the TP group after ``apply_tp``: loss, embedding scatter and dropout streams use it.
+
+        ``tp_fork``: context manager factory entering the per-TP-rank RNG stream (attention dropout always;
+        hidden and embedding dropout under SP, where each rank holds different tokens).
+        """
+        self.tp_group, self.sequence_parallel = group, sequence_parallel
+        fork = tp_fork or _null_fork
+        if sequence_parallel and self.embedding.position_embeddings is not None:
+            self.embedding.scatter_group = group
+        self.embedding_fork = fork if sequence_parallel else _null_fork
+        for layer in self.decoder.layers.values():
+            layer.self_attention.tp_fork = fork
+            layer.hidden_fork = fork if sequence_parallel else _null_fork
+
+    # ---- initialisation ----
+    def _init_value(self, name: str, shape: tuple, seed: int, device: torch.device) -> Tensor:
+        c = self.config
+        if name.endswith("layernorm.weight"):
+            return torch.ones(shape, device=device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=device)
+        std = c.init_method_std
+        if name.endswith(SCALED_INIT_SUFFIXES):
+            std = std / math.sqrt(2.0 * c.num_layers)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(parameter_seed(seed, name))
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Initialise every parameter from ``seed`` (default ``torch.initial_seed()``), layout-independently.
+
+        Megatron's scheme: normal(0, init_method_std) for weights, scaled by ``1/sqrt(2*num_layers)`` for the
+        output projections (``linear_proj``, ``linear_fc2``), ones for norm weights, zeros for biases and for
+        padded vocabulary rows. Each parameter's global value is drawn whole and this rank keeps its shard.
+        """
+        seed = torch.initial_seed() if seed is None else seed
+        for mod_name, module in self.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                vocab = name in VOCAB_PARAMS
+                if isinstance(module, TensorParallelModule):
+                    shape = module.global_shape(pname)
+                else:
+                    shape = ((self.config.vocab_size,) + tuple(p.shape[1:])) if vocab else tuple(p.shape)
+                full = self._init_value(name, shape, seed, p.device)
+                if isinstance(module, TensorParallelModule):
+                    local = module.shard_global(pname, full)
+                else:
+                    local = pad_rows(full, p.shape[0]) if vocab else full
+                p.copy_(local.to(p.dtype))
+
+    # ---- forward ----
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+        c = self.config
+        ids = tokens.t()  # [s, b]
+        if position_ids is None:
+            pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+        else:
+            pos = position_ids.t()
+        x = self.embedding(ids, pos)
+        if c.hidden_dropout > 0.0 and self.training:
+            with self.embedding_fork():
+                x = F.dropout(x, c.hidden_dropout, True)
+        rotary = None
+        if c.position_embedding_type == "rope":
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            rotary = rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)
+        for layer in self.decoder.layers.values():
+            x = layer(x, rotary)
+        x = self.decoder.final_layernorm(x)
+        shared = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(x, weight=shared)  # [s, b, V_pad/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, c.vocab_size)
+        return loss.t()

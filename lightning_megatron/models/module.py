@@ -1,0 +1,183 @@
+"""``ParallelGPTModule``: the LightningModule around :class:`GPTModel` (subclass it to customise)."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.models.gpt import GPTModel
+
+Batch = Dict[str, Tensor]
+
+
+def megatron_lr_lambda(step: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: Optional[int],
+                       decay_style: str) -> float:
+    """Megatron's learning-rate schedule as a multiplier of ``lr`` at optimizer step ``step``.
+
+    Linear warmup from ``lr/warmup_iters`` to ``lr`` over ``warmup_iters`` steps, then ``decay_style``
+    ("cosine", "linear" or "constant") from ``lr`` to ``min_lr`` at ``decay_iters``, ``min_lr`` after.
+    """
+    if warmup_iters > 0 and step < warmup_iters:
+        return (step + 1) / warmup_iters
+    if decay_style == "constant" or decay_iters is None or decay_iters <= warmup_iters:
+        return 1.0
+    if step >= decay_iters:
+        return min_lr / lr
+    ratio = (step - warmup_iters) / (decay_iters - warmup_iters)
+    if decay_style == "linear":
+        coeff = 1.0 - ratio
+    elif decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise ValueError(f"lr_decay_style={decay_style!r} is not one of 'cosine', 'linear', 'constant'")
+    return (min_lr + coeff * (lr - min_lr)) / lr
+
+
+class ParallelGPTModule(pl.LightningModule):
+    """Trains a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or any other strategy).
+
+    Batches are dicts with ``tokens`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64), optional ``loss_mask``
+    ``[b, s]`` (float, 1 = counted) and ``position_ids`` ``[b, s]``. The loss is the global token-mean over
+    the data-parallel (x context-parallel) group: the gradient is exactly that of the mean over all tokens
+    of the global micro-batch, and ``train_loss`` / ``val_loss`` are the same value on every rank.
+
+    Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
+    no weight decay on norms and biases (1-D parameters); schedule: linear warmup over ``lr_warmup_iters``
+    then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default ``Trainer.max_steps``).
+
+    Under :class:`MegatronStrategy` the model is built on the meta device in :meth:`configure_model` and
+    the strategy materialises it already sharded, so no rank ever holds the full model.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        lr: float = 3e-4,
+        min_lr: float = 0.0,
+        weight_decay: float = 0.01,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
+        lr_warmup_iters: int = 0,
+        lr_decay_iters: Optional[int] = None,
+        lr_decay_style: str = "cosine",
+    ) -> None:
+        super().__init__()
+        if min_lr > lr:
+            raise ValueError(f"min_lr={min_lr} is larger than lr={lr}")
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = config.to_dict()
+        self.config = config
+        self.model: Optional[GPTModel] = None
+        self._val_totals: Optional[Tensor] = None
+
+    # ---------------------------------------------------------------- model
+    def configure_model(self) -> None:
+        """Build the plain model (on the meta device under MegatronStrategy); idempotent."""
+        if self.model is not None:
+            return
+        with torch.device("meta") if self._builds_on_meta() else contextlib.nullcontext():
+            self.model = GPTModel(self.config)
+
+    def _builds_on_meta(self) -> bool:
+        from lightning_megatron.strategy import MegatronStrategy
+
+        trainer = self._trainer
+        return trainer is not None and isinstance(trainer.strategy, MegatronStrategy)
+
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+        """Per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V_pad/tp]``."""
+        if self.model is None:
+            self.configure_model()
+        return self.model(tokens, position_ids, labels)
+
+    # ---------------------------------------------------------------- loss
+    def _dp_group(self) -> Tuple[Optional[dist.ProcessGroup], int]:
+        mesh = getattr(getattr(self._trainer, "strategy", None), "mesh", None)
+        if mesh is None:
+            return None, 1
+        return mesh.group("dp_cp"), mesh.size("dp_cp")
+
+    def loss_sum_and_count(self, batch: Batch) -> Tuple[Tensor, Tensor]:
+        """Sum of the masked per-token losses of this rank's batch and the number of counted tokens."""
+        per_token = self(batch["tokens"], batch.get("position_ids"), batch["labels"])
+        mask = batch.get("loss_mask")
+        if mask is None:
+            return per_token.sum(), torch.tensor(float(per_token.numel()), device=per_token.device)
+        mask = mask.to(per_token.dtype)
+        return (per_token * mask).sum(), mask.sum()
+
+    def _global(self, value: Tensor, group: Optional[dist.ProcessGroup], size: int) -> Tensor:
+        value = value.detach().clone()
+        if size > 1:
+            dist.all_reduce(value, group=group)
+        return value
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss_sum, count = self.loss_sum_and_count(batch)
+        group, dp = self._dp_group()
+        global_count = self._global(count, group, dp).clamp(min=1.0)
+        # DDP averages gradients over dp x cp, so scaling by dp gives the gradient of the global token-mean.
+        loss = loss_sum * dp / global_count
+        mean = self._global(loss_sum, group, dp) / global_count
+        self.log("train_loss", mean, prog_bar=True, sync_dist=group is None and self._is_distributed())
+        return loss
+
+    def _is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _eval_step(self, batch: Batch) -> None:
+        loss_sum, count = self.loss_sum_and_count(batch)
+        totals = torch.stack([loss_sum.detach().float(), count.float()])
+        self._val_totals = totals if self._val_totals is None else self._val_totals + totals
+
+    def _eval_epoch_end(self, name: str) -> None:
+        if self._val_totals is None:
+            return
+        group, dp = self._dp_group()
+        if group is None and self._is_distributed():
+            totals = self._global(self._val_totals, None, 2)
+        else:
+            totals = self._global(self._val_totals, group, dp)
+        self.log(name, totals[0] / totals[1].clamp(min=1.0), prog_bar=True)
+        self._val_totals = None
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val_loss")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test_loss")
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """Per-token loss if the batch has labels, else this rank's logits ``[b, s, V_pad/tp]``."""
+        return self(batch["tokens"], batch.get("position_ids"), batch.get("labels"))
+
+    # ---------------------------------------------------------------- optimizer
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        on_cuda = any(p.is_cuda for p in decay)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                                      fused=True if on_cuda else None)
+        decay_iters = hp.lr_decay_iters
+        if decay_iters is None and self._trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
+            decay_iters = self.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: megatron_lr_lambda(step, hp.lr, hp.min_lr, hp.lr_warmup_iters, decay_iters, hp.lr_decay_style),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,132 @@
+"""Parallel layout sizes and their validation (one clear error per broken rule)."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the five parallel dimensions, with Megatron's names and meaning.
+
+    Dense grid: ``world = pp * dp * cp * tp`` (dp is derived). Expert grid (Megatron's "MoE parallel
+    folding"): ``world = pp * edp * ep * etp``, so ``ep`` is carved out of the dp x cp x tp ranks.
+
+    Args:
+        tp: tensor-model-parallel size (``--tensor-model-parallel-size``).
+        pp: pipeline-model-parallel size.
+        vp: virtual pipeline stages per rank (interleaved schedule); needs ``pp > 1``.
+        cp: context-parallel size.
+        ep: expert-model-parallel size.
+        etp: expert-tensor-parallel size (default: ``tp``).
+        sequence_parallel: split activations along the sequence over the TP group between TP regions.
+            Ignored with a warning when ``tp == 1`` (as Megatron's training arguments do).
+        cp_comm_type: context-parallel attention communication, one string or one per layer.
+        hierarchical_context_parallel_sizes: inner/outer sizes for ``cp_comm_type="a2a+p2p"``.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    sequence_parallel: bool = False
+    cp_comm_type: Union[str, Sequence[str]] = "p2p"
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None
+    dp: int = field(default=1, init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.etp is None:
+            self.etp = self.tp
+        if not isinstance(self.etp, int) or self.etp < 1:
+            raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
+        if self.vp is not None:
+            if not isinstance(self.vp, int) or self.vp < 1:
+                raise ValueError(f"vp must be a positive integer or None, got {self.vp!r}")
+            if self.vp > 1 and self.pp == 1:
+                raise ValueError(
+                    f"vp={self.vp} (virtual pipeline stages) needs pp > 1, got pp={self.pp}: "
+                    "the interleaved schedule splits each rank's layers into vp chunks of a pipeline; "
+                    "set pp >= 2 or drop vp"
+                )
+        if self.sequence_parallel and self.tp == 1:
+            warnings.warn(
+                "sequence_parallel=True has no effect with tp=1 (it splits the sequence over the tensor "
+                "parallel group); disabling it",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.sequence_parallel = False
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        for t in types:
+            if t not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type {t!r} is not one of {CP_COMM_TYPES}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: ``tp * pp * cp``."""
+        return self.tp * self.pp * self.cp
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """Check the sizes against ``world_size`` and derive ``dp``; returns ``self``.
+
+        Raises:
+            ValueError: world size not divisible by ``tp*pp*cp`` or by ``etp*ep*pp``.
+        """
+        if world_size % self.model_parallel_size != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
+                f"= {self.model_parallel_size}: choose sizes whose product divides the number of processes "
+                f"(devices x nodes)"
+            )
+        expert_mp = self.etp * self.ep * self.pp
+        if world_size % expert_mp != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp} "
+                f"= {expert_mp}: the expert grid (pp, edp, ep, etp) must tile the world"
+            )
+        self.dp = world_size // self.model_parallel_size
+        return self
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size ``world / (etp*ep*pp)`` (valid after :meth:`resolve`)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def world_size(self) -> int:
+        """``pp * dp * cp * tp`` (valid after :meth:`resolve`)."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    def validate_model(self, model_config: Any) -> None:
+        """Check model shapes against the layout (attention heads / query groups divisible by tp).
+
+        ``model_config`` is any object with Megatron's field names (``num_attention_heads``,
+        ``num_query_groups``, ``num_layers``); missing fields are skipped.
+        """
+        heads = getattr(model_config, "num_attention_heads", None)
+        if heads is not None and heads % self.tp != 0:
+            raise ValueError(
+                f"num_attention_heads={heads} is not divisible by tp={self.tp}: each tensor-parallel rank "
+                f"holds whole heads; pick tp dividing {heads}"
+            )
+        groups = getattr(model_config, "num_query_groups", None) or heads
+        if groups is not None and groups % self.tp != 0:
+            raise ValueError(
+                f"num_query_groups={groups} is not divisible by tp={self.tp}: each tensor-parallel rank "
+                f"holds whole key/value groups; pick tp dividing {groups}"
+            )
+        seq = getattr(model_config, "seq_length", None)
+        if self.sequence_parallel and seq is not None and seq % self.tp != 0:
+            raise ValueError(
+                f"seq_length={seq} is not divisible by tp={self.tp}: sequence parallelism splits the "
+                f"sequence over the tensor-parallel ranks"
+            )

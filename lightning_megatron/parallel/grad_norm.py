@@ -1,0 +1,62 @@
+"""Gradient norm and clipping by the true global norm of a model split over TP (and later PP/EP)."""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Set
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,
+                     model_parallel_groups: Optional[List[Group]] = None) -> Tensor:
+    """L2 norm of the gradients of the whole model, the same value on every rank.
+
+    Args:
+        params: this rank's parameters (grads already reduced over data parallel).
+        sharded: ``id()`` of the parameters split over ``tp_group``; their squared norms are summed over it.
+            Every other parameter is replicated over TP (SP-replicated norms have identical, already
+            all-reduced grads) and is counted once.
+        tp_group: the TP group (one all-reduce of a scalar).
+        model_parallel_groups: further groups whose ranks hold disjoint parameters (pipeline stages):
+            the total is summed over each.
+    """
+    grads_sharded, grads_replicated = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        (grads_sharded if id(p) in sharded else grads_replicated).append(p.grad.detach())
+    device = (grads_sharded + grads_replicated)[0].device if (grads_sharded or grads_replicated) else torch.device("cpu")
+    sharded_sq = _sum_squares(grads_sharded, device)
+    if group_size(tp_group) > 1:
+        dist.all_reduce(sharded_sq, group=tp_group)
+    total = sharded_sq + _sum_squares(grads_replicated, device)
+    for group in model_parallel_groups or []:
+        if group_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def _sum_squares(grads: List[Tensor], device: torch.device) -> Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.stack([n.float() for n in norms]).pow(2).sum()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
+                    model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6) -> Tensor:
+    """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
+    but with the norm from :func:`global_grad_norm`.
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    if params:
+        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+    return norm

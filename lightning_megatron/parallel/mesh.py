@@ -1,0 +1,102 @@
+"""The process grid: Megatron's rank order on top of ``torch.distributed.DeviceMesh``."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_megatron.parallel.config import ParallelConfig
+
+DENSE_DIMS = ("pp", "dp", "cp", "tp")
+EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+
+
+class ParallelMesh:
+    """Dense and expert process grids for one process, with rank/size/group queries.
+
+    Dense grid ``(pp, dp, cp, tp)`` with tp fastest-varying (Megatron's ``tp-cp-ep-dp-pp`` order: ranks
+    ``0..tp-1`` form the first TP group). Expert grid ``(pp, edp, ep, etp)`` over the same ranks (ep is
+    folded into dp x cp x tp). Groups: ``tp, pp, dp, cp, dp_cp, ep, etp, edp`` and ``embedding`` (the first
+    and last pipeline stage of this rank's pipeline). Build it once per run (the strategy does) and pass it
+    around; there is no module-level state.
+
+    Args:
+        config: the layout; :meth:`ParallelConfig.resolve` is called with the world size.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+    """
+
+    def __init__(self, config: ParallelConfig, device_type: str = "cpu") -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParallelMesh needs torch.distributed initialised (the strategy does this)")
+        self.config = config.resolve(dist.get_world_size())
+        c = self.config
+        world = torch.arange(c.world_size)
+        self.dense = DeviceMesh(device_type, world.view(c.pp, c.dp, c.cp, c.tp), mesh_dim_names=DENSE_DIMS)
+        self.expert = DeviceMesh(
+            device_type, world.view(c.pp, c.edp, c.ep, c.etp), mesh_dim_names=EXPERT_DIMS
+        )
+        self.dp_cp_mesh = self.dense["dp", "cp"]._flatten("dp_cp")
+        self._groups: Dict[str, dist.ProcessGroup] = {d: self.dense.get_group(d) for d in DENSE_DIMS}
+        self._groups.update({d: self.expert.get_group(d) for d in ("edp", "ep", "etp")})
+        self._groups["dp_cp"] = self.dp_cp_mesh.get_group()
+        self._groups["embedding"] = self._new_embedding_group(world.view(c.pp, -1))
+        self._coords = dict(zip(DENSE_DIMS, self.dense.get_coordinate()))
+        self._coords.update(zip(EXPERT_DIMS, self.expert.get_coordinate()))
+
+    @staticmethod
+    def _new_embedding_group(pp_major: torch.Tensor) -> dist.ProcessGroup:
+        """Groups of [first stage, last stage] of every pipeline; every rank takes part in each creation."""
+        mine: Optional[dist.ProcessGroup] = None
+        rank = dist.get_rank()
+        for column in pp_major.t().tolist():
+            ranks: List[int] = sorted({column[0], column[-1]})
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, embedding``)."""
+        return self._groups[name]
+
+    def size(self, name: str) -> int:
+        """Size of dimension ``name``."""
+        return dist.get_world_size(self._groups[name])
+
+    def rank(self, name: str) -> int:
+        """This process's rank inside dimension ``name``."""
+        if name == "dp_cp":
+            return self._coords["dp"] * self.config.cp + self._coords["cp"]
+        if name == "embedding":
+            return dist.get_rank(self._groups[name])
+        return self._coords[name]
+
+    def ranks(self, name: str) -> List[int]:
+        """Global ranks of this process's group in dimension ``name``."""
+        return dist.get_process_group_ranks(self._groups[name])
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self._groups["tp"]
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        return self._groups["dp_cp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self._coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self._coords["pp"] == self.config.pp - 1
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"ParallelMesh(rank={dist.get_rank()}, tp={c.tp}, pp={c.pp}, dp={c.dp}, cp={c.cp}, ep={c.ep}, "
+            f"etp={c.etp}, edp={c.edp}, coords={self._coords})"
+        )

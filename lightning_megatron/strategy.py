@@ -1,0 +1,287 @@
+"""``MegatronStrategy``: Megatron-style parallelism as a Lightning strategy.
+
+Order of work (Lightning calls these): ``setup_environment`` starts the process group and builds the
+:class:`ParallelMesh` and the RNG streams; ``setup`` applies tensor (+ sequence) parallelism to every
+submodule that has a ``tensor_parallel_plan`` (e.g. :class:`GPTModel`), materialises meta-device weights and
+initialises them layout-independently, then wraps data parallelism (torch DDP over the dp x cp group).
+Gradient clipping is replaced by clipping at the true global norm; checkpoints hold full (unsharded)
+tensors, so they load under any tp/dp layout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.grad_norm import clip_grad_norm_
+from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.state_dict import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    shard_model_state_dict,
+    shard_optimizer_state_dict,
+)
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
+from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
+from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEED = 1234  # Megatron's --seed default, used when seed_everything was not called
+
+
+class MegatronStrategy(DDPStrategy):
+    """Tensor (+sequence), data (and, as they land, pipeline, context, expert) parallelism for Lightning.
+
+    Args:
+        tp: tensor-model-parallel size. pp, vp, cp, ep, etp: pipeline / virtual / context / expert sizes
+            (pp, cp, ep > 1 are not implemented yet and raise).
+        sequence_parallel: Megatron's sequence parallelism (needs tp > 1; warns and disables otherwise).
+        cp_comm_type, hierarchical_context_parallel_sizes: context-parallel attention options (Megatron's).
+        start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
+            SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks).
+        ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel``.
+
+    The mesh (``strategy.mesh``, a :class:`ParallelMesh`) exists after ``setup_environment``. The
+    DataLoader is sharded by data-parallel rank: TP peers see identical batches.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        vp: Optional[int] = None,
+        cp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        sequence_parallel: bool = False,
+        cp_comm_type: Union[str, Sequence[str]] = "p2p",
+        hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        self.parallel_config = ParallelConfig(
+            tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
+            cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        )
+        pending = {"pp": pp, "cp": cp, "ep": ep}
+        for name, size in pending.items():
+            if size > 1:
+                raise NotImplementedError(
+                    f"{name}={size}: {name} > 1 is not implemented yet in lightning-megatron (it lands with its "
+                    f"own issue); use {name}=1 for now"
+                )
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **ddp_kwargs,
+        )
+        self.mesh: Optional[ParallelMesh] = None
+        self.tp_rng: Optional[TensorParallelRNG] = None
+        self.seed: int = DEFAULT_SEED
+        self._sharded_params: Set[int] = set()
+
+    # ------------------------------------------------------------------ launch / environment
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = _MegatronMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
+        super().setup_environment()
+        self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type)
+        model_config = getattr(self.lightning_module, "config", None)
+        if model_config is not None:
+            self.parallel_config.validate_model(model_config)
+        self.seed = self._agree_on_seed()
+        pp_rank, tp_rank = self.mesh.rank("pp"), self.mesh.rank("tp")
+        torch.manual_seed(default_seed(self.seed, pp_rank))
+        self.tp_rng = TensorParallelRNG(tensor_parallel_seed(self.seed, tp_rank, pp_rank), self.root_device)
+        log.info("lightning-megatron mesh: %r", self.mesh)
+
+    def _agree_on_seed(self) -> int:
+        env = os.environ.get("PL_GLOBAL_SEED")
+        if env is not None:
+            return int(env)
+        return DEFAULT_SEED
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """Shard data by data-parallel rank: TP (and CP) peers get the same samples."""
+        assert self.mesh is not None, "distributed_sampler_kwargs needs setup_environment first"
+        return {"num_replicas": self.mesh.size("dp"), "rank": self.mesh.rank("dp")}
+
+    # ------------------------------------------------------------------ model setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Apply TP(+SP), materialise and initialise weights, wrap DDP over dp x cp, set up optimizers."""
+        assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        self.accelerator.setup(trainer)
+        self.parallelize(self.lightning_module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._install_global_norm_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.mesh.size("dp_cp") > 1:
+                self._ddp_kwargs.setdefault("process_group", self.mesh.group("dp_cp"))
+                self.configure_ddp()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        """Apply the parallelisms to ``module`` in place (TP+SP now) and materialise meta weights.
+
+        Every submodule with a ``tensor_parallel_plan`` method is tensor-parallelised over the TP group.
+        Meta-device weights are then allocated on the root device and initialised with the submodule's
+        ``init_weights(seed)`` (layout-independent) or, for modules without it, ``reset_parameters()``.
+        """
+        assert self.mesh is not None
+        cfg = self.parallel_config
+        targets = [m for m in module.modules() if hasattr(m, "tensor_parallel_plan")]
+        if cfg.tp > 1 and not targets:
+            raise ValueError(
+                f"tp={cfg.tp} but {type(module).__name__} contains no module with a tensor_parallel_plan(tp, "
+                "sequence_parallel) method; use lightning_megatron.GPTModel or call "
+                "lightning_megatron.parallel.apply_tp(model, group, plan=...) in configure_model"
+            )
+        if cfg.tp > 1:
+            for target in targets:
+                apply_tp(target, self.mesh.group("tp"), cfg.sequence_parallel, tp_fork=self.tp_rng.fork)
+        self._materialize(module, targets)
+        # after materialisation: to_empty() replaces meta Parameter objects
+        self._sharded_params = {
+            id(p)
+            for m in module.modules()
+            if isinstance(m, TensorParallelModule)
+            for name, p in m.named_parameters(recurse=False)
+            if m.is_sharded(name)
+        }
+        return module
+
+    def _materialize(self, module: nn.Module, targets: List[nn.Module]) -> None:
+        if not any(p.is_meta for p in module.parameters()):
+            return
+        module.to_empty(device=self.root_device)
+        initialised: Set[int] = set()
+        for target in targets:
+            if hasattr(target, "init_weights"):
+                target.init_weights(self.seed)
+                initialised.update(id(m) for m in target.modules())
+        with torch.no_grad():
+            for m in module.modules():
+                if id(m) not in initialised and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+    # ------------------------------------------------------------------ gradient clipping
+    def _install_global_norm_clipping(self) -> None:
+        """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping.
+
+        The norm counts TP-sharded parameters over the TP group and replicated ones once.
+        """
+        assert self.mesh is not None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_(params, float(clip_val), self._sharded_params, self.mesh.group("tp"))
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """Full, layout-independent state (TP shards gathered; collective on every rank)."""
+        assert self.lightning_module is not None
+        return full_model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """Full optimizer state (per-parameter state of TP shards gathered; collective on every rank)."""
+        if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return full_optimizer_state_dict(optimizer, self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+        """Load a full checkpoint, keeping this rank's shards."""
+        assert self.lightning_module is not None
+        state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"])
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
+        """Load full optimizer states, keeping this rank's shards."""
+        assert self.lightning_module is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(shard_optimizer_state_dict(state, optimizer, self.lightning_module))
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"megatron"`` (popen launch) and ``"megatron_spawn"`` (spawn launch)."""
+        if "megatron" not in strategy_registry:
+            strategy_registry.register("megatron", cls, description="lightning-megatron MegatronStrategy")
+        if "megatron_spawn" not in strategy_registry:
+            strategy_registry.register("megatron_spawn", cls, description="MegatronStrategy, spawn launch",
+                                       start_method="spawn")
+
+
+class _MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards."""
+
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+        import tempfile
+
+        strategy = self._strategy
+        state_dict = strategy.lightning_module_state_dict() if trainer.state.fn == TrainerFn.FITTING else None
+        if strategy.local_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        weights_path = None
+        if state_dict is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: "pl.Trainer") -> None:
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and not any(True for _ in module.parameters()):
+            if hasattr(module, "configure_model"):
+                with torch.device("meta"):
+                    module.configure_model()
+        if worker_output.weights_path is not None:
+            ckpt = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            module.load_state_dict(ckpt, strict=False, assign=True)
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
+
+MegatronStrategy.register_strategies(StrategyRegistry)

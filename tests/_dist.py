@@ -1,0 +1,68 @@
+"""Run a function in N real processes on CPU with the gloo backend (no mocking of torch.distributed).
+
+Each worker gets torchrun-style environment variables (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK), so a
+Lightning ``Trainer`` inside it joins as one rank of an externally launched job, exactly as under torchrun.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out_dir, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        errors = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                errors.append(f"rank {r}: timed out after {timeout}s")
+            err = os.path.join(out_dir, f"{r}.err")
+            if os.path.exists(err):
+                errors.append(f"rank {r}:\n" + open(err).read())
+            elif p.exitcode != 0 and not p.is_alive():
+                errors.append(f"rank {r}: exit code {p.exitcode}")
+        if errors:
+            raise AssertionError("distributed workers failed:\n" + "\n".join(errors))
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def init_gloo(rank: int, world_size: int) -> None:
+    """Start the default gloo process group from the worker's environment."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
