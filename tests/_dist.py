@@ -38,8 +38,23 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
             dist.destroy_process_group()
 
 
+PORT_ERRORS = ("address already in use", "eaddrinuse", "errno 98")
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each rank's result."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each rank's result.
+
+    A run that failed only because another job took the rendezvous port is retried once on a new port.
+    """
+    try:
+        return _run_once(fn, world_size, args, timeout)
+    except AssertionError as e:
+        if not any(p in str(e).lower() for p in PORT_ERRORS):
+            raise
+        return _run_once(fn, world_size, args, timeout)
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> List[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()

@@ -19,8 +19,9 @@ class ParallelMesh:
     Dense grid ``(pp, dp, cp, tp)`` with tp fastest-varying (Megatron's ``tp-cp-ep-dp-pp`` order: ranks
     ``0..tp-1`` form the first TP group). Expert grid ``(pp, edp, ep, etp)`` over the same ranks (ep is
     folded into dp x cp x tp). Groups: ``tp, pp, dp, cp, dp_cp, ep, etp, edp`` and ``embedding`` (the first
-    and last pipeline stage of this rank's pipeline). Build it once per run (the strategy does) and pass it
-    around; there is no module-level state.
+    and last pipeline stage of this rank's pipeline; a middle stage (pp > 2) is in none, as in Megatron:
+    its ``group("embedding")`` is None, ``ranks`` empty, ``size`` 0 and ``rank`` -1). Build it once per run
+    (the strategy does) and pass it around; there is no module-level state.
 
     Args:
         config: the layout; :meth:`ParallelConfig.resolve` is called with the world size.
@@ -38,7 +39,7 @@ class ParallelMesh:
             device_type, world.view(c.pp, c.edp, c.ep, c.etp), mesh_dim_names=EXPERT_DIMS
         )
         self.dp_cp_mesh = self.dense["dp", "cp"]._flatten("dp_cp")
-        self._groups: Dict[str, dist.ProcessGroup] = {d: self.dense.get_group(d) for d in DENSE_DIMS}
+        self._groups: Dict[str, Optional[dist.ProcessGroup]] = {d: self.dense.get_group(d) for d in DENSE_DIMS}
         self._groups.update({d: self.expert.get_group(d) for d in ("edp", "ep", "etp")})
         self._groups["dp_cp"] = self.dp_cp_mesh.get_group()
         self._groups["embedding"] = self._new_embedding_group(world.view(c.pp, -1))
@@ -46,8 +47,11 @@ class ParallelMesh:
         self._coords.update(zip(EXPERT_DIMS, self.expert.get_coordinate()))
 
     @staticmethod
-    def _new_embedding_group(pp_major: torch.Tensor) -> dist.ProcessGroup:
-        """Groups of [first stage, last stage] of every pipeline; every rank takes part in each creation."""
+    def _new_embedding_group(pp_major: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        """Groups of [first stage, last stage] of every pipeline; every rank takes part in each creation.
+
+        Returns this rank's group, or None on a middle pipeline stage (it holds no embedding).
+        """
         mine: Optional[dist.ProcessGroup] = None
         rank = dist.get_rank()
         for column in pp_major.t().tolist():
@@ -55,15 +59,16 @@ class ParallelMesh:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine = group
-        assert mine is not None
         return mine
 
-    def group(self, name: str) -> dist.ProcessGroup:
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, embedding``)."""
         return self._groups[name]
 
     def size(self, name: str) -> int:
         """Size of dimension ``name``."""
+        if self._groups[name] is None:  # embedding group on a middle pipeline stage
+            return 0
         return dist.get_world_size(self._groups[name])
 
     def rank(self, name: str) -> int:
@@ -71,11 +76,13 @@ class ParallelMesh:
         if name == "dp_cp":
             return self._coords["dp"] * self.config.cp + self._coords["cp"]
         if name == "embedding":
-            return dist.get_rank(self._groups[name])
+            return -1 if self._groups[name] is None else dist.get_rank(self._groups[name])
         return self._coords[name]
 
     def ranks(self, name: str) -> List[int]:
         """Global ranks of this process's group in dimension ``name``."""
+        if self._groups[name] is None:
+            return []
         return dist.get_process_group_ranks(self._groups[name])
 
     @property

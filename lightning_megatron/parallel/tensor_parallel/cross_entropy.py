@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_rank, group_size
@@ -66,4 +67,10 @@ def vocab_parallel_cross_entropy(
     Returns:
         ``[...]`` fp32 per-token loss.
     """
+    if group_size(group) == 1:
+        # One rank holds the whole vocabulary: the fused kernel, padded columns sliced off.
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits = logits[..., :vocab_size]
+        flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        return flat.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     Group,
     all_gather_dim0,
+    all_gather_into,
+    reduce_scatter_into,
     all_reduce,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -171,7 +173,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             total = torch.empty(
                 (saved.shape[0] * group_size(group),) + tuple(saved.shape[1:]), dtype=saved.dtype, device=saved.device
             )
-            gather_work = dist.all_gather_into_tensor(total, saved.contiguous(), group=group, async_op=True)
+            gather_work = all_gather_into(total, saved.contiguous(), group=group, async_op=True)
         grad_input = grad_out.matmul(w_c)
         if gather_work is not None:
             gather_work.wait()
@@ -183,7 +185,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                     dtype=grad_input.dtype,
                     device=grad_input.device,
                 )
-                reduce_work = dist.reduce_scatter_tensor(sub, grad_input.contiguous(), group=group, async_op=True)
+                reduce_work = reduce_scatter_into(sub, grad_input.contiguous(), group=group, async_op=True)
             else:
                 reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])

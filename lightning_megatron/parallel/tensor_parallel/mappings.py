@@ -14,6 +14,10 @@ from torch import Tensor
 
 Group = Optional[dist.ProcessGroup]
 
+# torch >= 2.13 renames the single-tensor collectives; older releases only have the *_tensor names.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     """World size of ``group`` (1 for ``None``)."""
@@ -39,7 +43,7 @@ def all_gather_dim0(x: Tensor, group: Group) -> Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_into(out, x, group=group)
     return out
 
 
@@ -55,7 +59,7 @@ def reduce_scatter_dim0(x: Tensor, group: Group) -> Tensor:
         )
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_into(out, x, group=group)
     return out
 
 

@@ -1,0 +1,125 @@
+"""Throughput of MegatronStrategy against the peers on the 1.3B LLaMA-style benchmark model, and an NCCL
+numerics check of tp=2 against tp=1.
+
+Arms (one per invocation; ``benchmarks/run_tp_bench.sh`` runs them all in one device call):
+  python benchmarks/bench_tp.py ours                     # MegatronStrategy(tp=1), 1 GPU, bf16-mixed
+  torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 [--sp]
+  python benchmarks/bench_tp.py check                    # 5 fp32 steps, tiny-ish model, prints losses
+  torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --tp 2 [--sp]
+The plain-PyTorch and Lightning-strategy peers are ``peer_baseline.py`` / ``peer_x2.py`` (copied from the
+shared peer baselines, unchanged). Model, data (random tokens), optimizer (AdamW lr 1e-4), steps (4 warm-up,
+10 timed) and the FLOPs formula (attention counted non-causal, as PEERS.md) are the same in every arm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
+
+PEAK = 989e12
+
+
+def flops_per_token(c: GPTConfig) -> float:
+    """PEERS.md's formula: 3 * (L * (2*(2h^2 + 2h*kv) + 6hf + 4sh) + 2hV), attention non-causal."""
+    h, L, V, s, f = c.hidden_size, c.num_layers, c.vocab_size, c.seq_length, c.ffn_hidden_size
+    kvd = c.kv_channels * c.num_query_groups
+    return 3 * (L * (2 * (2 * h * h + 2 * h * kvd) + 6 * h * f + 4 * s * h) + 2 * h * V)
+
+
+class RandomTokens(Dataset):
+    """Deterministic random token samples (sample i from seed i)."""
+
+    def __init__(self, c: GPTConfig, n: int = 10**6) -> None:
+        self.c, self.n = c, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, self.c.vocab_size, (self.c.seq_length + 1,), generator=g)
+        return {"tokens": ids[:-1], "labels": ids[1:]}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(pl.Callback):
+    """Wall time of batches [start, stop) with CUDA synchronisation, and the losses seen."""
+
+    def __init__(self, start: int = 4, stop: int = 14) -> None:
+        self.start, self.stop, self.times, self.losses = start, stop, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.start:
+            _sync()
+            self.times.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if batch_idx == self.stop - 1:
+            _sync()
+            self.times.append(time.perf_counter())
+
+
+def run_ours(args) -> None:
+    cfg = GPTConfig.llama_1b_bench()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    module = ParallelGPTModule(cfg, lr=1e-4, weight_decay=0.0, lr_decay_style="constant")
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=MegatronStrategy(tp=args.tp, sequence_parallel=args.sp),
+                         precision="bf16-mixed", max_steps=timer.stop, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2))
+    if trainer.global_rank == 0:
+        dp = world // args.tp
+        steps = timer.stop - timer.start
+        dt = timer.times[1] - timer.times[0]
+        tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
+        tflops = tok_per_gpu * flops_per_token(cfg)
+        print(json.dumps(dict(name=f"lightning-megatron-tp{args.tp}{'-sp' if args.sp else ''}-{world}gpu",
+                              tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
+                              mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * 1e3, 1),
+                              peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
+                              loss=round(timer.losses[-1], 4))), flush=True)
+
+
+def run_check(args) -> None:
+    """5 steps of a small model in fp32 on fixed data; prints the per-step losses (same on every rank)."""
+    cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
+                    vocab_size=32000, seq_length=1024)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer(0, 5)
+    module = ParallelGPTModule(cfg, lr=1e-3, lr_decay_style="constant")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=MegatronStrategy(tp=args.tp, sequence_parallel=args.sp),
+                         precision=args.precision, max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, DataLoader(RandomTokens(cfg, 64), batch_size=4, shuffle=False))
+    if trainer.global_rank == 0:
+        print(json.dumps(dict(name=f"check-tp{args.tp}{'-sp' if args.sp else ''}-{args.precision}",
+                              losses=[round(x, 6) for x in timer.losses])), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("arm", choices=["ours", "check"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accelerator", default="gpu")
+    a = p.parse_args()
+    {"ours": run_ours, "check": run_check}[a.arm](a)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2: NCCL numerics check (tp=2 vs tp=1) and throughput of every arm on the
+# 1.3B benchmark model. Output lines are JSON; everything is also written to $OUT/tp_bench.log.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+LOG=${OUT:-/tmp}/tp_bench.log
+run() { echo "### $*" | tee -a "$LOG"; "$@" 2>&1 | grep -E '^\{|Error|error|Traceback' | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$LOG"
+ARMS=${ARMS:-"check ours peers"}
+for arm in $ARMS; do
+  case $arm in
+    check)
+      run python3 benchmarks/bench_tp.py check
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --tp 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --tp 2 --sp ;;
+    ours)
+      run python3 benchmarks/bench_tp.py ours
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 ;;
+    peers)
+      run python3 benchmarks/peer_baseline.py eager
+      run python3 benchmarks/peer_x2.py tp2 ;;
+  esac
+done

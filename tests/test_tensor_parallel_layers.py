@@ -1,0 +1,303 @@
+"""Tensor-parallel layers against plain modules holding the same global weights (tp=2 and tp=4, +/- SP).
+
+One spawned gloo run of 4 real processes computes every case: tp=2 uses the two TP groups [0, 1] and
+[2, 3] of a ``ParallelMesh(ParallelConfig(tp=2))``, tp=4 the whole world. Every rank builds the same global
+weights, input and upstream gradient, runs the plain reference (``F.linear`` / ``F.embedding`` /
+``F.cross_entropy``) on the full tensors and the parallel layer on its shard (the sequence-parallel input is
+the full ``[s, b, h]`` input split along dim 0), and returns (parallel, reference) pairs: outputs and the
+gradients of inputs, weights and biases. The reference shards are cut with index arithmetic written here,
+independently of the library's ``shard_tensor``. The tests then compare them in the main process.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._dist import init_gloo, run_distributed
+
+WORLD = 4
+S, B, H, OUT = 8, 2, 32, 48  # OUT is divisible by 2 * 4 (stride 2 at tp=4)
+VOCAB = 50  # padded to 64 at tp=2 and tp=4 (multiple of 8 * tp): the last rank holds padding rows
+DIVISIBLE_BY = 8
+TPS = (2, 4)
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+COLUMN_VARIANTS = {
+    "bias": dict(bias=True, stride=1, gather_output=False),
+    "stride2": dict(bias=True, stride=2, gather_output=False),
+    "gather_output": dict(bias=False, stride=1, gather_output=True),
+}
+
+
+def _ids(prefix: str, variants) -> List[str]:
+    return [f"{prefix}-tp{tp}-{'sp' if sp else 'nosp'}" + (f"-{v}" if v else "")
+            for tp in TPS for sp in (False, True) for v in variants]
+
+
+COLUMN_CASES = _ids("column", COLUMN_VARIANTS)
+COLUMN_BF16_CASES = _ids("column_bf16", [""])
+ROW_CASES = _ids("row", ["bias", "nobias"])
+EMBEDDING_CASES = _ids("embedding", [""])
+CE_CASES = [f"ce-tp{tp}" for tp in TPS] + [f"ce-tp{tp}-bf16" for tp in TPS]
+
+
+def _cols(n: int, tp: int, rank: int, stride: int = 1) -> torch.Tensor:
+    """Indices of rank's slice of a dim of size n cut into ``stride`` blocks, each split in tp pieces."""
+    block, per = n // stride, n // stride // tp
+    return torch.cat([torch.arange(j * block + rank * per, j * block + (rank + 1) * per) for j in range(stride)])
+
+
+def _rows(n: int, tp: int, rank: int) -> slice:
+    per = n // tp
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _column_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    from lightning_megatron.parallel.tensor_parallel import ColumnParallelLinear
+
+    for sp in (False, True):
+        for i, (vname, v) in enumerate(COLUMN_VARIANTS.items()):
+            case = f"column-tp{tp}-{'sp' if sp else 'nosp'}-{vname}"
+            g = torch.Generator().manual_seed(100 * i + 10 * tp + sp)
+            w, b = torch.randn(OUT, H, generator=g), torch.randn(OUT, generator=g)
+            x, up = torch.randn(S, B, H, generator=g), torch.randn(S, B, OUT, generator=g)
+            # reference
+            w_ref, b_ref, x_ref = _leaf(w), _leaf(b), _leaf(x)
+            y_ref = F.linear(x_ref, w_ref, b_ref if v["bias"] else None)
+            (y_ref * up).sum().backward()
+            # parallel
+            cols = _cols(OUT, tp, rank, v["stride"])
+            layer = ColumnParallelLinear(H, OUT, group, bias=v["bias"], sequence_parallel=sp,
+                                         gather_output=v["gather_output"], stride=v["stride"])
+            with torch.no_grad():
+                layer.weight.copy_(w[cols])
+                if v["bias"]:
+                    layer.bias.copy_(b[cols])
+            x_par = _leaf(x[_rows(S, tp, rank)] if sp else x)
+            y = layer(x_par)
+            up_par = up if v["gather_output"] else up[..., cols]
+            (y * up_par).sum().backward()
+            res = {
+                "output": (y, y_ref if v["gather_output"] else y_ref[..., cols]),
+                "input_grad": (x_par.grad, x_ref.grad[_rows(S, tp, rank)] if sp else x_ref.grad),
+                "weight_grad": (layer.weight.grad, w_ref.grad[cols]),
+                "weight_grad_gathered": (layer.gather_global("weight", layer.weight.grad), w_ref.grad),
+                "weight_gathered": (layer.gather_global("weight", layer.weight.detach()), w),
+            }
+            if v["bias"]:
+                res["bias_grad"] = (layer.bias.grad, b_ref.grad[cols])
+                lin = torch.nn.Linear(H, OUT)
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+                    lin.bias.copy_(b)
+                built = ColumnParallelLinear.from_linear(lin, group, sp, stride=v["stride"])
+                res["from_linear_weight"] = (built.weight.detach(), w[cols])
+                res["from_linear_bias"] = (built.bias.detach(), b[cols])
+            out[case] = res
+
+
+def _column_bf16_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    from lightning_megatron.parallel.tensor_parallel import ColumnParallelLinear
+
+    for sp in (False, True):
+        case = f"column_bf16-tp{tp}-{'sp' if sp else 'nosp'}"
+        g = torch.Generator().manual_seed(77 + tp + sp)
+        w, b = torch.randn(OUT, H, generator=g), torch.randn(OUT, generator=g)
+        x, up = torch.randn(S, B, H, generator=g), torch.randn(S, B, OUT, generator=g)
+        w_ref, b_ref, x_ref = _leaf(w), _leaf(b), _leaf(x)  # fp32 reference, no autocast
+        y_ref = F.linear(x_ref, w_ref, b_ref)
+        (y_ref * up).sum().backward()
+        cols = _cols(OUT, tp, rank)
+        layer = ColumnParallelLinear(H, OUT, group, bias=True, sequence_parallel=sp)
+        with torch.no_grad():
+            layer.weight.copy_(w[cols])
+            layer.bias.copy_(b[cols])
+        x_par = _leaf(x[_rows(S, tp, rank)] if sp else x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x_par)
+            (y.float() * up[..., cols]).sum().backward()
+        out[case] = {
+            "output": (y, y_ref[..., cols]),
+            "input_grad": (x_par.grad, x_ref.grad[_rows(S, tp, rank)] if sp else x_ref.grad),
+            "weight_grad": (layer.weight.grad, w_ref.grad[cols]),
+            "bias_grad": (layer.bias.grad, b_ref.grad[cols]),
+        }
+
+
+def _row_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    from lightning_megatron.parallel.tensor_parallel import RowParallelLinear
+
+    for sp in (False, True):
+        for bias in (True, False):
+            case = f"row-tp{tp}-{'sp' if sp else 'nosp'}-{'bias' if bias else 'nobias'}"
+            g = torch.Generator().manual_seed(300 + 10 * tp + 2 * sp + bias)
+            w, b = torch.randn(H, OUT, generator=g), torch.randn(H, generator=g)  # OUT -> H projection
+            x, up = torch.randn(S, B, OUT, generator=g), torch.randn(S, B, H, generator=g)
+            w_ref, b_ref, x_ref = _leaf(w), _leaf(b), _leaf(x)
+            y_ref = F.linear(x_ref, w_ref, b_ref if bias else None)
+            (y_ref * up).sum().backward()
+            cols = _cols(OUT, tp, rank)
+            layer = RowParallelLinear(OUT, H, group, bias=bias, sequence_parallel=sp)
+            with torch.no_grad():
+                layer.weight.copy_(w[:, cols])
+                if bias:
+                    layer.bias.copy_(b)
+            x_par = _leaf(x[..., cols])
+            y = layer(x_par)
+            seq = _rows(S, tp, rank) if sp else slice(None)
+            (y * up[seq]).sum().backward()
+            res = {
+                "output": (y, y_ref[seq]),
+                "input_grad": (x_par.grad, x_ref.grad[..., cols]),
+                "weight_grad": (layer.weight.grad, w_ref.grad[:, cols]),
+                "weight_grad_gathered": (layer.gather_global("weight", layer.weight.grad), w_ref.grad),
+            }
+            if bias:
+                res["bias_grad"] = (layer.bias.grad, b_ref.grad)
+            out[case] = res
+
+
+def _embedding_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    from lightning_megatron.parallel.tensor_parallel import VocabParallelEmbedding, pad_vocab_size
+
+    padded = pad_vocab_size(VOCAB, tp, DIVISIBLE_BY)
+    assert padded == 64, padded
+    per = padded // tp
+    for sp in (False, True):
+        case = f"embedding-tp{tp}-{'sp' if sp else 'nosp'}"
+        g = torch.Generator().manual_seed(500 + tp + sp)
+        emb, up = torch.randn(VOCAB, H, generator=g), torch.randn(S, B, H, generator=g)
+        ids = torch.randint(0, VOCAB, (S, B), generator=g)
+        # ids at both edges of every rank's range (and the last real id), so every shard is looked up
+        edges = sorted({i for r in range(tp) for i in (r * per, min(r * per + per - 1, VOCAB - 1))} | {VOCAB - 1})
+        ids.view(-1)[: len(edges)] = torch.tensor(edges)
+        ids.view(-1)[len(edges): 2 * len(edges)] = torch.tensor(edges)  # repeated ids accumulate grads
+        emb_ref = _leaf(emb)
+        y_ref = F.embedding(ids, emb_ref)
+        (y_ref * up).sum().backward()
+        layer = VocabParallelEmbedding(padded, H, group, vocab_size=VOCAB, reduce_scatter=sp)
+        emb_padded = torch.cat([emb, torch.full((padded - VOCAB, H), 7.0)])  # padding rows must never be read
+        with torch.no_grad():
+            layer.weight.copy_(emb_padded[rank * per:(rank + 1) * per])
+        y = layer(ids)
+        seq = _rows(S, tp, rank) if sp else slice(None)
+        (y * up[seq]).sum().backward()
+        grad_ref_padded = torch.cat([emb_ref.grad, torch.zeros(padded - VOCAB, H)])
+        out[case] = {
+            "output": (y, y_ref[seq]),
+            "weight_grad": (layer.weight.grad, grad_ref_padded[rank * per:(rank + 1) * per]),
+            "weight_grad_gathered": (layer.gather_global("weight", layer.weight.grad), emb_ref.grad),
+        }
+
+
+def _ce_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    from lightning_megatron.parallel.tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
+
+    padded = pad_vocab_size(VOCAB, tp, DIVISIBLE_BY)
+    per = padded // tp
+    for bf16 in (False, True):
+        case = f"ce-tp{tp}" + ("-bf16" if bf16 else "")
+        g = torch.Generator().manual_seed(700 + tp + bf16)
+        logits = 3 * torch.randn(S, B, padded, generator=g)
+        logits[..., VOCAB:] = 50.0  # would dominate the softmax if the padded columns were not excluded
+        if bf16:
+            logits = logits.bfloat16()
+        target = torch.randint(0, VOCAB, (S, B), generator=g)
+        edges = [r * per for r in range(tp)] + [min(r * per + per - 1, VOCAB - 1) for r in range(tp)]
+        target.view(-1)[: len(edges)] = torch.tensor(edges)
+        weights = torch.rand(S, B, generator=g)  # upstream gradient of the per-token loss
+        ref_in = _leaf(logits[..., :VOCAB].float())
+        loss_ref = F.cross_entropy(ref_in.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(S, B)
+        (loss_ref * weights).sum().backward()
+        local = _leaf(logits[..., rank * per:(rank + 1) * per])
+        loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=VOCAB)
+        (loss * weights).sum().backward()
+        grad_ref_padded = torch.cat([ref_in.grad, torch.zeros(S, B, padded - VOCAB)], dim=-1)
+        real = max(0, min(per, VOCAB - rank * per))  # this rank's columns that are real vocabulary
+        out[case] = {
+            "loss": (loss, loss_ref),
+            "logits_grad": (local.grad[..., :real].float(), ref_in.grad[..., rank * per:rank * per + real]),
+            "padded_grad": (local.grad[..., real:].float(), grad_ref_padded[..., rank * per + real:(rank + 1) * per]),
+            "grad_dtype": (local.grad.dtype, logits.dtype),
+        }
+
+
+def _worker(rank: int, world: int) -> Dict[str, Dict[str, Tuple]]:
+    import torch.distributed as dist
+
+    from lightning_megatron.parallel import ParallelConfig, ParallelMesh
+
+    init_gloo(rank, world)
+    out: Dict[str, Dict[str, Tuple]] = {}
+    for tp in TPS:
+        mesh = ParallelMesh(ParallelConfig(tp=tp))
+        group = mesh.group("tp")
+        assert mesh.ranks("tp") == list(range(rank // tp * tp, rank // tp * tp + tp))
+        tp_rank = dist.get_rank(group)
+        for build in (_column_cases, _column_bf16_cases, _row_cases, _embedding_cases, _ce_cases):
+            build(group, tp, tp_rank, out)
+    return {case: {k: tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in pair)
+                   for k, pair in res.items()} for case, res in out.items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> List[Dict[str, Dict[str, Tuple]]]:
+    return run_distributed(_worker, WORLD)
+
+
+def _check(results, case: str, loose: Tuple[str, ...] = (), **tol) -> None:
+    """Every (parallel, reference) pair of ``case`` on every rank; names in ``loose`` at bf16 tolerance."""
+    for rank, per_rank in enumerate(results):
+        assert case in per_rank, sorted(per_rank)
+        for name, (got, want) in per_rank[case].items():
+            if not isinstance(got, torch.Tensor):
+                assert got == want, f"rank {rank} {case} {name}: {got} != {want}"
+                continue
+            assert got.shape == want.shape, f"rank {rank} {case} {name}: shape {got.shape} != {want.shape}"
+            t = dict(rtol=1e-2, atol=1e-2) if name in loose else tol
+            torch.testing.assert_close(got.float(), want.float(), **t, msg=lambda m: f"rank {rank} {case} {name}: {m}")
+
+
+@pytest.mark.parametrize("case", COLUMN_CASES)
+def test_column_parallel_linear(results, case):
+    _check(results, case, **FP32)
+
+
+@pytest.mark.parametrize("case", COLUMN_BF16_CASES)
+def test_column_parallel_linear_bf16_autocast(results, case):
+    for rank, per_rank in enumerate(results):
+        res = per_rank[case]
+        assert res["output"][0].dtype == torch.bfloat16, (rank, res["output"][0].dtype)
+        for name in ("input_grad", "weight_grad", "bias_grad"):
+            assert res[name][0].dtype == torch.float32, (rank, name, res[name][0].dtype)  # the leaf's dtype
+    # bf16 GEMMs against the fp32 reference: ~3 significant digits
+    _check(results, case, rtol=3e-2, atol=6e-2)
+
+
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_row_parallel_linear(results, case):
+    _check(results, case, **FP32)
+
+
+@pytest.mark.parametrize("case", EMBEDDING_CASES)
+def test_vocab_parallel_embedding(results, case):
+    _check(results, case, **FP32)
+
+
+@pytest.mark.parametrize("case", CE_CASES)
+def test_vocab_parallel_cross_entropy(results, case):
+    for rank, per_rank in enumerate(results):
+        padded_grad = per_rank[case]["padded_grad"][0]
+        tp = int(case.split("-")[1][2:])
+        has_padding = (rank % tp) == tp - 1
+        assert padded_grad.numel() > 0 if has_padding else padded_grad.numel() == 0, (rank, padded_grad.shape)
+        assert torch.equal(padded_grad, torch.zeros_like(padded_grad)), f"rank {rank}: padded columns got gradient"
+    # the loss is fp32 from the same (bf16) logits in both; a bf16 gradient is rounded to bf16
+    _check(results, case, loose=("logits_grad",) if case.endswith("bf16") else (), **FP32)
