@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
+from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
 
 PEAK = 989e12
 
@@ -56,8 +56,9 @@ def _sync() -> None:
 class StepTimer(pl.Callback):
     """Wall time of batches [start, stop) with CUDA synchronisation, and the losses seen."""
 
-    def __init__(self, start: int = 4, stop: int = 14) -> None:
+    def __init__(self, start: int = 4, stop: int = 14, every_step: bool = False) -> None:
         self.start, self.stop, self.times, self.losses = start, stop, [], []
+        self.every_step = every_step  # reading the loss each step synchronises the GPU: only for checks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
@@ -65,7 +66,8 @@ class StepTimer(pl.Callback):
             self.times.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if self.every_step or batch_idx == self.stop - 1:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if batch_idx == self.stop - 1:
             _sync()
             self.times.append(time.perf_counter())
@@ -73,6 +75,7 @@ class StepTimer(pl.Callback):
 
 def run_ours(args) -> None:
     cfg = GPTConfig.llama_1b_bench()
+    ColumnParallelLinear.recompute_input_gather = args.recompute_gather
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
@@ -80,14 +83,14 @@ def run_ours(args) -> None:
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=MegatronStrategy(tp=args.tp, sequence_parallel=args.sp),
                          precision="bf16-mixed", max_steps=timer.stop, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
-    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2))
+    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2, pin_memory=True))
     if trainer.global_rank == 0:
         dp = world // args.tp
         steps = timer.stop - timer.start
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
         tflops = tok_per_gpu * flops_per_token(cfg)
-        print(json.dumps(dict(name=f"lightning-megatron-tp{args.tp}{'-sp' if args.sp else ''}-{world}gpu",
+        print(json.dumps(dict(name=f"lightning-megatron-tp{args.tp}{'-sp' if args.sp else ''}{'-regather' if args.recompute_gather else ''}-{world}gpu",
                               tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
                               mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * 1e3, 1),
                               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
@@ -100,7 +103,7 @@ def run_check(args) -> None:
                     vocab_size=32000, seq_length=1024)
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
-    timer = StepTimer(0, 5)
+    timer = StepTimer(0, 5, every_step=True)
     module = ParallelGPTModule(cfg, lr=1e-3, lr_decay_style="constant")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -121,5 +124,6 @@ if __name__ == "__main__":
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accelerator", default="gpu")
+    p.add_argument("--recompute-gather", action="store_true", help="SP: all-gather the input again in backward")
     a = p.parse_args()
     {"ours": run_ours, "check": run_check}[a.arm](a)

@@ -18,7 +18,12 @@ for arm in $ARMS; do
     ours)
       run python3 benchmarks/bench_tp.py ours
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp --recompute-gather
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 ;;
+    tp2)
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2
+      run python3 benchmarks/peer_x2.py tp2 ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

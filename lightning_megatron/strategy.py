@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,11 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
+from lightning_megatron.parallel.grad_sync import (
+    allreduce_sequence_parallel_grads,
+    defer_sequence_parallel_grad_reduce,
+    owned_parameters,
+)
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
@@ -105,6 +110,7 @@ class MegatronStrategy(DDPStrategy):
         self.tp_rng: Optional[TensorParallelRNG] = None
         self.seed: int = DEFAULT_SEED
         self._sharded_params: Set[int] = set()
+        self._sp_owners: List[Tuple[nn.Module, str]] = []
 
     # ------------------------------------------------------------------ launch / environment
     def _configure_launcher(self) -> None:
@@ -176,6 +182,7 @@ class MegatronStrategy(DDPStrategy):
         if cfg.tp > 1:
             for target in targets:
                 apply_tp(target, self.mesh.group("tp"), cfg.sequence_parallel, tp_fork=self.tp_rng.fork)
+        self._sp_owners = defer_sequence_parallel_grad_reduce(module) if cfg.sequence_parallel else []
         self._materialize(module, targets)
         # after materialisation: to_empty() replaces meta Parameter objects
         self._sharded_params = {
@@ -201,7 +208,26 @@ class MegatronStrategy(DDPStrategy):
                 if id(m) not in initialised and hasattr(m, "reset_parameters"):
                     m.reset_parameters()
 
-    # ------------------------------------------------------------------ gradient clipping
+    # ------------------------------------------------------------------ gradients
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run the closure (forward + backward), finish the gradients (:meth:`finalize_gradients`), then let
+        the precision plugin clip and step. Lightning calls this once per optimizer step, after the last
+        micro-batch of gradient accumulation."""
+
+        def closure_then_finalize() -> Any:
+            result = closure()
+            self.finalize_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+
+    def finalize_gradients(self) -> None:
+        """Reductions besides data parallel, once per optimizer step: SP-replicated grads summed over TP."""
+        if self._sp_owners:
+            assert self.mesh is not None
+            allreduce_sequence_parallel_grads(owned_parameters(self._sp_owners), self.mesh.group("tp"))
+
+
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
         plugin = self.precision_plugin

@@ -29,13 +29,16 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
-        raise SystemExit(1)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        os._exit(1)
+    # Skip interpreter teardown: gloo's background threads can abort a process that exits normally
+    # ("terminate called without an active exception") after all its work is done.
+    os._exit(0)
 
 
 PORT_ERRORS = ("address already in use", "eaddrinuse", "errno 98")

@@ -109,7 +109,8 @@ class ParallelGPTModule(pl.LightningModule):
         per_token = self(batch["tokens"], batch.get("position_ids"), batch["labels"])
         mask = batch.get("loss_mask")
         if mask is None:
-            return per_token.sum(), torch.tensor(float(per_token.numel()), device=per_token.device)
+            # torch.full launches a fill kernel; torch.tensor(...) would copy from the host and synchronise.
+            return per_token.sum(), torch.full((), float(per_token.numel()), device=per_token.device)
         mask = mask.to(per_token.dtype)
         return (per_token * mask).sum(), mask.sum()
 

@@ -141,23 +141,25 @@ class TensorParallelModule(nn.Module):
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """``y = gather_sp(x) @ W^T + b`` with the backward collectives overlapped with the weight-grad GEMM.
 
-    Forward under SP all-gathers ``x`` over dim 0 and keeps only the local shard for backward (the gather
-    is redone in backward, as Megatron does). Backward computes the input gradient first, launches its
+    Forward under SP all-gathers ``x`` over dim 0; with ``recompute_gather`` it keeps only the local shard
+    for backward and redoes the gather there, overlapped with the input-gradient GEMM (Megatron's choice:
+    less memory), otherwise it keeps the gathered input (one collective fewer). Backward computes the input gradient first, launches its
     reduction (reduce-scatter under SP, all-reduce otherwise) asynchronously, and computes the weight
     gradient while it is in flight. Mixed precision is explicit: under autocast inputs and weight are cast
     to the autocast dtype and the weight gradient is returned in the weight's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, compute_dtype):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, compute_dtype, recompute_gather):
         if compute_dtype is not None:
             x_c, w_c = x.to(compute_dtype), weight.to(compute_dtype)
             b_c = bias.to(compute_dtype) if bias is not None else None
         else:
             x_c, w_c, b_c = x, weight, bias
         total = all_gather_dim0(x_c, group) if sequence_parallel else x_c
-        ctx.save_for_backward(x_c if sequence_parallel else total, w_c)
-        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, bias is not None
+        regather = sequence_parallel and recompute_gather
+        ctx.save_for_backward(x_c if regather else total, w_c)
+        ctx.group, ctx.sp, ctx.regather, ctx.has_bias = group, sequence_parallel, regather, bias is not None
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return F.linear(total, w_c, b_c)
@@ -169,7 +171,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         grad_out = grad_out.to(w_c.dtype).contiguous()
         total = saved
         gather_work = None
-        if sp and group_size(group) > 1:
+        if ctx.regather and group_size(group) > 1:
             total = torch.empty(
                 (saved.shape[0] * group_size(group),) + tuple(saved.shape[1:]), dtype=saved.dtype, device=saved.device
             )
@@ -195,7 +197,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             reduce_work.wait()
             if sp:
                 grad_input = sub
-        return grad_input.to(ctx.x_dtype), grad_weight, grad_bias, None, None, None
+        return grad_input.to(ctx.x_dtype), grad_weight, grad_bias, None, None, None, None
 
 
 def _autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
@@ -218,7 +220,13 @@ class ColumnParallelLinear(TensorParallelModule):
         stride: partition stride of the output dim (2 for fused ``[gate; up]``).
         skip_weight_param_allocation: hold no weight; ``forward`` then needs ``weight=`` (tied output layer).
         vocab_size: when dim 0 is a padded vocabulary, the true vocabulary size (rows past it are padding).
+
+    Attribute ``recompute_input_gather`` (default False): under SP, True keeps only the local input shard
+    for backward and all-gathers it again there (Megatron's choice, less activation memory); False keeps the
+    gathered input (one collective fewer per layer; measured 8% faster at tp=2 on H200 for +0.7 GiB).
     """
+
+    recompute_input_gather: bool = False
 
     def __init__(
         self,
@@ -280,7 +288,8 @@ class ColumnParallelLinear(TensorParallelModule):
         if self.tp_size == 1:
             y = F.linear(x, w, self.bias)
         else:
-            y = _ColumnParallelLinearFn.apply(x, w, self.bias, self.group, self.sequence_parallel, _autocast_dtype(x))
+            y = _ColumnParallelLinearFn.apply(x, w, self.bias, self.group, self.sequence_parallel, _autocast_dtype(x),
+                                              self.recompute_input_gather)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
@@ -297,7 +306,13 @@ class RowParallelLinear(TensorParallelModule):
         group: TP process group.
         bias: a replicated bias added after the reduction (its grad is all-reduced over TP under SP).
         sequence_parallel: reduce-scatter the output to ``[s/tp, b, out]`` instead of all-reducing it.
+
+    Attribute ``reduce_bias_grad`` (default True): under SP all-reduce the bias gradient over TP inside
+    backward. The strategy sets it False and reduces all SP-replicated gradients in one collective before
+    the optimizer step (:func:`lightning_megatron.parallel.grad_sync.allreduce_sequence_parallel_grads`).
     """
+
+    reduce_bias_grad: bool = True
 
     def __init__(
         self,
@@ -343,7 +358,8 @@ class RowParallelLinear(TensorParallelModule):
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.group)
         if self.bias is not None:
-            bias = copy_to_tensor_model_parallel_region(self.bias, self.group) if self.sequence_parallel else self.bias
+            reduce = self.sequence_parallel and self.reduce_bias_grad
+            bias = copy_to_tensor_model_parallel_region(self.bias, self.group) if reduce else self.bias
             y = y + bias
         return y
 

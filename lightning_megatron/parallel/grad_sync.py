@@ -1,0 +1,58 @@
+"""Gradient reductions that are not data parallel: SP-replicated weights summed over the TP group.
+
+Under sequence parallelism every TP rank computes the gradient of a norm weight (or a row-parallel bias)
+from its own slice of the sequence, so the true gradient is the sum over the TP group. Instead of one
+small synchronous all-reduce per weight inside backward, the strategy defers them and reduces all of them
+in one flattened collective before the optimizer step (as Megatron's ``finalize_model_grads``).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_megatron.parallel.tensor_parallel.layers import RowParallelLinear
+from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
+
+Owner = Tuple[nn.Module, str]
+
+
+def defer_sequence_parallel_grad_reduce(module: nn.Module) -> List[Owner]:
+    """Turn off the in-backward TP all-reduce of SP-replicated weights in ``module``; return their owners.
+
+    Owners are ``(submodule, parameter name)``: resolve them to parameters after materialisation with
+    :func:`owned_parameters`, and call :func:`allreduce_sequence_parallel_grads` after backward.
+    """
+    owners: List[Owner] = []
+    for m in module.modules():
+        if getattr(m, "sequence_parallel_group", None) is not None:
+            m.sequence_parallel_group = None
+            owners += [(m, name) for name, _ in m.named_parameters(recurse=False)]
+        elif isinstance(m, RowParallelLinear) and m.sequence_parallel and m.bias is not None:
+            m.reduce_bias_grad = False
+            owners.append((m, "bias"))
+    return owners
+
+
+def owned_parameters(owners: List[Owner]) -> List[nn.Parameter]:
+    """The current parameter objects of ``owners``."""
+    return [getattr(m, name) for m, name in owners]
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(params: List[nn.Parameter], group: Group) -> None:
+    """Sum the gradients of ``params`` over the TP ``group`` in one flattened all-reduce (per dtype)."""
+    if group_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for bucket in by_dtype.values():
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(reduced)
