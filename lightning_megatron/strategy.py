@@ -243,6 +243,12 @@ class MegatronStrategy(DDPStrategy):
         return clip_grad_norm_(params, float(clip_val), self._sharded_params, self.mesh.group("tp"))
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load ``ckpt_path`` after :meth:`setup`: before it the weights are on the meta device (loading into
+        them is a silent no-op) and not yet sharded."""
+        return True
+
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Full, layout-independent state (TP shards gathered; collective on every rank)."""
         assert self.lightning_module is not None
