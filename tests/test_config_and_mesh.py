@@ -88,7 +88,29 @@ def test_bad_cp_comm_type(value):
     bad = value if isinstance(value, str) else value[-1]
     with pytest.raises(ValueError, match=re.escape(f"cp_comm_type {bad!r} is not one of")):
         ParallelConfig(cp=2, cp_comm_type=value)
-    ParallelConfig(cp=2, cp_comm_type=["p2p", "a2a", "all_gather", "a2a+p2p"])  # all valid
+    ParallelConfig(cp=2, cp_comm_type=["p2p", "a2a", "all_gather", "a2a+p2p"],
+                   hierarchical_context_parallel_sizes=[1, 2])  # all valid
+
+
+def test_hierarchical_cp_sizes_must_multiply_to_cp():
+    with pytest.raises(ValueError, match=re.escape("hierarchical_context_parallel_sizes=[2, 3] multiply to 6, not cp=4")):
+        ParallelConfig(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 3])
+    with pytest.raises(ValueError, match="needs hierarchical_context_parallel_sizes"):
+        ParallelConfig(cp=4, cp_comm_type="a2a+p2p")
+    assert ParallelConfig(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]).cp == 4
+
+
+def test_per_layer_cp_comm_type_needs_one_entry_per_layer():
+    cfg = ParallelConfig(cp=2, cp_comm_type=["p2p", "a2a", "p2p"])
+    with pytest.raises(ValueError, match=re.escape("cp_comm_type has 3 entries but the model has num_layers=2")):
+        cfg.validate_model(GPTConfig.tiny())
+
+
+def test_sizes_derived_only_after_resolve():
+    cfg = ParallelConfig(tp=2)
+    with pytest.raises(RuntimeError, match="resolve"):
+        _ = cfg.edp
+    assert cfg.resolve(8).dp == 4 and cfg.edp == 4
 
 
 @pytest.mark.parametrize("name,value", [("tp", 0), ("pp", -1), ("cp", 1.5), ("ep", 0), ("etp", 0), ("vp", 0)])

@@ -69,6 +69,19 @@ class ParallelConfig:
         for t in types:
             if t not in CP_COMM_TYPES:
                 raise ValueError(f"cp_comm_type {t!r} is not one of {CP_COMM_TYPES}")
+        if self.hierarchical_context_parallel_sizes is not None:
+            sizes = list(self.hierarchical_context_parallel_sizes)
+            product = 1
+            for size in sizes:
+                product *= size
+            if product != self.cp:
+                raise ValueError(
+                    f"hierarchical_context_parallel_sizes={sizes} multiply to {product}, not cp={self.cp}: "
+                    "the inner (a2a) and outer (p2p) sizes must multiply to the context-parallel size"
+                )
+        elif "a2a+p2p" in types and self.cp > 1:
+            raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
+        self._resolved = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -94,16 +107,19 @@ class ParallelConfig:
                 f"= {expert_mp}: the expert grid (pp, edp, ep, etp) must tile the world"
             )
         self.dp = world_size // self.model_parallel_size
+        self._resolved = True
         return self
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size ``world / (etp*ep*pp)`` (valid after :meth:`resolve`)."""
+        """Expert-data-parallel size ``world / (etp*ep*pp)`` (after :meth:`resolve`)."""
         return self.world_size // (self.etp * self.ep * self.pp)
 
     @property
     def world_size(self) -> int:
-        """``pp * dp * cp * tp`` (valid after :meth:`resolve`)."""
+        """``pp * dp * cp * tp`` (after :meth:`resolve`)."""
+        if not self._resolved:
+            raise RuntimeError("ParallelConfig.resolve(world_size) must be called before reading dp/edp/world_size")
         return self.pp * self.dp * self.cp * self.tp
 
     def validate_model(self, model_config: Any) -> None:
@@ -123,6 +139,12 @@ class ParallelConfig:
             raise ValueError(
                 f"num_query_groups={groups} is not divisible by tp={self.tp}: each tensor-parallel rank "
                 f"holds whole key/value groups; pick tp dividing {groups}"
+            )
+        layers = getattr(model_config, "num_layers", None)
+        if not isinstance(self.cp_comm_type, str) and layers is not None and len(self.cp_comm_type) != layers:
+            raise ValueError(
+                f"cp_comm_type has {len(self.cp_comm_type)} entries but the model has num_layers={layers}: "
+                "give one string, or one per layer"
             )
         seq = getattr(model_config, "seq_length", None)
         if self.sequence_parallel and seq is not None and seq % self.tp != 0:
