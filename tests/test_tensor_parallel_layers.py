@@ -29,6 +29,8 @@ COLUMN_VARIANTS = {
     "bias": dict(bias=True, stride=1, gather_output=False),
     "stride2": dict(bias=True, stride=2, gather_output=False),
     "gather_output": dict(bias=False, stride=1, gather_output=True),
+    # Megatron's memory-saving backward: keep the local input shard and all-gather it again in backward
+    "regather": dict(bias=True, stride=1, gather_output=False, recompute_input_gather=True),
 }
 
 
@@ -76,6 +78,7 @@ def _column_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -
             cols = _cols(OUT, tp, rank, v["stride"])
             layer = ColumnParallelLinear(H, OUT, group, bias=v["bias"], sequence_parallel=sp,
                                          gather_output=v["gather_output"], stride=v["stride"])
+            layer.recompute_input_gather = v.get("recompute_input_gather", False)
             with torch.no_grad():
                 layer.weight.copy_(w[cols])
                 if v["bias"]:
