@@ -287,6 +287,15 @@ class MegatronStrategy(DDPStrategy):
 class _MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
     """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards."""
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # Tear the process groups down before the worker exits: left to interpreter shutdown, the gloo threads
+        # of the mesh's subgroups abort the worker now and then ("terminate called without an active
+        # exception", SIGABRT), which fails the whole run after training succeeded.
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
         import tempfile
 

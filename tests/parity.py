@@ -2,7 +2,7 @@
 (the reference) and under MegatronStrategy in several gloo processes."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -49,12 +49,12 @@ def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def lightning_train_order(n: int) -> List[int]:
-    """Sample order of Lightning's injected ``DistributedSampler`` (shuffled with the global seed, epoch 0).
+def lightning_train_order(n: int, epoch: int = 0) -> List[int]:
+    """Sample order of Lightning's injected ``DistributedSampler`` (shuffled with the global seed) in ``epoch``.
 
     Data-parallel rank r takes ``order[r::dp]``, so global batch i is ``order[i*B:(i+1)*B]`` as a set.
     """
-    g = torch.Generator().manual_seed(SEED)
+    g = torch.Generator().manual_seed(SEED + epoch)
     return torch.randperm(n, generator=g).tolist()
 
 
@@ -64,25 +64,61 @@ def new_module(cfg: GPTConfig, steps: int) -> ParallelGPTModule:
 
 def reference_run(cfg: GPTConfig, samples, steps: int, global_batch: int, clip: Optional[float] = None):
     """Single process, plain loop: per-step loss (global token-mean) and final state dict."""
+    out = reference_loop(cfg, samples, steps, global_batch, clip)
+    return out["losses"], out["state"]
+
+
+def reference_loop(cfg: GPTConfig, samples, steps: int, global_batch: int, clip: Optional[float] = None, *,
+                   order: Optional[List[int]] = None, accumulate: int = 1, stop_after: Optional[int] = None,
+                   after_step: Optional[Callable[[int, ParallelGPTModule], None]] = None) -> Dict[str, Any]:
+    """Single process, plain loop of a ``steps``-step run (LR schedule included).
+
+    Optimizer step s takes ``accumulate`` global micro-batches of ``global_batch`` samples each, consumed in
+    ``order`` (sample indices; default epoch 0 of :func:`lightning_train_order`), and backpropagates each
+    micro-batch's global token-mean divided by ``accumulate`` (what Lightning does). ``stop_after`` ends the
+    run after that many optimizer steps (a run stopped for a checkpoint); ``after_step(step, module)`` is
+    called after each optimizer step (step counts from 1).
+
+    Returns ``losses`` (one per micro-batch), ``state`` (model state dict), ``optimizer`` (its state dict)
+    and ``module``.
+    """
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, steps)
     module.configure_model()
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     losses = []
-    order = lightning_train_order(len(samples))
-    for step in range(steps):
-        batch = collate([samples[i] for i in order[step * global_batch:(step + 1) * global_batch]])
-        loss_sum, count = module.loss_sum_and_count(batch)
-        loss = loss_sum / count
-        loss.backward()
+    order = lightning_train_order(len(samples)) if order is None else order
+    micro = 0
+    for step in range(steps if stop_after is None else stop_after):
+        for _ in range(accumulate):
+            indices = order[micro * global_batch:(micro + 1) * global_batch]
+            assert len(indices) == global_batch, "not enough samples in order for the requested steps"
+            batch = collate([samples[i] for i in indices])
+            loss_sum, count = module.loss_sum_and_count(batch)
+            loss = loss_sum / count
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+            micro += 1
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+        if after_step is not None:
+            after_step(step + 1, module)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "optimizer": opt.state_dict(), "module": module}
+
+
+@torch.no_grad()
+def reference_val_loss(module: ParallelGPTModule, samples) -> float:
+    """Token-mean of the masked per-token loss over all ``samples`` (eval mode), in one process."""
+    was_training = module.training
+    module.eval()
+    loss_sum, count = module.loss_sum_and_count(collate(list(samples)))
+    module.train(was_training)
+    return (loss_sum / count).item()
 
 
 class LossRecorder(pl.Callback):

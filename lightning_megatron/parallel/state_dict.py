@@ -1,14 +1,16 @@
-"""Layout-independent (full, unsharded) model and optimizer state from tensor-parallel shards and back.
+"""Layout-independent (full, unsharded) model and optimizer state from tensor/pipeline-parallel shards and back.
 
-A checkpoint written from these functions holds every tensor in the layout of the plain tp=1 model (the
-vocabulary padded as at tp=1), so it loads under any tp/dp layout, and into a plain ``GPTModel``.
-Gathering is a collective over each layer's TP group: call on every rank.
+A checkpoint written from these functions holds every tensor in the layout of the plain tp=1, pp=1 model
+(the vocabulary padded as at tp=1; layers under their global index), so it loads under any tp/pp/dp layout,
+and into a plain ``GPTModel``. Optimizer state is keyed by parameter *name*, not by position, for the same
+reason. Gathering is collective over each layer's TP group and over the pipeline group: call on every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -27,24 +29,28 @@ def tensor_parallel_owners(module: nn.Module) -> Dict[str, Owner]:
     return owners
 
 
-def full_model_state_dict(module: nn.Module) -> Dict[str, Any]:
-    """``module.state_dict()`` with every TP shard replaced by its full tensor (collective over TP)."""
+def _merge_over(group: Optional[dist.ProcessGroup], local: Dict[str, Any]) -> Dict[str, Any]:
+    """Union of every rank's dict over ``group``; for keys several ranks hold, the lowest rank's value."""
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    gathered: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    merged: Dict[str, Any] = {}
+    for part in gathered:
+        for k, v in part.items():
+            merged.setdefault(k, v)
+    return merged
+
+
+def full_model_state_dict(module: nn.Module, pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """``module.state_dict()`` with TP shards gathered and pipeline stages merged (collective)."""
     owners = tensor_parallel_owners(module)
     state = module.state_dict()
     for key, (mod, pname) in owners.items():
         if key in state:
-            state[key] = mod.gather_global(pname, state[key]).cpu()
-    return state
-
-
-def shard_model_state_dict(module: nn.Module, full: Dict[str, Any]) -> Dict[str, Any]:
-    """This rank's shards of the full state ``full`` (as written by :func:`full_model_state_dict`)."""
-    owners = tensor_parallel_owners(module)
-    state = dict(full)
-    for key, (mod, pname) in owners.items():
-        if key in state:
-            state[key] = mod.shard_global(pname, _strip_canonical_padding(mod, pname, state[key]))
-    return state
+            state[key] = mod.gather_global(pname, state[key])
+    state = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return _merge_over(pp_group, state)
 
 
 def _strip_canonical_padding(mod: TensorParallelModule, pname: str, t: Tensor) -> Tensor:
@@ -53,53 +59,86 @@ def _strip_canonical_padding(mod: TensorParallelModule, pname: str, t: Tensor) -
     return t[:rows] if rows is not None and dim == 0 else t
 
 
-def _param_keys(module: nn.Module) -> Dict[int, str]:
+def shard_model_state_dict(module: nn.Module, full: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's part of the full state ``full``: its pipeline stage's keys, TP-sharded."""
+    owners = tensor_parallel_owners(module)
+    local_keys = module.state_dict().keys()
+    missing = [k for k in local_keys if k not in full]
+    if missing:
+        raise KeyError(f"checkpoint has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    state = {k: full[k] for k in local_keys}
+    for key, (mod, pname) in owners.items():
+        if key in state:
+            state[key] = mod.shard_global(pname, _strip_canonical_padding(mod, pname, state[key]))
+    return state
+
+
+def _param_names(module: nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def _optimizer_params(optimizer: Optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def full_optimizer_state_dict(optimizer: Optimizer, module: nn.Module,
+                              pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """Optimizer state keyed by parameter name, TP shards gathered, pipeline stages merged (collective).
 
-
-def full_optimizer_state_dict(optimizer: Optimizer, module: nn.Module) -> Dict[str, Any]:
-    """``optimizer.state_dict()`` with per-parameter state tensors of TP shards gathered (collective)."""
+    Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters..., "params": [names]}]}``.
+    Parameters not in ``module`` are not supported.
+    """
     owners = tensor_parallel_owners(module)
-    keys = _param_keys(module)
-    params = _optimizer_params(optimizer)
-    state = optimizer.state_dict()
-    for index, values in state["state"].items():
-        owner = owners.get(keys.get(id(params[index]), ""))
-        if owner is None:
-            continue
-        mod, pname = owner
-        local_shape = params[index].shape
-        state["state"][index] = {
-            k: (mod.gather_global(pname, v).cpu() if isinstance(v, Tensor) and v.shape == local_shape else v)
-            for k, v in values.items()
-        }
-    return state
+    names = _param_names(module)
+    raw = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: Dict[str, Any] = {}
+    for index, values in raw["state"].items():
+        p = params[index]
+        name = names[id(p)]
+        owner = owners.get(name)
+        entry = {}
+        for k, v in values.items():
+            if isinstance(v, Tensor) and owner is not None and v.shape == p.shape:
+                v = owner[0].gather_global(owner[1], v)
+            entry[k] = v.detach().cpu() if isinstance(v, Tensor) else v
+        state[name] = entry
+    groups = []
+    for group, raw_group in zip(optimizer.param_groups, raw["param_groups"]):
+        hyper = {k: v for k, v in raw_group.items() if k != "params"}
+        groups.append({**hyper, "params": [names[id(p)] for p in group["params"]]})
+    merged_state = _merge_over(pp_group, state)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        gathered: List[Optional[List[List[str]]]] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, [g["params"] for g in groups], group=pp_group)
+        for i, g in enumerate(groups):
+            seen = []
+            for part in gathered:
+                for n in part[i]:
+                    if n not in seen:
+                        seen.append(n)
+            g["params"] = seen
+    return {"state": merged_state, "param_groups": groups}
 
 
 def shard_optimizer_state_dict(full: Dict[str, Any], optimizer: Optimizer, module: nn.Module) -> Dict[str, Any]:
-    """This rank's optimizer state from a full one written by :func:`full_optimizer_state_dict`."""
+    """A ``optimizer.load_state_dict`` argument for this rank from a full, name-keyed optimizer state."""
     owners = tensor_parallel_owners(module)
-    keys = _param_keys(module)
-    params = _optimizer_params(optimizer)
-    state = {"state": {}, "param_groups": full["param_groups"]}
-    for index, values in full["state"].items():
-        index = int(index)
-        owner = owners.get(keys.get(id(params[index]), ""))
-        if owner is None:
-            state["state"][index] = values
+    names = _param_names(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: Dict[int, Any] = {}
+    for index, p in enumerate(params):
+        name = names[id(p)]
+        if name not in full["state"]:
             continue
-        mod, pname = owner
-        global_shape = mod.global_shape(pname)
-        shard = {}
-        for k, v in values.items():
-            if isinstance(v, Tensor) and v.dim() > 0:
-                v = _strip_canonical_padding(mod, pname, v)
-                if tuple(v.shape) == tuple(global_shape):
-                    v = mod.shard_global(pname, v.to(params[index].device))
-            shard[k] = v
-        state["state"][index] = shard
-    return state
+        owner = owners.get(name)
+        entry = {}
+        for k, v in full["state"][name].items():
+            if isinstance(v, Tensor) and v.dim() > 0 and owner is not None:
+                v = _strip_canonical_padding(owner[0], owner[1], v)
+                if tuple(v.shape) == tuple(owner[0].global_shape(owner[1])):
+                    v = owner[0].shard_global(owner[1], v)
+            entry[k] = v
+        state[index] = entry
+    groups, start = [], 0
+    for group, saved in zip(optimizer.param_groups, full["param_groups"]):
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return {"state": state, "param_groups": groups}
