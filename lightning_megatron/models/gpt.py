@@ -318,28 +318,48 @@ class GPTModel(nn.Module):
                     local = pad_rows(full, p.shape[0]) if vocab else full
                 p.copy_(local.to(p.dtype))
 
-    # ---- forward ----
-    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
-        c = self.config
-        ids = tokens.t()  # [s, b]
-        if position_ids is None:
-            pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
-        else:
-            pos = position_ids.t()
-        x = self.embedding(ids, pos)
-        if c.hidden_dropout > 0.0 and self.training:
+    # ---- forward, in pieces a pipeline stage can run separately ----
+    def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Position ids ``[s, b]`` (``position_ids`` ``[b, s]`` transposed, or ``arange(s)``)."""
+        if position_ids is not None:
+            return position_ids.t()
+        s, b = tokens.shape[1], tokens.shape[0]
+        return torch.arange(s, device=tokens.device).unsqueeze(1).expand(s, b)
+
+    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        """``tokens [b, s]`` -> hidden ``[s(/tp under SP), b, h]`` (with embedding dropout)."""
+        x = self.embedding(tokens.t(), pos)
+        if self.config.hidden_dropout > 0.0 and self.training:
             with self.embedding_fork():
-                x = F.dropout(x, c.hidden_dropout, True)
-        rotary = None
-        if c.position_embedding_type == "rope":
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            rotary = rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)
-        for layer in self.decoder.layers.values():
-            x = layer(x, rotary)
+                x = F.dropout(x, self.config.hidden_dropout, True)
+        return x
+
+    def rotary(self, pos: Tensor, like: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+        """RoPE tables for positions ``pos [s, b]`` in the compute dtype of ``like`` (None without RoPE)."""
+        c = self.config
+        if c.position_embedding_type != "rope":
+            return None
+        dev = like.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else like.dtype
+        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and LM head: hidden ``[s(/tp), b, h]`` -> logits ``[s, b, V_pad/tp]``."""
         x = self.decoder.final_layernorm(x)
         shared = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        logits = self.output_layer(x, weight=shared)  # [s, b, V_pad/tp]
+        return self.output_layer(x, weight=shared)
+
+    def per_token_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` fp32."""
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
+
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+        pos = self.positions(tokens, position_ids)
+        x = self.embed(tokens, pos)
+        rotary = self.rotary(pos, x)
+        for layer in self.decoder.layers.values():
+            x = layer(x, rotary)
+        logits = self.head(x)  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, c.vocab_size)
-        return loss.t()
+        return self.per_token_loss(logits, labels)
