@@ -31,18 +31,28 @@ import lightning.pytorch as pl
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
+    allreduce_data_parallel_grads,
     allreduce_sequence_parallel_grads,
     defer_sequence_parallel_grad_reduce,
     owned_parameters,
 )
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.pipeline import (
+    V_SHAPE_SCHEDULES,
+    PipelineRunner,
+    PipelineStageModule,
+    check_schedule,
+    default_schedule,
+    layers_per_stage,
+    split_model,
+)
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
     shard_model_state_dict,
     shard_optimizer_state_dict,
 )
-from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_vocab_size
 from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
 
@@ -80,6 +90,9 @@ class MegatronStrategy(DDPStrategy):
         sequence_parallel: bool = False,
         cp_comm_type: Union[str, Sequence[str]] = "p2p",
         hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+        pipeline_schedule: Optional[str] = None,
+        num_layers_in_first_pipeline_stage: Optional[int] = None,
+        num_layers_in_last_pipeline_stage: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -94,7 +107,7 @@ class MegatronStrategy(DDPStrategy):
             tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
             cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         )
-        pending = {"pp": pp, "cp": cp, "ep": ep}
+        pending = {"cp": cp, "ep": ep}
         for name, size in pending.items():
             if size > 1:
                 raise NotImplementedError(
@@ -111,6 +124,18 @@ class MegatronStrategy(DDPStrategy):
         self.seed: int = DEFAULT_SEED
         self._sharded_params: Set[int] = set()
         self._sp_owners: List[Tuple[nn.Module, str]] = []
+        self.pipeline_schedule = pipeline_schedule or default_schedule(vp)
+        if pp > 1:
+            check_schedule(self.pipeline_schedule, pp, vp)
+        self._pp_layers = (num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
+        self._pp_runner: Optional[PipelineRunner] = None
+        self._pp_stage_modules: List[PipelineStageModule] = []
+        self._pp_stage_indices: List[int] = []
+        self._pp_num_stages = 1
+        self._pp_buffer: List[Any] = []
+        self._pp_tied = False
+        self._embedding_param_owner: Optional[nn.Module] = None
+        self._excluded_from_norm: Set[int] = set()
 
     # ------------------------------------------------------------------ launch / environment
     def _configure_launcher(self) -> None:
@@ -125,6 +150,9 @@ class MegatronStrategy(DDPStrategy):
         model_config = getattr(self.lightning_module, "config", None)
         if model_config is not None:
             self.parallel_config.validate_model(model_config)
+            if self.parallel_config.pp > 1 and hasattr(model_config, "num_layers"):
+                cfg = self.parallel_config
+                layers_per_stage(model_config.num_layers, cfg.pp * (cfg.vp or 1), *self._pp_layers)
         self.seed = self._agree_on_seed()
         pp_rank, tp_rank = self.mesh.rank("pp"), self.mesh.rank("tp")
         torch.manual_seed(default_seed(self.seed, pp_rank))
@@ -152,10 +180,13 @@ class MegatronStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._install_global_norm_clipping()
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.size("dp_cp") > 1:
-                self._ddp_kwargs.setdefault("process_group", self.mesh.group("dp_cp"))
-                self.configure_ddp()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.parallel_config.pp > 1:
+            self._build_pipeline_runner()
+        elif fitting and self.mesh.size("dp_cp") > 1:
+            self._ddp_kwargs.setdefault("process_group", self.mesh.group("dp_cp"))
+            self.configure_ddp()
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -182,6 +213,8 @@ class MegatronStrategy(DDPStrategy):
         if cfg.tp > 1:
             for target in targets:
                 apply_tp(target, self.mesh.group("tp"), cfg.sequence_parallel, tp_fork=self.tp_rng.fork)
+        if cfg.pp > 1:
+            self._split_pipeline(targets)
         self._sp_owners = defer_sequence_parallel_grad_reduce(module) if cfg.sequence_parallel else []
         self._materialize(module, targets)
         # after materialisation: to_empty() replaces meta Parameter objects
@@ -192,7 +225,159 @@ class MegatronStrategy(DDPStrategy):
             for name, p in m.named_parameters(recurse=False)
             if m.is_sharded(name)
         }
+        self._resolve_tied_embedding()
         return module
+
+    # ------------------------------------------------------------------ pipeline parallel
+    def _split_pipeline(self, targets: List[nn.Module]) -> None:
+        """Prune the (meta) model to this rank's pipeline stages and build the stage modules."""
+        assert self.mesh is not None
+        cfg = self.parallel_config
+        layout = [t for t in targets if hasattr(t, "decoder") and hasattr(t, "embed") and hasattr(t, "head")]
+        if len(layout) != 1:
+            raise ValueError(
+                f"pp={cfg.pp} needs exactly one model with the GPT layout (embedding, decoder.layers, "
+                f"final_layernorm, output_layer, embed/head methods, as lightning_megatron.GPTModel), found "
+                f"{len(layout)}"
+            )
+        lm = self.lightning_module
+        for hook in ("pipeline_loss_sum", "token_count"):
+            if not hasattr(lm, hook):
+                raise ValueError(
+                    f"pp={cfg.pp}: {type(lm).__name__} has no {hook}(...): under pipeline parallelism the "
+                    "strategy runs the schedule and needs the module's loss pieces (see ParallelGPTModule)"
+                )
+        model = layout[0]
+        self._pp_tied = getattr(model.output_layer, "weight", 0) is None
+        self._pp_stage_modules, self._pp_stage_indices, self._pp_num_stages = split_model(
+            model, self.mesh.rank("pp"), cfg.pp, cfg.vp or 1, self.pipeline_schedule, cfg.tp, *self._pp_layers
+        )
+        for stage in self._pp_stage_modules:
+            stage.forward_context = self.precision_plugin.forward_context
+        self._embedding_param_owner = model.embedding
+
+    def _resolve_tied_embedding(self) -> None:
+        """Tied embeddings over pp > 1 (loop placement): the last stage holds a copy of the word embeddings,
+        initialised identically; its gradient is summed with the first stage's each step and it is left out
+        of the gradient norm (counted once, on the first stage)."""
+        self._excluded_from_norm = set()
+        if self.parallel_config.pp == 1 or not self._pp_tied or self.pipeline_schedule in V_SHAPE_SCHEDULES:
+            return
+        holds_first = 0 in self._pp_stage_indices
+        holds_last = self._pp_num_stages - 1 in self._pp_stage_indices
+        if holds_last and not holds_first:
+            self._excluded_from_norm.add(id(self._embedding_param_owner.word_embeddings.weight))
+
+    def _build_pipeline_runner(self) -> None:
+        """Stages are not wrapped in torch DDP (its reducer expects one backward per step, a schedule runs
+        one per micro-batch): their gradients are averaged over dp x cp in :meth:`finalize_gradients`."""
+        assert self.mesh is not None
+        self._pp_runner = PipelineRunner(
+            self._pp_stage_modules, list(self._pp_stage_modules), self._pp_stage_indices, self._pp_num_stages,
+            self.mesh.group("pp"), self.mesh.ranks("pp"), self.pipeline_schedule, self.root_device,
+            self.pipeline_schedule in V_SHAPE_SCHEDULES,
+        )
+
+    def on_train_start(self) -> None:
+        """Under pp > 1 the schedule runs forward and backward inside ``training_step``: Lightning's own
+        zero_grad and backward are switched off (the one place Lightning's loop is bypassed)."""
+        super().on_train_start()
+        if self._pp_runner is not None:
+            self.lightning_module.trainer.fit_loop._skip_backward = True
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._pp_runner is not None:
+            self.lightning_module.trainer.fit_loop._skip_backward = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1: collect the step's micro-batches (one per Lightning batch, ``accumulate_grad_batches``
+        of them) and run the pipeline schedule on the last one. Returns the step's loss (same on every rank)."""
+        if self._pp_runner is None:
+            return super().training_step(*args, **kwargs)
+        self._pp_buffer.append(args[0])
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return torch.zeros((), device=self.root_device)
+        microbatches, self._pp_buffer = self._pp_buffer, []
+        loss = self._pipeline_train_step(microbatches)
+        self.lightning_module.on_pipeline_train_step_end(loss)
+        return loss
+
+    def _pipeline_train_step(self, microbatches: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        assert self.mesh is not None and self._pp_runner is not None
+        lm = self.lightning_module
+        runner = self._pp_runner
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        dp_group, dp = self.mesh.group("dp_cp"), self.mesh.size("dp_cp")
+        counts = torch.stack([lm.token_count(mb).float() for mb in microbatches]).to(self.root_device)
+        if runner.holds_last and dp > 1:
+            dist.all_reduce(counts, group=dp_group)
+        counts = counts.clamp(min=1.0)
+        # by micro-batch index: torch's schedules may evaluate the loss once more while setting up a stage
+        parts: Dict[int, torch.Tensor] = {}
+
+        def loss_fn(output: torch.Tensor, index: int) -> torch.Tensor:
+            loss_sum = lm.pipeline_loss_sum(output, microbatches[index])
+            parts[index] = loss_sum.detach() / counts[index]
+            return loss_sum * dp / counts[index]
+
+        tokens = torch.cat([mb["tokens"] for mb in microbatches]).to(self.root_device)
+        positions = [mb.get("position_ids") for mb in microbatches]
+        runner.train_step(tokens, positions, loss_fn)
+        value = torch.stack(list(parts.values())).sum() / len(microbatches) if parts else torch.zeros((), device=self.root_device)
+        value = value.float()
+        if runner.holds_last and dp > 1:
+            dist.all_reduce(value, group=dp_group)
+        return runner.broadcast_from_last(value)
+
+    def _pipeline_forward(self, batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        assert self._pp_runner is not None
+        model_config = self.lightning_module.config
+        dtype = next(p for m in self._pp_stage_modules for p in m.parameters()).dtype
+        return self._pp_runner.forward_only(
+            batch["tokens"], batch.get("position_ids"), model_config.hidden_size,
+            self.parallel_config.sequence_parallel, self.parallel_config.tp, dtype,
+        )
+
+    def _pipeline_eval_step(self, batch: Dict[str, torch.Tensor]) -> None:
+        assert self._pp_runner is not None
+        lm = self.lightning_module
+        logits = self._pipeline_forward(batch)
+        totals = torch.zeros(2, device=self.root_device)
+        if logits is not None:
+            totals = torch.stack([lm.pipeline_loss_sum(logits, batch).float(), lm.token_count(batch).float()])
+        lm.accumulate_eval_totals(self._pp_runner.broadcast_from_last(totals))
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pp_runner is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval_step(args[0])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pp_runner is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval_step(args[0])
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1: per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
+        if self._pp_runner is None:
+            return super().predict_step(*args, **kwargs)
+        lm, batch = self.lightning_module, args[0]
+        logits = self._pipeline_forward(batch)
+        b, s = batch["tokens"].shape
+        if batch.get("labels") is not None:
+            out = torch.zeros(b, s, device=self.root_device)
+            if logits is not None:
+                out = lm.model.per_token_loss(logits, batch["labels"]).float()
+        else:
+            cfg = self.parallel_config
+            vocab = pad_vocab_size(lm.config.vocab_size, cfg.tp, lm.config.make_vocab_size_divisible_by) // cfg.tp
+            out = torch.zeros(b, s, vocab, device=self.root_device)
+            if logits is not None:
+                out = logits.transpose(0, 1).float().contiguous()
+        return self._pp_runner.broadcast_from_last(out)
 
     def _materialize(self, module: nn.Module, targets: List[nn.Module]) -> None:
         if not any(p.is_meta for p in module.parameters()):
@@ -222,10 +407,21 @@ class MegatronStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
 
     def finalize_gradients(self) -> None:
-        """Reductions besides data parallel, once per optimizer step: SP-replicated grads summed over TP."""
+        """Gradient reductions once per optimizer step, after the last backward: data-parallel average of
+        pipeline stages' grads (pp > 1), SP-replicated grads summed over TP, tied embedding grads summed over
+        the first and last pipeline stage."""
+        assert self.mesh is not None
+        if self._pp_runner is not None and self.mesh.size("dp_cp") > 1:
+            allreduce_data_parallel_grads(list(self.lightning_module.parameters()), self.mesh.group("dp_cp"))
         if self._sp_owners:
-            assert self.mesh is not None
             allreduce_sequence_parallel_grads(owned_parameters(self._sp_owners), self.mesh.group("tp"))
+        if self._pp_tied and self.parallel_config.pp > 1 and self.pipeline_schedule not in V_SHAPE_SCHEDULES:
+            group = self.mesh.group("embedding")
+            if group is not None and self._embedding_param_owner is not None:
+                weight = self._embedding_param_owner.word_embeddings.weight
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                dist.all_reduce(weight.grad, group=group)
 
 
     def _install_global_norm_clipping(self) -> None:
@@ -240,7 +436,16 @@ class MegatronStrategy(DDPStrategy):
         """
         assert self.mesh is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return clip_grad_norm_(params, float(clip_val), self._sharded_params, self.mesh.group("tp"))
+        counted = [p for p in params if id(p) not in self._excluded_from_norm]
+        pp_groups = [self.mesh.group("pp")] if self.parallel_config.pp > 1 else []
+        norm = clip_grad_norm_(counted, float(clip_val), self._sharded_params, self.mesh.group("tp"), pp_groups)
+        excluded = [p for p in params if id(p) in self._excluded_from_norm and p.grad is not None]
+        if excluded:  # the tied copy is scaled like its first-stage twin
+            with torch.no_grad():
+                coef = torch.clamp(float(clip_val) / (norm + 1e-6), max=1.0)
+                for p in excluded:
+                    p.grad.mul_(coef.to(p.grad.device))
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -252,14 +457,17 @@ class MegatronStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Full, layout-independent state (TP shards gathered; collective on every rank)."""
         assert self.lightning_module is not None
-        return full_model_state_dict(self.lightning_module)
+        return full_model_state_dict(self.lightning_module, self._pp_group())
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """Full optimizer state (per-parameter state of TP shards gathered; collective on every rank)."""
         if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return full_optimizer_state_dict(optimizer, self.lightning_module)
+        return full_optimizer_state_dict(optimizer, self.lightning_module, self._pp_group())
+
+    def _pp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
         """Load a full checkpoint, keeping this rank's shards."""

@@ -138,11 +138,12 @@ def test_tp2_checkpoint_holds_full_tp1_state(resharding_case):
     assert ckpt["lr_schedulers"][0]["last_epoch"] == SAVE_AT
 
 
-@pytest.mark.parametrize("world,kwargs", [(2, dict(tp=1)), (1, dict(tp=1)), (4, dict(tp=4, sequence_parallel=True))],
-                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp"])
+@pytest.mark.parametrize("world,kwargs", [(2, dict(tp=1)), (1, dict(tp=1)), (4, dict(tp=4, sequence_parallel=True)),
+                                          (4, dict(tp=2, pp=2, pipeline_schedule="gpipe"))],
+                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp", "tp2-to-tp2xpp2"])
 def test_resume_under_another_layout(resharding_case, world, kwargs):
     case = resharding_case
-    dp = world // kwargs["tp"]
+    dp = world // (kwargs["tp"] * kwargs.get("pp", 1))
     results = run_distributed(resume, world, case["cfg"], case["samples"], kwargs, GLOBAL_BATCH // dp, case["path"])
     order, ref = resume_order(), case["ref"]
     for r in results:
@@ -151,7 +152,7 @@ def test_resume_under_another_layout(resharding_case, world, kwargs):
         assert [(step, epoch) for step, epoch, _ in r["batches"]] == [(2, 1), (3, 1)], r["batches"]
         assert_losses_close(r["losses"], ref["losses"][SAVE_AT:])
         assert r["lr"] == pytest.approx(ref["optimizer"]["param_groups"][0]["lr"], rel=1e-12)
-    tp = kwargs["tp"]
+    tp = kwargs["tp"] * kwargs.get("pp", 1)  # ranks 0..tp*pp-1 hold one model replica (same batches)
     for i, step in enumerate(range(SAVE_AT, RESUME_STEPS)):
         # TP peers see the same batch; one rank per dp rank together see the step's global batch
         assert all(r["batches"][i] == results[k - k % tp]["batches"][i] for k, r in enumerate(results))
@@ -172,14 +173,15 @@ def validate_run(rank, world, cfg, strategy_kwargs, val_samples, micro_batch):
     return out[0]["val_loss"]
 
 
-@pytest.mark.parametrize("world,kwargs", [(2, dict(tp=2)), (4, dict(tp=2, sequence_parallel=True))],
-                         ids=["tp2", "tp2xdp2-sp"])
+@pytest.mark.parametrize("world,kwargs", [(2, dict(tp=2)), (4, dict(tp=2, sequence_parallel=True)), (2, dict(pp=2)),
+                                          (4, dict(tp=2, pp=2, sequence_parallel=True))],
+                         ids=["tp2", "tp2xdp2-sp", "pp2", "tp2xpp2-sp"])
 def test_validate_is_global_token_mean(world, kwargs):
     cfg = tiny_config()
     val = make_samples(cfg, N_VAL, seed=11)
     ref = reference_loop(cfg, make_samples(cfg, GLOBAL_BATCH), 1, GLOBAL_BATCH, stop_after=0)
     want = reference_val_loss(ref["module"], val)
-    dp = world // kwargs["tp"]
+    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
     got = run_distributed(validate_run, world, cfg, kwargs, val, GLOBAL_BATCH // dp)
     for g in got:
         assert abs(g - want) <= 1e-5 * abs(want), (got, want)

@@ -17,7 +17,15 @@ import sentencepiece as spm
 
 from lightning_megatron.data._io import atomic_write_bytes
 
-__all__ = ["ByteTokenizer", "SentencePieceTokenizer", "Tokenizer", "train_sentencepiece"]
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+    "train_sentencepiece",
+]
 
 # Ids of the special pieces in models made by :func:`train_sentencepiece`.
 _UNK_ID, _BOS_ID, _EOS_ID = 0, 1, 2
@@ -198,3 +206,121 @@ def train_sentencepiece(
     model_path = f"{model_prefix}.model"
     atomic_write_bytes(model_path, buf.getvalue())
     return model_path
+
+
+# Candidate end-of-document tokens of Hugging Face tokenizers, most specific first.
+_HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>", "<eos>", "<|im_end|>", "[SEP]")
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``), without downloads.
+
+    Needs the ``tokenizers`` package (imported only here). The end-of-document id is, in
+    order: the ``eod_token`` argument; the ``eos_token`` of a ``tokenizer_config.json`` /
+    ``special_tokens_map.json`` beside the file; the first of ``<|endoftext|>``,
+    ``<|end_of_text|>``, ``</s>``, ``<|eot_id|>``, ``<eos>``, ``<|im_end|>``, ``[SEP]`` in the
+    vocabulary.
+
+    Args:
+        path: a ``tokenizer.json`` file, or a directory containing one.
+        eod_token: the end-of-document token's text, overriding the search.
+
+    Raises:
+        ImportError: ``tokenizers`` is not installed (with the pip command to fix it).
+        FileNotFoundError: no ``tokenizer.json`` at ``path``.
+        ValueError: no end-of-document token found.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], eod_token: str | None = None) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "HuggingFaceTokenizer needs the 'tokenizers' package, which is not installed: "
+                "pip install tokenizers (it only reads a local tokenizer.json; nothing is downloaded)"
+            ) from err
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise FileNotFoundError(f"no Hugging Face tokenizer file at {file} (expected a tokenizer.json)")
+        self.path = str(file)
+        self._tok = _HFTokenizer.from_file(self.path)
+        token = eod_token or _hf_configured_eos(file.parent)
+        candidates = (token,) if token else _HF_EOD_CANDIDATES
+        eod = None
+        for cand in candidates:
+            eod = self._tok.token_to_id(cand)
+            if eod is not None:
+                break
+        if eod is None:
+            raise ValueError(
+                f"{self.path}: no end-of-document token ({', '.join(candidates)}) in the vocabulary; pass eod_token="
+            )
+        self._eod = int(eod)
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size including added tokens."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eod(self) -> int:
+        """The end-of-document id."""
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens (no BOS/EOS added)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids, special tokens dropped."""
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _hf_configured_eos(directory: Path) -> str | None:
+    """The ``eos_token`` named in ``tokenizer_config.json`` / ``special_tokens_map.json``, if any."""
+    import json
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = directory / name
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text(encoding="utf-8")).get("eos_token")
+        except (ValueError, OSError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+#: Tokenizer types accepted by :func:`build_tokenizer` (Megatron-LM's names where they exist).
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "ByteTokenizer")
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Build a tokenizer by Megatron-style type name.
+
+    * ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer``: ``tokenizer_model`` is the ``.model`` file.
+    * ``HuggingFaceTokenizer``: ``tokenizer_model`` is a local ``tokenizer.json`` or its directory.
+    * ``ByteTokenizer``: UTF-8 bytes, no model.
+
+    Raises:
+        ValueError: unknown type, or a missing model path for a type that needs one.
+    """
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_model is None:
+        raise ValueError(f"tokenizer type {tokenizer_type} needs a tokenizer model path (--tokenizer-model)")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    if not Path(tokenizer_model).is_file():
+        raise FileNotFoundError(f"SentencePiece model not found: {tokenizer_model}")
+    return SentencePieceTokenizer(tokenizer_model)

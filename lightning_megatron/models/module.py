@@ -107,12 +107,35 @@ class ParallelGPTModule(pl.LightningModule):
     def loss_sum_and_count(self, batch: Batch) -> Tuple[Tensor, Tensor]:
         """Sum of the masked per-token losses of this rank's batch and the number of counted tokens."""
         per_token = self(batch["tokens"], batch.get("position_ids"), batch["labels"])
+        return self._masked_sum(per_token, batch), self.token_count(batch)
+
+    def _masked_sum(self, per_token: Tensor, batch: Batch) -> Tensor:
+        mask = batch.get("loss_mask")
+        if mask is None:
+            return per_token.sum()
+        return (per_token * mask.to(per_token.device, per_token.dtype)).sum()
+
+    def token_count(self, batch: Batch) -> Tensor:
+        """Number of tokens the loss counts in ``batch`` (the loss mask's sum, else ``b * s``)."""
         mask = batch.get("loss_mask")
         if mask is None:
             # torch.full launches a fill kernel; torch.tensor(...) would copy from the host and synchronise.
-            return per_token.sum(), torch.full((), float(per_token.numel()), device=per_token.device)
-        mask = mask.to(per_token.dtype)
-        return (per_token * mask).sum(), mask.sum()
+            return torch.full((), float(batch["labels"].numel()), device=batch["labels"].device)
+        return mask.float().sum()
+
+    # ---- pieces the strategy calls under pipeline parallelism (training_step is not called there)
+    def pipeline_loss_sum(self, logits: Tensor, batch: Batch) -> Tensor:
+        """Masked loss sum of one micro-batch from the last pipeline stage's logits ``[s, b, V_pad/tp]``."""
+        per_token = self.model.per_token_loss(logits, batch["labels"].to(logits.device))
+        return self._masked_sum(per_token, batch)
+
+    def on_pipeline_train_step_end(self, loss: Tensor) -> None:
+        """Called by the strategy after a pipeline step with the step's global token-mean loss."""
+        self.log("train_loss", loss, prog_bar=True)
+
+    def accumulate_eval_totals(self, totals: Tensor) -> None:
+        """Add ``[loss_sum, token_count]`` of one evaluation batch (this data-parallel rank's part)."""
+        self._val_totals = totals if self._val_totals is None else self._val_totals + totals
 
     def _global(self, value: Tensor, group: Optional[dist.ProcessGroup], size: int) -> Tensor:
         value = value.detach().clone()
@@ -135,8 +158,7 @@ class ParallelGPTModule(pl.LightningModule):
 
     def _eval_step(self, batch: Batch) -> None:
         loss_sum, count = self.loss_sum_and_count(batch)
-        totals = torch.stack([loss_sum.detach().float(), count.float()])
-        self._val_totals = totals if self._val_totals is None else self._val_totals + totals
+        self.accumulate_eval_totals(torch.stack([loss_sum.detach().float(), count.float()]))
 
     def _eval_epoch_end(self, name: str) -> None:
         if self._val_totals is None:

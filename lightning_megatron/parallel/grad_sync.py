@@ -1,4 +1,5 @@
-"""Gradient reductions that are not data parallel: SP-replicated weights summed over the TP group.
+"""Gradient reductions besides torch DDP's: SP-replicated weights summed over the TP group, and the
+data-parallel average of pipeline stages' gradients.
 
 Under sequence parallelism every TP rank computes the gradient of a norm weight (or a row-parallel bias)
 from its own slice of the sequence, so the true gradient is the sum over the TP group. Instead of one
@@ -56,3 +57,30 @@ def allreduce_sequence_parallel_grads(params: List[nn.Parameter], group: Group) 
         dist.all_reduce(flat, group=group)
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(reduced)
+
+
+@torch.no_grad()
+def allreduce_data_parallel_grads(params: List[nn.Parameter], group: Group, bucket_bytes: int = 64 * 2**20) -> None:
+    """Average the gradients of ``params`` over the data-parallel ``group`` in flattened buckets.
+
+    Used for pipeline stages, whose micro-batches run several backward passes per step (torch DDP's reducer
+    expects one): one reduction per optimizer step after the schedule, no overlap with backward.
+    """
+    size = group_size(group)
+    if size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: dict = {}
+    for g in grads:
+        buckets.setdefault((g.dtype, g.device), [[]])
+        current = buckets[(g.dtype, g.device)]
+        if current[-1] and sum(t.numel() * t.element_size() for t in current[-1]) + g.numel() * g.element_size() > bucket_bytes:
+            current.append([])
+        current[-1].append(g)
+    for per_dtype in buckets.values():
+        for bucket in per_dtype:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(reduced)

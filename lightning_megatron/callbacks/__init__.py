@@ -1,0 +1,12 @@
+"""Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count."""
+from lightning_megatron.callbacks.flops import flops_per_token, num_floating_point_operations
+from lightning_megatron.callbacks.mfu import PEAK_FLOPS, MFUMonitor, device_peak_flops, precision_kind
+
+__all__ = [
+    "MFUMonitor",
+    "num_floating_point_operations",
+    "flops_per_token",
+    "device_peak_flops",
+    "precision_kind",
+    "PEAK_FLOPS",
+]

@@ -1,0 +1,354 @@
+"""Pipeline parallelism: splitting a GPT-layout model into stages and running ``torch.distributed.pipelining``
+schedules on them.
+
+A model follows the *GPT layout* when it has ``embedding`` (called as ``model.embed(tokens, pos)``),
+``decoder.layers`` (an ``nn.ModuleDict`` keyed by global layer index, each called as ``layer(x, rotary)``),
+``decoder.final_layernorm`` + ``output_layer`` (called as ``model.head(x)``), and ``positions`` / ``rotary``
+helpers, as :class:`lightning_megatron.GPTModel` does.
+
+Placement (Megatron's): with ``pp`` ranks and ``vp`` virtual stages per rank there are ``pp*vp`` global
+stages; virtual stage ``v`` on pipeline rank ``r`` is global stage ``v*pp + r`` ("loop" placement). The
+V-shaped schedules (``zbv``, ``dualpipev``) need ``vp=2`` and place global stages ``r`` and ``2*pp-1-r`` on
+rank ``r``. The model is pruned in place to the rank's layers, so parameter names (``decoder.layers.<global
+index>...``) do not depend on the split and checkpoints stay layout-independent.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SHAPE_SCHEDULES = ("zbv", "dualpipev")
+
+
+def default_schedule(vp: Optional[int]) -> str:
+    """``"interleaved_1f1b"`` with virtual stages, else ``"1f1b"``."""
+    return "interleaved_1f1b" if vp and vp > 1 else "1f1b"
+
+
+def check_schedule(schedule: str, pp: int, vp: Optional[int]) -> None:
+    """Raise ValueError when ``schedule`` cannot run ``pp`` ranks with ``vp`` stages per rank."""
+    vp = vp or 1
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is not one of {SCHEDULE_NAMES}")
+    if schedule in SINGLE_STAGE_SCHEDULES and vp > 1:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs one stage per rank but vp={vp}: use 'interleaved_1f1b', "
+            "'looped_bfs' or 'interleaved_zero_bubble' with virtual stages, or drop vp"
+        )
+    if schedule in V_SHAPE_SCHEDULES and vp != 2:
+        raise ValueError(f"pipeline_schedule={schedule!r} places two stages per rank in a V: it needs vp=2, got vp={vp}")
+    if schedule not in SINGLE_STAGE_SCHEDULES and schedule not in V_SHAPE_SCHEDULES and vp < 2:
+        raise ValueError(f"pipeline_schedule={schedule!r} is a multi-stage schedule: it needs vp >= 2, got vp={vp}")
+
+
+def layers_per_stage(num_layers: int, num_stages: int, first: Optional[int] = None,
+                     last: Optional[int] = None) -> List[int]:
+    """Number of layers of each global stage: an even split, or ``first`` / ``last`` layers on the first /
+    last stage and an even split of the rest (Megatron's ``num_layers_in_first/last_pipeline_stage``).
+
+    Raises:
+        ValueError: the layers do not split as asked (naming the numbers).
+    """
+    if num_stages == 1:
+        return [num_layers]
+    fixed = {}
+    if first is not None:
+        fixed[0] = first
+    if last is not None:
+        fixed[num_stages - 1] = last
+    rest_layers = num_layers - sum(fixed.values())
+    rest_stages = num_stages - len(fixed)
+    if any(n < 0 for n in fixed.values()) or rest_layers < 0:
+        raise ValueError(
+            f"num_layers_in_first/last_pipeline_stage={first}/{last} leave {rest_layers} of num_layers={num_layers}"
+        )
+    if rest_stages == 0:
+        if rest_layers != 0:
+            raise ValueError(f"first+last stage layers {first}+{last} != num_layers={num_layers}")
+        return [fixed[0], fixed[num_stages - 1]]
+    if rest_layers % rest_stages != 0:
+        if not fixed:
+            raise ValueError(
+                f"num_layers={num_layers} is not divisible by the {num_stages} pipeline stages (pp*vp): set "
+                f"num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for an uneven split"
+            )
+        raise ValueError(
+            f"after num_layers_in_first/last_pipeline_stage={first}/{last}, the remaining {rest_layers} layers "
+            f"do not divide over the other {rest_stages} stages"
+        )
+    per = rest_layers // rest_stages
+    return [fixed.get(i, per) for i in range(num_stages)]
+
+
+def stage_placement(pp: int, vp: int, v_shape: bool) -> List[List[int]]:
+    """Global stage indices held by each pipeline rank, in the rank's chunk order."""
+    if v_shape:
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[v * pp + r for v in range(vp)] for r in range(pp)]
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a GPT-layout model, sharing (not copying) the model's submodules.
+
+    Input: token ids ``[b, s]`` on the first stage, else hidden ``[s(/tp under SP), b, h]``. Output: hidden
+    of the same shape, or logits ``[s, b, V_pad/tp]`` on the last stage.
+    """
+
+    def __init__(self, model: nn.Module, layer_keys: Sequence[str], is_first: bool, is_last: bool,
+                 tp_size: int) -> None:
+        super().__init__()
+        self.is_first, self.is_last = is_first, is_last
+        self.embedding = model.embedding if is_first else None
+        self.layers = nn.ModuleDict({k: model.decoder.layers[k] for k in layer_keys})
+        self.final_layernorm = model.decoder.final_layernorm if is_last else None
+        self.output_layer = model.output_layer if is_last else None
+        tied = is_last and getattr(model.output_layer, "weight", None) is None
+        self.tied_word_embeddings = model.embedding.word_embeddings if tied and not is_first else None
+        object.__setattr__(self, "_model", model)  # not a submodule: only this stage's parts are registered
+        self.tp_size = tp_size
+        self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+        self.position_ids: Callable[[], Optional[Tensor]] = lambda: None
+
+    def forward(self, x: Tensor) -> Tensor:
+        model = self._model
+        with self.forward_context():
+            position_ids = self.position_ids()
+            if self.is_first:
+                pos = model.positions(x, position_ids)
+                x = model.embed(x, pos)
+            elif position_ids is not None:
+                pos = position_ids.t()
+            else:
+                s = x.shape[0] * (self.tp_size if getattr(model, "sequence_parallel", False) else 1)
+                pos = torch.arange(s, device=x.device).unsqueeze(1).expand(s, x.shape[1])
+            rotary = model.rotary(pos, x)
+            for layer in self.layers.values():
+                x = layer(x, rotary)
+            if self.is_last:
+                return model.head(x)
+            return x
+
+
+def split_model(model: nn.Module, pp_rank: int, pp: int, vp: int, schedule: str, tp_size: int,
+                num_layers_in_first: Optional[int] = None,
+                num_layers_in_last: Optional[int] = None) -> Tuple[List[PipelineStageModule], List[int], int]:
+    """Prune ``model`` in place to pipeline rank ``pp_rank``'s layers and build its stage modules.
+
+    Returns ``(stage modules in chunk order, their global stage indices, number of global stages)``.
+    Layers of other stages are deleted; ``embedding`` is kept only where stage 0 lives (and, for tied
+    embeddings, where the last stage lives), ``final_layernorm`` / ``output_layer`` only on the last stage.
+    """
+    num_stages = pp * vp
+    keys = list(model.decoder.layers.keys())
+    counts = layers_per_stage(len(keys), num_stages, num_layers_in_first, num_layers_in_last)
+    bounds = [sum(counts[:i]) for i in range(num_stages + 1)]
+    mine = stage_placement(pp, vp, schedule in V_SHAPE_SCHEDULES)[pp_rank]
+    stages = [
+        PipelineStageModule(model, keys[bounds[g]:bounds[g + 1]], g == 0, g == num_stages - 1, tp_size)
+        for g in mine
+    ]
+    kept = {k for st in stages for k in st.layers.keys()}
+    for k in keys:
+        if k not in kept:
+            del model.decoder.layers[k]
+    holds_first = any(st.is_first for st in stages)
+    holds_last = any(st.is_last for st in stages)
+    tied = getattr(model.output_layer, "weight", None) is None
+    if not holds_first:
+        if holds_last and tied:
+            model.embedding.position_embeddings = None  # the last stage only needs the word embeddings
+        else:
+            model.embedding = None
+    if not holds_last:
+        model.decoder.final_layernorm = None
+        model.output_layer = None
+    return stages, mine, num_stages
+
+
+@dataclass
+class Microbatches:
+    """The micro-batches of one optimizer step, as the loss function and the stages read them."""
+
+    batches: List[Dict[str, Tensor]]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def stacked(self, key: str) -> Tensor:
+        return torch.cat([b[key] for b in self.batches], dim=0)
+
+
+def build_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable) -> Any:
+    """The ``torch.distributed.pipelining`` schedule object (grads averaged over micro-batches once)."""
+    from torch.distributed import pipelining as P
+
+    classes = {
+        "gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B, "interleaved_1f1b": P.ScheduleInterleaved1F1B,
+        "looped_bfs": P.ScheduleLoopedBFS, "interleaved_zero_bubble": P.ScheduleInterleavedZeroBubble,
+        "zbv": P.ScheduleZBVZeroBubble, "dualpipev": getattr(P, "ScheduleDualPipeV", None),
+    }
+    cls = classes[schedule]
+    if cls is None:
+        raise ValueError(f"pipeline_schedule={schedule!r} needs a newer torch (no ScheduleDualPipeV in {torch.__version__})")
+    try:
+        if schedule in SINGLE_STAGE_SCHEDULES:
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} cannot run {n_microbatches} micro-batches per step on these stages "
+            f"({e}). The micro-batches per optimizer step come from Trainer(accumulate_grad_batches=...)"
+        ) from e
+
+
+def min_microbatches(schedule: str, pp: int) -> int:
+    """Fewest micro-batches per step a schedule needs (torch's rules, checked early with a clear error)."""
+    return 1 if schedule == "gpipe" else pp
+
+
+class PipelineRunner:
+    """Runs training steps (a schedule) and forward-only passes over this rank's pipeline stages.
+
+    Args:
+        stage_modules: this rank's :class:`PipelineStageModule` s (possibly DDP-wrapped, in ``train_modules``).
+        stage_indices: their global stage indices; ``num_stages``: ``pp*vp``.
+        pp_group: the pipeline group; ``pp_ranks``: its global ranks (index = pipeline rank).
+        schedule: a name in :data:`SCHEDULE_NAMES`; ``device``: where activations live.
+    """
+
+    def __init__(self, stage_modules: List[PipelineStageModule], train_modules: List[nn.Module],
+                 stage_indices: List[int], num_stages: int, pp_group: dist.ProcessGroup, pp_ranks: List[int],
+                 schedule: str, device: torch.device, v_shape: bool) -> None:
+        self.stage_modules, self.train_modules = stage_modules, train_modules
+        self.stage_indices, self.num_stages = stage_indices, num_stages
+        self.pp_group, self.pp_ranks = pp_group, pp_ranks
+        self.pp = len(pp_ranks)
+        self.schedule_name, self.device, self.v_shape = schedule, device, v_shape
+        self._schedules: Dict[int, Any] = {}
+        self._pipeline_stages: Optional[list] = None
+        self._loss_fn: Optional[Callable] = None
+        self._position_ids: List[Optional[Tensor]] = []
+        self._forward_counts = [0] * len(stage_modules)
+        for i, module in enumerate(stage_modules):
+            module.position_ids = self._position_provider(i)
+
+    # ---- placement
+    def holder(self, global_stage: int) -> int:
+        """Global rank holding ``global_stage``."""
+        placement = stage_placement(self.pp, self.num_stages // self.pp, self.v_shape)
+        for r, stages in enumerate(placement):
+            if global_stage in stages:
+                return self.pp_ranks[r]
+        raise ValueError(global_stage)
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.holder(self.num_stages - 1)
+
+    @property
+    def holds_last(self) -> bool:
+        return (self.num_stages - 1) in self.stage_indices
+
+    def _position_provider(self, i: int) -> Callable[[], Optional[Tensor]]:
+        def provide() -> Optional[Tensor]:
+            if not self._position_ids:
+                return None
+            n = len(self._position_ids)
+            value = self._position_ids[self._forward_counts[i] % n]
+            self._forward_counts[i] += 1
+            return value
+
+        return provide
+
+    def _set_positions(self, position_ids: List[Optional[Tensor]]) -> None:
+        self._position_ids = [] if all(p is None for p in position_ids) else list(position_ids)
+        self._forward_counts = [0] * len(self.stage_modules)
+
+    # ---- training
+    def _schedule(self, n_microbatches: int) -> Any:
+        if n_microbatches < min_microbatches(self.schedule_name, self.pp):
+            raise ValueError(
+                f"pipeline_schedule={self.schedule_name!r} with pp={self.pp} needs at least "
+                f"{min_microbatches(self.schedule_name, self.pp)} micro-batches per optimizer step, got "
+                f"{n_microbatches}: set Trainer(accumulate_grad_batches>={min_microbatches(self.schedule_name, self.pp)})"
+            )
+        if n_microbatches not in self._schedules:
+            if self._pipeline_stages is None:
+                from torch.distributed.pipelining import PipelineStage
+
+                self._pipeline_stages = [
+                    PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
+                    for module, index in zip(self.train_modules, self.stage_indices)
+                ]
+            self._schedules[n_microbatches] = build_schedule(
+                self.schedule_name, self._pipeline_stages, n_microbatches, self._call_loss
+            )
+        return self._schedules[n_microbatches]
+
+    def _call_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, int(target[0]))
+
+    def train_step(self, tokens: Tensor, position_ids: List[Optional[Tensor]],
+                   loss_fn: Callable[[Tensor, int], Tensor]) -> None:
+        """Forward and backward of all micro-batches (``tokens [M*b, s]``, M = ``len(position_ids)``).
+
+        ``loss_fn(last-stage output, microbatch index)`` returns the loss to differentiate; the schedule
+        divides gradients by M once.
+        """
+        n = len(position_ids)
+        b = tokens.shape[0] // n
+        schedule = self._schedule(n)
+        self._loss_fn = loss_fn
+        self._set_positions(position_ids)
+        target = torch.arange(n).repeat_interleave(b)  # per-row micro-batch index, split like the inputs
+        schedule.step(tokens, target=target, losses=[])
+        self._set_positions([])
+
+    # ---- forward only (validation / test / predict)
+    @torch.no_grad()
+    def forward_only(self, tokens: Tensor, position_ids: Optional[Tensor], hidden_size: int,
+                     sequence_parallel: bool, tp_size: int, dtype: torch.dtype) -> Optional[Tensor]:
+        """Run one batch through every stage in order (blocking send/recv between ranks).
+
+        Returns the last stage's output (logits ``[s, b, V_pad/tp]``) on the rank holding it, else None.
+        """
+        self._set_positions([position_ids])
+        me = dist.get_rank()
+        s, b = tokens.shape[1], tokens.shape[0]
+        hidden_shape = (s // tp_size if sequence_parallel else s, b, hidden_size)
+        x: Optional[Tensor] = None
+        result = None
+        for g in range(self.num_stages):
+            owner = self.holder(g)
+            if owner != me:
+                continue
+            module = self.stage_modules[self.stage_indices.index(g)]
+            self._forward_counts = [0] * len(self.stage_modules)
+            if g == 0:
+                inp = tokens
+            elif self.holder(g - 1) == me:
+                inp = x
+            else:
+                inp = torch.empty(hidden_shape, dtype=dtype, device=self.device)
+                dist.recv(inp, src=self.holder(g - 1))
+            x = module(inp)
+            if g == self.num_stages - 1:
+                result = x
+            elif self.holder(g + 1) != me:
+                dist.send(x.contiguous(), dst=self.holder(g + 1))
+        self._set_positions([])
+        return result
+
+    def broadcast_from_last(self, t: Tensor) -> Tensor:
+        """Broadcast ``t`` (same shape everywhere) from the last stage's rank over the pipeline group."""
+        t = t.contiguous()  # a collective sends the storage as laid out: a transposed view would scramble
+        dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
+        return t

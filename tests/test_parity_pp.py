@@ -1,0 +1,167 @@
+"""End-to-end numerics of pipeline parallelism: MegatronStrategy(pp=...) under the real Trainer against the
+single-process run of the same model, data and optimizer (loss per optimizer step and final weights)."""
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from tests._dist import run_distributed
+from tests.parity import (
+    SEED,
+    ListDataset,
+    assert_state_close,
+    make_samples,
+    new_module,
+    reference_loop,
+    tiny_config,
+    trainer_for,
+)
+
+STEPS = 3
+
+
+class StepLossRecorder(pl.Callback):
+    """``train_loss`` at the last micro-batch of each optimizer step (where the pipeline step runs)."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate, self.losses = accumulate, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.accumulate == 0:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def pp_run(rank: int, world: int, cfg, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,
+           accumulate: int, clip: Optional[float]) -> Dict[str, Any]:
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, STEPS)
+    recorder = StepLossRecorder(accumulate)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), STEPS, callbacks=[recorder],
+                          gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
+    state = trainer.strategy.lightning_module_state_dict()
+    return {"losses": recorder.losses, "state": state if rank == 0 else None}
+
+
+CASES = {
+    # id: (world, strategy kwargs, config overrides, micro-batches per step, clip)
+    "pp2-1f1b": (2, dict(pp=2), {}, 4, None),
+    "pp2-gpipe-clip": (2, dict(pp=2, pipeline_schedule="gpipe"), {}, 2, 0.05),
+    "pp4-1f1b": (4, dict(pp=4), dict(num_layers=4), 4, None),
+    "pp4-gpipe": (4, dict(pp=4, pipeline_schedule="gpipe"), dict(num_layers=4), 4, None),
+    "pp2-vp2-interleaved": (2, dict(pp=2, vp=2), dict(num_layers=4), 4, 0.05),
+    "pp2-zbv": (2, dict(pp=2, vp=2, pipeline_schedule="zbv"), dict(num_layers=4), 4, None),
+    "pp2-uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), dict(num_layers=3), 2, None),
+    "pp2-tied": (2, dict(pp=2), dict(untie_embeddings_and_output_weights=False), 2, 0.05),
+    "tp2xpp2-sp": (4, dict(tp=2, pp=2, sequence_parallel=True), dict(num_query_groups=4), 2, 0.05),
+    "tp2xpp2xdp2": (8, dict(tp=2, pp=2, sequence_parallel=True), dict(num_query_groups=4), 2, 0.05),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_matches_single_process(case):
+    world, kwargs, overrides, accumulate, clip = CASES[case]
+    cfg = tiny_config(**overrides)
+    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+    micro_batch = 2
+    global_batch = micro_batch * dp
+    samples = make_samples(cfg, STEPS * accumulate * global_batch)
+    ref = reference_loop(cfg, samples, STEPS, global_batch, clip, accumulate=accumulate)
+    ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(STEPS)]
+    results = run_distributed(pp_run, world, cfg, kwargs, samples, micro_batch, accumulate, clip)
+    for r in results:
+        assert len(r["losses"]) == STEPS, r["losses"]
+        for got, want in zip(r["losses"], ref_steps):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
+    assert_state_close(results[0]["state"], ref["state"])
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def save_under(rank, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, path):
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, STEPS)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), 2, accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch))
+    trainer.save_checkpoint(path)
+    return None
+
+
+def test_pp_checkpoint_holds_full_state(tmp_path):
+    """A checkpoint saved under tp=2 x pp=2 (tied embeddings) holds the full single-process state: weights and
+    Adam moments of every stage, keyed by name, the tied embedding once."""
+    cfg = tiny_config(num_query_groups=4, untie_embeddings_and_output_weights=False)
+    accumulate, micro_batch = 2, 2
+    samples = make_samples(cfg, STEPS * accumulate * micro_batch)
+    ref = reference_loop(cfg, samples, STEPS, micro_batch, accumulate=accumulate, stop_after=2)
+    path = str(tmp_path / "pp.ckpt")
+    run_distributed(save_under, 4, cfg, dict(tp=2, pp=2), samples, micro_batch, accumulate, path)
+    ckpt = torch.load(path, weights_only=False, map_location="cpu")
+    assert_state_close(ckpt["state_dict"], ref["state"])
+    named = dict(ref["module"].named_parameters())
+    opt = ckpt["optimizer_states"][0]
+    assert sorted(opt["state"]) == sorted(named)
+    flat = [n for g in opt["param_groups"] for n in g["params"]]
+    assert sorted(flat) == sorted(named) and len(flat) == len(set(flat))
+    want = ref["optimizer"]["state"]
+    want_names = [n for n, p in named.items() if p.dim() >= 2] + [n for n, p in named.items() if p.dim() < 2]
+    for index, values in want.items():
+        assert_state_close({"m": opt["state"][want_names[index]]["exp_avg"]}, {"m": values["exp_avg"]})
+
+
+# ------------------------------------------------------------------------------------------ predict
+def predict_under(rank, world, cfg, strategy_kwargs, samples):
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, 1)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), 1)
+    out = trainer.predict(module, DataLoader(ListDataset(samples), batch_size=len(samples)))
+    return out[0]
+
+
+def test_predict_under_pp2_matches_single_process():
+    cfg = tiny_config()
+    samples = make_samples(cfg, 4)
+    ref = reference_loop(cfg, samples, 1, 4, stop_after=0)["module"]
+    from tests.parity import collate
+
+    batch = collate(samples)
+    with torch.no_grad():
+        ref.eval()
+        want = ref(batch["tokens"], batch["position_ids"], batch["labels"])
+    for got in run_distributed(predict_under, 2, cfg, dict(pp=2, pipeline_schedule="gpipe"), samples):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def fit_expecting_error(rank, world, cfg, strategy_kwargs, accumulate):
+    pl.seed_everything(SEED, verbose=False)
+    samples = make_samples(cfg, 8)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), 1, accumulate_grad_batches=accumulate)
+    try:
+        trainer.fit(new_module(cfg, 1), DataLoader(ListDataset(samples), batch_size=2))
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("overrides,kwargs,accumulate,pattern", [
+    (dict(num_layers=3), dict(pp=2), 2, "num_layers=3 is not divisible by the 2 pipeline stages"),
+    (dict(num_layers=4), dict(pp=2, vp=4), 2, "num_layers=4 is not divisible by the 8 pipeline stages"),
+    (dict(), dict(pp=2), 1, "needs at least 2 micro-batches per optimizer step, got 1"),
+], ids=["layers-not-divisible", "layers-not-divisible-vp", "too-few-microbatches"])
+def test_pipeline_errors(overrides, kwargs, accumulate, pattern):
+    messages = run_distributed(fit_expecting_error, 2, tiny_config(**overrides), kwargs, accumulate)
+    assert any(pattern in m for m in messages), messages
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(pp=2, vp=2, pipeline_schedule="1f1b"), "runs one stage per rank but vp=2"),
+    (dict(pp=2, pipeline_schedule="zbv"), "needs vp=2"),
+    (dict(pp=2, pipeline_schedule="interleaved_1f1b"), "needs vp >= 2"),
+    (dict(pp=2, pipeline_schedule="pipedream"), "is not one of"),
+])
+def test_unsupported_schedule_combinations(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MegatronStrategy(**kwargs)
