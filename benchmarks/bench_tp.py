@@ -74,25 +74,31 @@ class StepTimer(pl.Callback):
 
 
 def run_ours(args) -> None:
-    cfg = GPTConfig.llama_1b_bench()
+    cfg = GPTConfig.llama_1b_bench() if args.model == "bench" else GPTConfig.tiny(num_layers=4)
     ColumnParallelLinear.recompute_input_gather = args.recompute_gather
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
-    timer = StepTimer()
+    acc = args.accumulate
+    timer = StepTimer(4 * acc, 14 * acc) if acc == 1 else StepTimer(2 * acc, 7 * acc)
     module = ParallelGPTModule(cfg, lr=1e-4, weight_decay=0.0, lr_decay_style="constant")
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=MegatronStrategy(tp=args.tp, sequence_parallel=args.sp),
-                         precision="bf16-mixed", max_steps=timer.stop, logger=False, enable_checkpointing=False,
+    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, sequence_parallel=args.sp,
+                                pipeline_schedule=args.schedule)
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
+                         precision="bf16-mixed", max_steps=timer.stop // acc, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2, pin_memory=True))
     if trainer.global_rank == 0:
-        dp = world // args.tp
-        steps = timer.stop - timer.start
+        dp = world // (args.tp * args.pp)
+        steps = timer.stop - timer.start  # micro-batches (Lightning batches) timed
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
         tflops = tok_per_gpu * flops_per_token(cfg)
-        print(json.dumps(dict(name=f"lightning-megatron-tp{args.tp}{'-sp' if args.sp else ''}{'-regather' if args.recompute_gather else ''}-{world}gpu",
+        layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
+        layout += f"-{args.schedule}" if args.schedule else ""
+        layout += f"-m{acc}" if acc > 1 else ""
+        print(json.dumps(dict(name=f"lightning-megatron-{layout}{'-sp' if args.sp else ''}{'-regather' if args.recompute_gather else ''}-{world}gpu",
                               tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
-                              mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * 1e3, 1),
+                              mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * acc * 1e3, 1),
                               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
                               loss=round(timer.losses[-1], 4))), flush=True)
 
@@ -117,13 +123,24 @@ def run_check(args) -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
     p = argparse.ArgumentParser()
     p.add_argument("arm", choices=["ours", "check"])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vp", type=int, default=None)
+    p.add_argument("--schedule", default=None)
+    p.add_argument("--model", default="bench", choices=["bench", "tiny"], help="tiny: a CPU smoke test of the script")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accelerator", default="gpu")
     p.add_argument("--recompute-gather", action="store_true", help="SP: all-gather the input again in backward")
+    p.add_argument("--watchdog", type=float, default=300.0,
+                   help="seconds after which every process prints its Python stacks and exits (0: off)")
     a = p.parse_args()
+    if a.watchdog > 0:  # a hung collective then shows where each rank waits instead of eating the device time
+        faulthandler.dump_traceback_later(a.watchdog, exit=True)
     {"ours": run_ours, "check": run_check}[a.arm](a)

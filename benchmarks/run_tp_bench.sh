@@ -5,7 +5,7 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 LOG=${OUT:-/tmp}/tp_bench.log
-run() { echo "### $*" | tee -a "$LOG"; "$@" 2>&1 | grep -E '^\{|Error|error|Traceback' | tee -a "$LOG"; }
+run() { echo "### $*" | tee -a "$LOG"; timeout -k 10 ${ARM_TIMEOUT:-330} "$@" 2>&1 | grep -E '^\{|Error|error|Traceback|^Thread|^  File' | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$LOG"
 ARMS=${ARMS:-"check ours peers"}
@@ -24,6 +24,10 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2
       run python3 benchmarks/peer_x2.py tp2 ;;
+    pp)
+      run python3 benchmarks/bench_tp.py ours --accumulate 8
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --accumulate 8
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --vp 2 --accumulate 8 ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

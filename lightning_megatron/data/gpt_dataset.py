@@ -63,6 +63,7 @@ SPLIT_NAMES: tuple[str, str, str] = ("train", "valid", "test")
 _BLEND_SURPLUS = 0.005
 # A last epoch needed for fewer than this fraction of an epoch's samples is shuffled on its own.
 _SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
+_INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
 # ============================================================================ splits
@@ -253,6 +254,7 @@ def build_sample_index(
     out = np.empty((num_samples + 1, 2), dtype=np.int64 if big else np.int32)
     out[:, 0] = doc_pos
     out[:, 1] = offsets
+    out[0] = 0  # Megatron always starts at (0, 0), even when the first document is empty
     return out
 
 
@@ -388,7 +390,7 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
 
     def _load_or_build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         paths = self.cache_paths()
-        names = ("document_index", "sample_index", "shuffle_index")
+        names = _INDEX_NAMES
         if paths is not None and all(paths[n].is_file() for n in names):
             try:
                 loaded = tuple(np.load(paths[n], mmap_mode="r", allow_pickle=False) for n in names)
@@ -433,6 +435,21 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
             shuffle_index = build_shuffle_index(total, total, rng)
         self.num_epochs = num_epochs
         return document_index, sample_index, shuffle_index
+
+    def __getstate__(self) -> dict[str, Any]:
+        # For spawned DataLoader workers: send cache paths instead of copying memory-mapped indices.
+        state = self.__dict__.copy()
+        paths = self.cache_paths()
+        if paths is not None and all(isinstance(state[n], np.memmap) for n in _INDEX_NAMES):
+            for n in _INDEX_NAMES:
+                state[n] = str(paths[n])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for n in _INDEX_NAMES:
+            if isinstance(state[n], str):
+                state[n] = np.load(state[n], mmap_mode="r", allow_pickle=False)
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
