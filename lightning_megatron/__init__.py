@@ -1,4 +1,5 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
+from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floating_point_operations
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.module import ParallelGPTModule
@@ -29,4 +30,7 @@ __all__ = [
     "TensorParallelRNG",
     "apply_tp",
     "vocab_parallel_cross_entropy",
+    "MFUMonitor",
+    "num_floating_point_operations",
+    "flops_per_token",
 ]
