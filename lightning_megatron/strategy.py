@@ -9,6 +9,7 @@ tensors, so they load under any tp/dp layout.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from datetime import timedelta
@@ -66,7 +67,7 @@ class MegatronStrategy(DDPStrategy):
 
     Args:
         tp: tensor-model-parallel size. pp, vp, cp, ep, etp: pipeline / virtual / context / expert sizes
-            (pp, cp, ep > 1 are not implemented yet and raise).
+            (ep > 1 is not implemented yet and raises).
         sequence_parallel: Megatron's sequence parallelism (needs tp > 1; warns and disables otherwise).
         cp_comm_type, hierarchical_context_parallel_sizes: context-parallel attention options (Megatron's).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
@@ -107,7 +108,7 @@ class MegatronStrategy(DDPStrategy):
             tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
             cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         )
-        pending = {"cp": cp, "ep": ep}
+        pending = {"ep": ep}
         for name, size in pending.items():
             if size > 1:
                 raise NotImplementedError(
@@ -213,6 +214,8 @@ class MegatronStrategy(DDPStrategy):
         if cfg.tp > 1:
             for target in targets:
                 apply_tp(target, self.mesh.group("tp"), cfg.sequence_parallel, tp_fork=self.tp_rng.fork)
+        if cfg.cp > 1:
+            self._apply_context_parallel(targets)
         if cfg.pp > 1:
             self._split_pipeline(targets)
         self._sp_owners = defer_sequence_parallel_grad_reduce(module) if cfg.sequence_parallel else []
@@ -227,6 +230,52 @@ class MegatronStrategy(DDPStrategy):
         }
         self._resolve_tied_embedding()
         return module
+
+    # ------------------------------------------------------------------ context parallel
+    def _apply_context_parallel(self, targets: List[nn.Module]) -> None:
+        """Route each model's core attention through context-parallel attention over the CP group."""
+        if not targets or not all(hasattr(t, "set_context_parallel") for t in targets):
+            raise ValueError(
+                f"cp={self.parallel_config.cp} needs a model with set_context_parallel(attention_for_layer) "
+                "(as lightning_megatron.GPTModel)"
+            )
+        for target in targets:
+            target.set_context_parallel(self._context_parallel_attention_for)
+
+    def _context_parallel_attention_for(self, layer: int) -> Callable[..., torch.Tensor]:
+        from lightning_megatron.parallel.context_parallel import context_parallel_attention
+
+        assert self.mesh is not None
+        types = self.parallel_config.cp_comm_type
+        comm_type = types if isinstance(types, str) else types[layer]
+        inner = self.mesh.group("cp_inner") if comm_type == "a2a+p2p" else None
+        outer = self.mesh.group("cp_outer") if comm_type == "a2a+p2p" else None
+        return functools.partial(context_parallel_attention, group=self.mesh.group("cp"), comm_type=comm_type,
+                                 inner_group=inner, outer_group=outer)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence.
+
+        ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` ``[b, s]`` are cut into ``2*cp`` chunks along
+        ``s`` and CP rank ``r`` keeps chunks ``r`` and ``2*cp-1-r``; ``position_ids`` (made ``arange(s)`` when
+        absent) keep the true positions for RoPE. Data modules stay unchanged; hooks after this see the split.
+        """
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        cfg = self.parallel_config
+        if cfg.cp == 1 or not isinstance(batch, dict) or "tokens" not in batch:
+            return batch
+        from lightning_megatron.parallel.context_parallel import zigzag_split
+
+        assert self.mesh is not None
+        cp, rank = cfg.cp, self.mesh.rank("cp")
+        tokens = batch["tokens"]
+        split = dict(batch)
+        if split.get("position_ids") is None:
+            split["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            if isinstance(split.get(key), torch.Tensor):
+                split[key] = zigzag_split(split[key], cp, rank, dim=1)
+        return split
 
     # ------------------------------------------------------------------ pipeline parallel
     def _split_pipeline(self, targets: List[nn.Module]) -> None:

@@ -186,6 +186,7 @@ class MFUMonitor(Callback):
         self.peak_flops: Optional[float] = None
         self._model_config: Any = None
         self._dp = 1
+        self._cp = 1
         self._world_size = 1
         self._every = 1
         self._device = torch.device("cpu")
@@ -211,6 +212,9 @@ class MFUMonitor(Callback):
             raise ValueError("MFUMonitor needs the model shape: give MFUMonitor(config=...) or set pl_module.config")
         self._model_config = config
         self._dp = max(1, _data_parallel_size(trainer))
+        mesh = getattr(trainer.strategy, "mesh", None)
+        # under context parallelism each rank's batch holds s/cp tokens of every sequence
+        self._cp = int(mesh.size("cp")) if mesh is not None and hasattr(mesh, "size") else 1
         self._world_size = int(trainer.world_size)
         self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         self._device = trainer.strategy.root_device
@@ -256,15 +260,15 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ counting
     def batch_shape(self, batch: Any) -> Optional[Tuple[int, int]]:
-        """``(micro_batch, seq_length)`` of this rank's batch, or None if it has no token tensor (override
-        for other batch formats)."""
+        """``(micro_batch, seq_length)`` of this rank's batch (the full sequence length: a context-parallel
+        rank's ``s/cp`` times cp), or None if it has no token tensor (override for other batch formats)."""
         tokens = batch
         if isinstance(batch, dict):
             tokens = batch.get("tokens", batch.get("input_ids"))
         elif isinstance(batch, (tuple, list)) and batch:
             tokens = batch[0]
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
-            return int(tokens.shape[0]), int(tokens.shape[1])
+            return int(tokens.shape[0]), int(tokens.shape[1]) * getattr(self, "_cp", 1)
         return None
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,

@@ -101,6 +101,9 @@ class SelfAttention(nn.Module):
         self.linear_qkv = nn.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear)
         self.linear_proj = nn.Linear(c.num_attention_heads * c.kv_channels, c.hidden_size, bias=c.add_bias_linear)
         self.tp_fork: RngFork = _null_fork
+        # Context parallel (set by the strategy): ``(q, k, v) -> out`` over the CP group, inputs
+        # ``[b, n, s/cp, d]`` holding the load-balanced (zigzag) chunks of the sequence.
+        self.context_parallel_attention: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape."""
@@ -116,7 +119,12 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         with self.tp_fork():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
+            if self.context_parallel_attention is not None:
+                if dropout > 0.0:
+                    raise NotImplementedError("attention_dropout > 0 is not supported with context parallelism yet")
+                out = self.context_parallel_attention(q, k, v)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(out)
 
@@ -263,6 +271,11 @@ class GPTModel(nn.Module):
                 "decoder.final_layernorm": SequenceParallelNorm(),
             })
         return plan
+
+    def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[[Tensor, Tensor, Tensor], Tensor]]) -> None:
+        """Route every layer's core attention through ``attention_for_layer(global layer index)`` (CP)."""
+        for key, layer in self.decoder.layers.items():
+            layer.self_attention.context_parallel_attention = attention_for_layer(int(key))
 
     def set_tensor_parallel(self, group: Group, sequence_parallel: bool,
                             tp_fork: Optional[RngFork] = None) -> None:

@@ -147,6 +147,11 @@ class ParallelConfig:
                 "give one string, or one per layer"
             )
         seq = getattr(model_config, "seq_length", None)
+        if self.cp > 1 and seq is not None:
+            chunks = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+            if seq % chunks != 0:
+                rule = "2*cp*tp (load-balanced CP chunks, each split over tp by SP)" if self.sequence_parallel else "2*cp (load-balanced CP chunks)"
+                raise ValueError(f"seq_length={seq} is not divisible by {rule} = {chunks}")
         if self.sequence_parallel and seq is not None and seq % self.tp != 0:
             raise ValueError(
                 f"seq_length={seq} is not divisible by tp={self.tp}: sequence parallelism splits the "

@@ -43,6 +43,8 @@ class ParallelMesh:
         self._groups.update({d: self.expert.get_group(d) for d in ("edp", "ep", "etp")})
         self._groups["dp_cp"] = self.dp_cp_mesh.get_group()
         self._groups["embedding"] = self._new_embedding_group(world.view(c.pp, -1))
+        if c.cp > 1 and c.hierarchical_context_parallel_sizes:
+            self._groups.update(self._new_hierarchical_cp_groups(world.view(c.pp, c.dp, c.cp, c.tp)))
         self._coords = dict(zip(DENSE_DIMS, self.dense.get_coordinate()))
         self._coords.update(zip(EXPERT_DIMS, self.expert.get_coordinate()))
 
@@ -61,8 +63,26 @@ class ParallelMesh:
                 mine = group
         return mine
 
+    def _new_hierarchical_cp_groups(self, grid: torch.Tensor) -> Dict[str, dist.ProcessGroup]:
+        """``cp_inner`` / ``cp_outer`` for ``cp_comm_type="a2a+p2p"``: each CP group cut into consecutive
+        inner groups of ``hierarchical_context_parallel_sizes[0]`` ranks (all-to-all) and strided outer groups
+        across them (ring). Every rank takes part in creating every group."""
+        inner_size = self.config.hierarchical_context_parallel_sizes[0]
+        rank = dist.get_rank()
+        mine: Dict[str, dist.ProcessGroup] = {}
+        for cp_ranks in grid.permute(0, 1, 3, 2).reshape(-1, self.config.cp).tolist():
+            inner = [cp_ranks[i:i + inner_size] for i in range(0, len(cp_ranks), inner_size)]
+            outer = [cp_ranks[j::inner_size] for j in range(inner_size)]
+            for name, groups in (("cp_inner", inner), ("cp_outer", outer)):
+                for ranks in groups:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[name] = group
+        return mine
+
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
-        """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, embedding``)."""
+        """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, embedding``, and
+        ``cp_inner`` / ``cp_outer`` with hierarchical context parallelism)."""
         return self._groups[name]
 
     def size(self, name: str) -> int:

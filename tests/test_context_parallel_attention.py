@@ -1,0 +1,185 @@
+"""Context-parallel attention against full causal SDPA (cp=2 and cp=4, every comm type, GQA).
+
+One spawned gloo run of 4 real processes computes every case: cp=2 uses the groups [0, 1] and [2, 3], cp=4 the
+whole world; ``a2a+p2p`` at cp=4 uses inner (a2a) groups [0, 1], [2, 3] and outer (ring) groups [0, 2], [1, 3].
+Every rank builds the same global q, k, v and upstream gradient, runs ``F.scaled_dot_product_attention(...,
+is_causal=True, enable_gqa=True)`` on the full sequence, and the CP attention on its zigzag shard (chunks r and
+2cp-1-r, cut here with index arithmetic independent of the library). The worker returns the max abs error of
+the output and of dq, dk, dv per case; the tests compare in the main process.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests._dist import init_gloo, run_distributed
+
+WORLD = 4
+B, S, D = 2, 16, 8  # S divisible by 2 * 4
+
+# (name, cp, comm_type, n_q, n_kv, hierarchical sizes (inner, outer) or None, causal, dtype)
+CASES = [
+    ("cp2-p2p", 2, "p2p", 4, 2, None, True, torch.float64),
+    ("cp2-all_gather", 2, "all_gather", 4, 2, None, True, torch.float64),
+    ("cp2-a2a", 2, "a2a", 4, 2, None, True, torch.float64),
+    ("cp2-a2a+p2p-1x2", 2, "a2a+p2p", 4, 2, (1, 2), True, torch.float64),
+    ("cp2-a2a+p2p-2x1", 2, "a2a+p2p", 4, 2, (2, 1), True, torch.float64),
+    ("cp4-p2p", 4, "p2p", 4, 2, None, True, torch.float64),
+    ("cp4-p2p-mha", 4, "p2p", 4, 4, None, True, torch.float64),
+    ("cp4-p2p-fp32", 4, "p2p", 4, 2, None, True, torch.float32),
+    ("cp4-p2p-noncausal", 4, "p2p", 4, 2, None, False, torch.float64),
+    ("cp4-all_gather", 4, "all_gather", 4, 2, None, True, torch.float64),
+    ("cp4-all_gather-noncausal", 4, "all_gather", 4, 2, None, False, torch.float64),
+    ("cp4-a2a", 4, "a2a", 8, 4, None, True, torch.float64),
+    ("cp4-a2a+p2p-2x2", 4, "a2a+p2p", 4, 2, (2, 2), True, torch.float64),
+]
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def _split(t: torch.Tensor, cp: int, r: int, dim: int) -> torch.Tensor:
+    c = t.size(dim) // (2 * cp)
+    idx = torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+    return t.index_select(dim, idx)
+
+
+def _groups(world: int, size: int, strided: bool = False) -> List[List[int]]:
+    if strided:  # groups {j, j + size_inner, ...} for the outer ring
+        step = world // size
+        return [[j + i * step for i in range(size)] for j in range(step)]
+    return [list(range(i, i + size)) for i in range(0, world, size)]
+
+
+def _new_groups(ranks_list: List[List[int]], rank: int):
+    mine = None
+    for ranks in ranks_list:  # every rank creates every group
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = (g, ranks)
+    return mine
+
+
+def _worker(rank: int, world: int) -> Dict[str, object]:
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention
+
+    init_gloo(rank, world)
+    cp_groups = {2: _new_groups(_groups(world, 2), rank), 4: _new_groups(_groups(world, 4), rank)}
+    # hierarchical groups: for cp=2 blocks [0,1],[2,3]; within them inner/outer of sizes (1,2) or (2,1)
+    singles = _new_groups([[i] for i in range(world)], rank)
+    # cp=4 with (2, 2): inner [0,1],[2,3] (= the cp=2 groups), outer [0,2],[1,3]
+    outer_4 = _new_groups(_groups(world, 2, strided=True), rank)
+    hier = {(2, (1, 2)): (singles, cp_groups[2]), (2, (2, 1)): (cp_groups[2], singles),
+            (4, (2, 2)): (cp_groups[2], outer_4)}
+
+    results: Dict[str, object] = {}
+    for i, (name, cp, comm, nq, nkv, sizes, causal, dtype) in enumerate(CASES):
+        group, ranks = cp_groups[cp]
+        r = ranks.index(rank)
+        gen = torch.Generator().manual_seed(1000 + i)  # same on every rank
+        q = torch.randn(B, nq, S, D, generator=gen, dtype=dtype)
+        k = torch.randn(B, nkv, S, D, generator=gen, dtype=dtype)
+        v = torch.randn(B, nkv, S, D, generator=gen, dtype=dtype)
+        dout = torch.randn(B, nq, S, D, generator=gen, dtype=dtype)
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
+        ref.backward(dout)
+        ql, kl, vl = (_split(t, cp, r, 2).requires_grad_() for t in (q, k, v))
+        kw = {}
+        if sizes is not None:
+            inner, outer = hier[(cp, sizes)]
+            kw = dict(inner_group=inner[0], outer_group=outer[0])
+        out = context_parallel_attention(ql, kl, vl, group, comm_type=comm, causal=causal, **kw)
+        out.backward(_split(dout, cp, r, 2))
+        results[name] = {
+            "out": (out - _split(ref.detach(), cp, r, 2)).abs().max().item(),
+            "dq": (ql.grad - _split(qf.grad, cp, r, 2)).abs().max().item(),
+            "dk": (kl.grad - _split(kf.grad, cp, r, 2)).abs().max().item(),
+            "dv": (vl.grad - _split(vf.grad, cp, r, 2)).abs().max().item(),
+        }
+
+    # errors (raised before any communication, identically on every rank)
+    g4 = cp_groups[4][0]
+    errors = {}
+
+    def _err(key, fn):
+        try:
+            fn()
+            errors[key] = None
+        except ValueError as e:
+            errors[key] = str(e)
+
+    x = torch.randn(1, 4, 3, D)  # s_local = 3: global 12 not divisible by 8
+    _err("seq", lambda: context_parallel_attention(x, x, x, g4))
+    y = torch.randn(1, 4, 4, D)
+    y2 = torch.randn(1, 2, 4, D)
+    _err("a2a_heads", lambda: context_parallel_attention(y, y2, y2, g4, comm_type="a2a"))  # n_kv=2 vs cp=4
+    _err("hier_sizes", lambda: context_parallel_attention(y, y, y, g4, comm_type="a2a+p2p",
+                                                          inner_group=cp_groups[2][0], outer_group=singles[0]))
+    _err("hier_missing", lambda: context_parallel_attention(y, y, y, g4, comm_type="a2a+p2p"))
+    _err("bad_comm", lambda: context_parallel_attention(y, y, y, g4, comm_type="ring"))
+    _err("gqa", lambda: context_parallel_attention(torch.randn(1, 3, 4, D), y2, y2, g4))
+    results["errors"] = errors
+
+    from lightning_megatron.parallel.context_parallel import zigzag_gather, zigzag_split
+    t = torch.arange(3 * 16 * 2).reshape(3, 16, 2).float()
+    results["gather"] = [torch.equal(zigzag_gather(zigzag_split(t, len(ranks), ranks.index(rank), 1), g, dim=1), t)
+                         for g, ranks in (cp_groups[2], cp_groups[4])]
+    # cp=1 (no group): plain causal attention on the local sequence
+    ql = torch.randn(1, 4, 6, D, dtype=torch.float64)
+    kl = torch.randn(1, 2, 6, D, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(ql, kl, kl, is_causal=True, enable_gqa=True)
+    results["cp1"] = (context_parallel_attention(ql, kl, kl, None) - ref).abs().max().item()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, WORLD, timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_full_attention(results, case):
+    name, dtype = case[0], case[-1]
+    for rank, res in enumerate(results):
+        errs = res[name]
+        for key, err in errs.items():
+            assert err < TOL[dtype], f"{name} rank {rank}: {key} max abs error {err}"
+
+
+@pytest.mark.parametrize("key,needle", [
+    ("seq", "2 * 4 = 8"),
+    ("a2a_heads", "key/value heads (2)"),
+    ("hier_sizes", "2 (inner, a2a) x 1 (outer, p2p) = 2 must equal the context-parallel size 4"),
+    ("hier_missing", "inner_group"),
+    ("bad_comm", "comm_type"),
+    ("gqa", "multiple of key/value heads"),
+])
+def test_errors(results, key, needle):
+    msg = results[0]["errors"][key]
+    assert msg is not None, f"{key}: no ValueError raised"
+    assert needle in msg, msg
+
+
+def test_zigzag_gather_inverts_split(results):
+    assert all(all(r["gather"]) for r in results)
+
+
+def test_no_group_is_local_attention(results):
+    assert results[0]["cp1"] < 1e-12
+
+
+def test_zigzag_split_positions_and_error():
+    from lightning_megatron.parallel.context_parallel import zigzag_positions, zigzag_split
+
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    t = torch.arange(24).reshape(2, 12)
+    assert torch.equal(zigzag_split(t, 3, 2, dim=1), _split(t, 3, 2, 1))
+    assert torch.equal(zigzag_split(t, 1, 0, dim=1), t)
+    with pytest.raises(ValueError, match=r"\(12\) must be divisible by .*2 \* 4 = 8"):
+        zigzag_split(t, 4, 0, dim=1)
+
