@@ -25,7 +25,6 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl

@@ -156,3 +156,50 @@ def assert_state_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torc
         assert a.shape == e.shape, (k, a.shape, e.shape)
         err = (a.float() - e.float()).norm() / e.float().norm().clamp(min=1e-12)
         assert err <= rtol, f"{k}: relative error {err:.3e} > {rtol}"
+
+
+class StepLossRecorder(pl.Callback):
+    """``train_loss`` at the last micro-batch of each optimizer step (where a pipeline step runs)."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate, self.losses = accumulate, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.accumulate == 0:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,
+               accumulate: int, clip: Optional[float], steps: int) -> Dict[str, Any]:
+    """One rank of a ``steps``-step run under ``MegatronStrategy(**strategy_kwargs)`` with ``accumulate``
+    micro-batches per optimizer step: the loss of each step and (rank 0) the full final state."""
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, steps)
+    recorder = StepLossRecorder(accumulate)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, callbacks=[recorder],
+                          gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
+    state = trainer.strategy.lightning_module_state_dict()
+    return {"losses": recorder.losses, "state": state if rank == 0 else None}
+
+
+def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, Any], cfg: GPTConfig,
+                                        accumulate: int, clip: Optional[float], steps: int = 3,
+                                        micro_batch: int = 2) -> None:
+    """The numerics oracle for one layout: loss of every optimizer step within 1e-5 relative of the
+    single-process run of the same model, data and optimizer, and final weights within 1e-5 relative."""
+    from tests._dist import run_distributed
+
+    model_parallel = 1
+    for name in ("tp", "pp", "cp"):
+        model_parallel *= strategy_kwargs.get(name, 1)
+    global_batch = micro_batch * (world // model_parallel)
+    samples = make_samples(cfg, steps * accumulate * global_batch)
+    ref = reference_loop(cfg, samples, steps, global_batch, clip, accumulate=accumulate)
+    ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(steps)]
+    results = run_distributed(layout_run, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, clip, steps)
+    for r in results:
+        assert len(r["losses"]) == steps, r["losses"]
+        for got, want in zip(r["losses"], ref_steps):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
+    assert_state_close(results[0]["state"], ref["state"])

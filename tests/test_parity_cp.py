@@ -3,9 +3,7 @@ single-process run (loss per optimizer step, final weights), for each attention 
 composed with TP+SP, PP and DP. The sequence split happens in the strategy; data modules are unchanged."""
 import pytest
 
-from tests._dist import run_distributed
-from tests.parity import assert_state_close, make_samples, reference_loop, tiny_config
-from tests.test_parity_pp import STEPS, pp_run
+from tests.parity import check_layout_matches_single_process, tiny_config
 
 CASES = {
     # id: (world, strategy kwargs, config overrides, micro-batches per step, clip)
@@ -24,19 +22,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_matches_single_process(case):
     world, kwargs, overrides, accumulate, clip = CASES[case]
-    cfg = tiny_config(**overrides)
-    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1) * kwargs.get("cp", 1))
-    micro_batch = 2
-    global_batch = micro_batch * dp
-    samples = make_samples(cfg, STEPS * accumulate * global_batch)
-    ref = reference_loop(cfg, samples, STEPS, global_batch, clip, accumulate=accumulate)
-    ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(STEPS)]
-    results = run_distributed(pp_run, world, cfg, kwargs, samples, micro_batch, accumulate, clip)
-    for r in results:
-        assert len(r["losses"]) == STEPS, r["losses"]
-        for got, want in zip(r["losses"], ref_steps):
-            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
-    assert_state_close(results[0]["state"], ref["state"])
+    check_layout_matches_single_process(world, kwargs, tiny_config(**overrides), accumulate, clip)
 
 
 def test_seq_length_must_divide_into_cp_chunks():

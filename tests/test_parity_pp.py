@@ -1,6 +1,5 @@
 """End-to-end numerics of pipeline parallelism: MegatronStrategy(pp=...) under the real Trainer against the
 single-process run of the same model, data and optimizer (loss per optimizer step and final weights)."""
-from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +12,7 @@ from tests.parity import (
     SEED,
     ListDataset,
     assert_state_close,
+    check_layout_matches_single_process,
     make_samples,
     new_module,
     reference_loop,
@@ -21,29 +21,6 @@ from tests.parity import (
 )
 
 STEPS = 3
-
-
-class StepLossRecorder(pl.Callback):
-    """``train_loss`` at the last micro-batch of each optimizer step (where the pipeline step runs)."""
-
-    def __init__(self, accumulate: int) -> None:
-        self.accumulate, self.losses = accumulate, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % self.accumulate == 0:
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
-
-
-def pp_run(rank: int, world: int, cfg, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,
-           accumulate: int, clip: Optional[float]) -> Dict[str, Any]:
-    pl.seed_everything(SEED, verbose=False)
-    module = new_module(cfg, STEPS)
-    recorder = StepLossRecorder(accumulate)
-    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), STEPS, callbacks=[recorder],
-                          gradient_clip_val=clip, accumulate_grad_batches=accumulate)
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
-    state = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "state": state if rank == 0 else None}
 
 
 CASES = {
@@ -64,19 +41,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_matches_single_process(case):
     world, kwargs, overrides, accumulate, clip = CASES[case]
-    cfg = tiny_config(**overrides)
-    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
-    micro_batch = 2
-    global_batch = micro_batch * dp
-    samples = make_samples(cfg, STEPS * accumulate * global_batch)
-    ref = reference_loop(cfg, samples, STEPS, global_batch, clip, accumulate=accumulate)
-    ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(STEPS)]
-    results = run_distributed(pp_run, world, cfg, kwargs, samples, micro_batch, accumulate, clip)
-    for r in results:
-        assert len(r["losses"]) == STEPS, r["losses"]
-        for got, want in zip(r["losses"], ref_steps):
-            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
-    assert_state_close(results[0]["state"], ref["state"])
+    check_layout_matches_single_process(world, kwargs, tiny_config(**overrides), accumulate, clip, STEPS)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

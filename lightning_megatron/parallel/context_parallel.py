@@ -138,7 +138,6 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
     cd = _compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     b, nq, sq, d = q.shape
-    nkv = k.shape[1]
     s = _scores(q, k, mask_kind, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -255,7 +254,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = None  # accumulator of the K/V block held at this step; it travels with the block
-        dkv_reqs = None
+        dkv_reqs, recv_dkv = None, None
         for step in range(cp):
             reqs = None
             if step + 1 < cp:

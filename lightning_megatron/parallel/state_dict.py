@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
