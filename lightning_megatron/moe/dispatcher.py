@@ -93,7 +93,7 @@ class AllToAllDispatcher(_DispatcherBase):
         # received is [rank 0: e0.., e1.., rank 1: e0.., ...]; regroup by local expert (sort_chunks_by_idxs)
         local_id = torch.arange(El, device=hidden.device).repeat(ep).repeat_interleave(recv.reshape(-1))
         self.sort_idx = torch.argsort(local_id, stable=True)
-        self.sort_idx = torch.arange(len(local_id)); return received, recv.sum(0)
+        return received.index_select(0, self.sort_idx), recv.sum(0)
 
     def combine(self, expert_out: Tensor) -> Tensor:
         if self.sort_idx is not None:

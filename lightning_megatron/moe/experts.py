@@ -29,7 +29,8 @@ class GroupedMLPExperts(nn.Module):
 
     ``use_grouped_mm``: ``None`` (default) uses ``torch._grouped_mm`` for CUDA bf16 inputs only; ``True`` tries it
     for any input (torch builds with a CPU kernel run it too); ``False`` always loops over experts. A failing
-    grouped GEMM (old torch, unsupported dtype or alignment) falls back to the loop.
+    grouped GEMM (old torch, unsupported dtype, or rows not 16-byte aligned, e.g. bf16 with ``f`` not a multiple
+    of 8) falls back to the loop; ``last_used_grouped_mm`` says which path the last call took.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, swiglu: bool = True,
