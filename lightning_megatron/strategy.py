@@ -2,8 +2,10 @@
 
 Order of work (Lightning calls these): ``setup_environment`` starts the process group and builds the
 :class:`ParallelMesh` and the RNG streams; ``setup`` applies tensor (+ sequence) parallelism to every
-submodule that has a ``tensor_parallel_plan`` (e.g. :class:`GPTModel`), materialises meta-device weights and
-initialises them layout-independently, then wraps data parallelism (torch DDP over the dp x cp group).
+submodule that has a ``tensor_parallel_plan`` (e.g. :class:`GPTModel`), routes attention through context
+parallelism, splits the model into pipeline stages, materialises meta-device weights and initialises them
+layout-independently, then wraps data parallelism (torch DDP over the dp x cp group, or a once-per-step
+average for pipeline stages).
 Gradient clipping is replaced by clipping at the true global norm; checkpoints hold full (unsharded)
 tensors, so they load under any tp/dp layout.
 """
@@ -62,19 +64,24 @@ DEFAULT_SEED = 1234  # Megatron's --seed default, used when seed_everything was 
 
 
 class MegatronStrategy(DDPStrategy):
-    """Tensor (+sequence), data (and, as they land, pipeline, context, expert) parallelism for Lightning.
+    """Tensor (+sequence), pipeline (incl. virtual stages), context and data parallelism for Lightning.
 
     Args:
-        tp: tensor-model-parallel size. pp, vp, cp, ep, etp: pipeline / virtual / context / expert sizes
-            (ep > 1 is not implemented yet and raises).
+        tp, pp, vp, cp: tensor / pipeline / virtual-pipeline / context parallel sizes; dp is world / (tp*pp*cp).
+        ep, etp: expert parallel sizes (ep > 1 is not implemented yet and raises).
         sequence_parallel: Megatron's sequence parallelism (needs tp > 1; warns and disables otherwise).
         cp_comm_type, hierarchical_context_parallel_sizes: context-parallel attention options (Megatron's).
+        pipeline_schedule: one of :data:`lightning_megatron.parallel.pipeline.SCHEDULE_NAMES` (default
+            ``"1f1b"``, ``"interleaved_1f1b"`` with ``vp``); the micro-batches per optimizer step are
+            ``Trainer(accumulate_grad_batches)``.
+        num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: uneven pipeline splits.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks).
-        ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel``.
+        ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel`` (used when pp == 1).
 
     The mesh (``strategy.mesh``, a :class:`ParallelMesh`) exists after ``setup_environment``. The
-    DataLoader is sharded by data-parallel rank: TP peers see identical batches.
+    DataLoader is sharded by data-parallel rank: TP, PP and CP peers see identical batches (CP ranks then keep
+    their part of each sequence, see :meth:`batch_to_device`).
     """
 
     strategy_name = "megatron"
