@@ -168,7 +168,8 @@ class ParallelGPTModule(pl.LightningModule):
             totals = self._global(self._val_totals, None, 2)
         else:
             totals = self._global(self._val_totals, group, dp)
-        self.log(name, totals[0] / totals[1].clamp(min=1.0), prog_bar=True)
+        # Already the global value on every rank; sync_dist (a mean of equal values) only tells Lightning so.
+        self.log(name, totals[0] / totals[1].clamp(min=1.0), prog_bar=True, sync_dist=self._is_distributed())
         self._val_totals = None
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
