@@ -328,7 +328,7 @@ class MegatronStrategy(DDPStrategy):
         one per micro-batch): their gradients are averaged over dp x cp in :meth:`finalize_gradients`."""
         assert self.mesh is not None
         self._pp_runner = PipelineRunner(
-            self._pp_stage_modules, list(self._pp_stage_modules), self._pp_stage_indices, self._pp_num_stages,
+            self._pp_stage_modules, self._pp_stage_indices, self._pp_num_stages,
             self.mesh.group("pp"), self.mesh.ranks("pp"), self.pipeline_schedule, self.root_device,
             self.pipeline_schedule in V_SHAPE_SCHEDULES,
         )

@@ -8,7 +8,7 @@ All collectives are autograd-aware, so gradients flow back to hidden, probs (rou
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,7 @@ in one flattened collective before the optimizer step (as Megatron's ``finalize_
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,20 +43,41 @@ def owned_parameters(owners: List[Owner]) -> List[nn.Parameter]:
     return [getattr(m, name) for m, name in owners]
 
 
+def _allreduce_grads(params: List[nn.Parameter], group: Group, average: bool,
+                     bucket_bytes: Optional[int] = None) -> None:
+    """All-reduce the gradients of ``params`` over ``group`` in flattened buckets (one dtype and device per
+    bucket, at most ``bucket_bytes`` each unless a single gradient is larger; None: one bucket per dtype)."""
+    size = group_size(group)
+    if size == 1:
+        return
+    buckets: Dict[tuple, List[List[torch.Tensor]]] = {}
+    filled: Dict[tuple, int] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.dtype, g.device)
+        nbytes = g.numel() * g.element_size()
+        per_key = buckets.setdefault(key, [[]])
+        if bucket_bytes is not None and per_key[-1] and filled[key] + nbytes > bucket_bytes:
+            per_key.append([])
+            filled[key] = 0
+        per_key[-1].append(g)
+        filled[key] = filled.get(key, 0) + nbytes
+    for per_key in buckets.values():
+        for bucket in per_key:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat.div_(size)
+            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(reduced)
+
+
 @torch.no_grad()
 def allreduce_sequence_parallel_grads(params: List[nn.Parameter], group: Group) -> None:
     """Sum the gradients of ``params`` over the TP ``group`` in one flattened all-reduce (per dtype)."""
-    if group_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
-    for bucket in by_dtype.values():
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(reduced)
+    _allreduce_grads(params, group, average=False)
 
 
 @torch.no_grad()
@@ -66,21 +87,4 @@ def allreduce_data_parallel_grads(params: List[nn.Parameter], group: Group, buck
     Used for pipeline stages, whose micro-batches run several backward passes per step (torch DDP's reducer
     expects one): one reduction per optimizer step after the schedule, no overlap with backward.
     """
-    size = group_size(group)
-    if size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    buckets: dict = {}
-    for g in grads:
-        buckets.setdefault((g.dtype, g.device), [[]])
-        current = buckets[(g.dtype, g.device)]
-        if current[-1] and sum(t.numel() * t.element_size() for t in current[-1]) + g.numel() * g.element_size() > bucket_bytes:
-            current.append([])
-        current[-1].append(g)
-    for per_dtype in buckets.values():
-        for bucket in per_dtype:
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=group)
-            flat.div_(size)
-            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(reduced)
+    _allreduce_grads(params, group, average=True, bucket_bytes=bucket_bytes)

@@ -217,16 +217,16 @@ class PipelineRunner:
     """Runs training steps (a schedule) and forward-only passes over this rank's pipeline stages.
 
     Args:
-        stage_modules: this rank's :class:`PipelineStageModule` s (possibly DDP-wrapped, in ``train_modules``).
+        stage_modules: this rank's :class:`PipelineStageModule` s, in chunk order.
         stage_indices: their global stage indices; ``num_stages``: ``pp*vp``.
         pp_group: the pipeline group; ``pp_ranks``: its global ranks (index = pipeline rank).
         schedule: a name in :data:`SCHEDULE_NAMES`; ``device``: where activations live.
     """
 
-    def __init__(self, stage_modules: List[PipelineStageModule], train_modules: List[nn.Module],
+    def __init__(self, stage_modules: List[PipelineStageModule],
                  stage_indices: List[int], num_stages: int, pp_group: dist.ProcessGroup, pp_ranks: List[int],
                  schedule: str, device: torch.device, v_shape: bool) -> None:
-        self.stage_modules, self.train_modules = stage_modules, train_modules
+        self.stage_modules = stage_modules
         self.stage_indices, self.num_stages = stage_indices, num_stages
         self.pp_group, self.pp_ranks = pp_group, pp_ranks
         self.pp = len(pp_ranks)
@@ -285,7 +285,7 @@ class PipelineRunner:
 
                 self._pipeline_stages = [
                     PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
-                    for module, index in zip(self.train_modules, self.stage_indices)
+                    for module, index in zip(self.stage_modules, self.stage_indices)
                 ]
             self._schedules[n_microbatches] = build_schedule(
                 self.schedule_name, self._pipeline_stages, n_microbatches, self._call_loss
