@@ -13,6 +13,7 @@ shared peer baselines, unchanged). Model, data (random tokens), optimizer (AdamW
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -54,71 +55,104 @@ def _sync() -> None:
 
 
 class StepTimer(pl.Callback):
-    """Wall time of batches [start, stop) with CUDA synchronisation, and the losses seen."""
+    """Wall time of batches [start, stop) with CUDA synchronisation, and the losses seen. On CUDA also the
+    memory allocated when the timed window starts (parameters, gradients and optimizer states) and the peak
+    inside the window."""
 
     def __init__(self, start: int = 4, stop: int = 14, every_step: bool = False) -> None:
         self.start, self.stop, self.times, self.losses = start, stop, [], []
         self.every_step = every_step  # reading the loss each step synchronises the GPU: only for checks
+        self.base_mem = self.peak_mem = 0
+        self._micro: list = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
             _sync()
+            if torch.cuda.is_available():
+                self.base_mem = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             self.times.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.every_step or batch_idx == self.stop - 1:
+        if self.every_step:  # the optimizer step's loss: mean of its micro-batches' losses
+            acc = trainer.accumulate_grad_batches
+            if trainer.strategy.parallel_config.pp > 1:  # logged once per step, already the step's mean
+                if (batch_idx + 1) % acc == 0:
+                    self.losses.append(float(trainer.callback_metrics["train_loss"]))
+            else:
+                self._micro.append(float(trainer.callback_metrics["train_loss"]))
+                if len(self._micro) == acc:
+                    self.losses.append(sum(self._micro) / acc)
+                    self._micro = []
+        elif batch_idx == self.stop - 1:
             self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if batch_idx == self.stop - 1:
             _sync()
             self.times.append(time.perf_counter())
+            if torch.cuda.is_available():
+                self.peak_mem = torch.cuda.max_memory_allocated()
 
 
 def run_ours(args) -> None:
     cfg = GPTConfig.llama_1b_bench() if args.model == "bench" else GPTConfig.tiny(num_layers=4)
+    if args.seq:
+        cfg = dataclasses.replace(cfg, seq_length=args.seq)
     ColumnParallelLinear.recompute_input_gather = args.recompute_gather
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
     acc = args.accumulate
     timer = StepTimer(4 * acc, 14 * acc) if acc == 1 else StepTimer(2 * acc, 7 * acc)
     module = ParallelGPTModule(cfg, lr=1e-4, weight_decay=0.0, lr_decay_style="constant")
-    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, sequence_parallel=args.sp,
-                                pipeline_schedule=args.schedule)
+    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
+                                sequence_parallel=args.sp, pipeline_schedule=args.schedule)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision="bf16-mixed", max_steps=timer.stop // acc, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2, pin_memory=True))
     if trainer.global_rank == 0:
-        dp = world // (args.tp * args.pp)
+        dp = world // (args.tp * args.pp * args.cp)
         steps = timer.stop - timer.start  # micro-batches (Lightning batches) timed
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
         tflops = tok_per_gpu * flops_per_token(cfg)
         layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
         layout += f"-{args.schedule}" if args.schedule else ""
+        layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
+        layout += f"-s{cfg.seq_length}" if args.seq else ""
         layout += f"-m{acc}" if acc > 1 else ""
         print(json.dumps(dict(name=f"lightning-megatron-{layout}{'-sp' if args.sp else ''}{'-regather' if args.recompute_gather else ''}-{world}gpu",
                               tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
                               mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * acc * 1e3, 1),
-                              peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
+                              peak_mem_gib=round(timer.peak_mem / 2**30, 2) if torch.cuda.is_available() else None,
+                              # peak in the timed window above what is held between steps (params, grads, optimizer
+                              # states: Lightning frees the grads only inside the next step's closure)
+                              activation_mem_gib=round((timer.peak_mem - timer.base_mem) / 2**30, 2)
+                              if torch.cuda.is_available() else None,
                               loss=round(timer.losses[-1], 4))), flush=True)
 
 
 def run_check(args) -> None:
-    """5 steps of a small model in fp32 on fixed data; prints the per-step losses (same on every rank)."""
+    """5 optimizer steps of a small model on fixed data; prints the per-step losses (same on every rank).
+    ``--precision 32-true`` (default) for exact parity; ``bf16-mixed`` exercises the fused attention kernels."""
     cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
-                    vocab_size=32000, seq_length=1024)
+                    vocab_size=32000, seq_length=args.seq or 1024)
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
-    timer = StepTimer(0, 5, every_step=True)
+    acc = args.accumulate
+    timer = StepTimer(0, 5 * acc, every_step=True)
     module = ParallelGPTModule(cfg, lr=1e-3, lr_decay_style="constant")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=MegatronStrategy(tp=args.tp, sequence_parallel=args.sp),
+    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
+                                sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision=args.precision, max_steps=5, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
-    trainer.fit(module, DataLoader(RandomTokens(cfg, 64), batch_size=4, shuffle=False))
+    trainer.fit(module, DataLoader(RandomTokens(cfg, 64 * acc), batch_size=args.mbs, shuffle=False))
     if trainer.global_rank == 0:
-        print(json.dumps(dict(name=f"check-tp{args.tp}{'-sp' if args.sp else ''}-{args.precision}",
+        layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
+        layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
+        print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
                               losses=[round(x, 6) for x in timer.losses])), flush=True)
 
 
@@ -132,6 +166,9 @@ if __name__ == "__main__":
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=None)
     p.add_argument("--schedule", default=None)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--cp-comm-type", default="p2p")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's 2048)")
     p.add_argument("--model", default="bench", choices=["bench", "tiny"], help="tiny: a CPU smoke test of the script")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--mbs", type=int, default=4)

@@ -5,10 +5,11 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 LOG=${OUT:-/tmp}/tp_bench.log
-run() { echo "### $*" | tee -a "$LOG"; timeout -k 10 ${ARM_TIMEOUT:-330} "$@" 2>&1 | grep -E '^\{|Error|error|Traceback|^Thread|^  File' | tee -a "$LOG"; }
+run() { echo "### $*" | tee -a "$LOG"; timeout -k 10 ${ARM_TIMEOUT:-330} "$@" 2>&1 | grep -E '^\{|Error|error|Traceback|^Thread|^  File|^iteration|^command' | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$LOG"
 ARMS=${ARMS:-"check ours peers"}
+WD=${WATCHDOG:-240}  # bench processes dump their stacks and exit after this many seconds
 for arm in $ARMS; do
   case $arm in
     check)
@@ -26,8 +27,23 @@ for arm in $ARMS; do
       run python3 benchmarks/peer_x2.py tp2 ;;
     pp)
       run python3 benchmarks/bench_tp.py ours --accumulate 8
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --accumulate 8
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --vp 2 --accumulate 8 ;;
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --accumulate 8 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --pp 2 --vp 2 --accumulate 8 --watchdog $WD ;;
+    ppcheck)  # NCCL numerics: 5 fp32 steps, 2 micro-batches per step, pp=2 (1f1b, interleaved) vs 1 GPU
+      run python3 benchmarks/bench_tp.py check --accumulate 2 --mbs 2 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --pp 2 --accumulate 2 --mbs 2 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --pp 2 --vp 2 --accumulate 2 --mbs 2 --watchdog $WD ;;
+    cpcheck)  # fused-vs-math kernels, cp=2 attention vs full SDPA, and 5 bf16 model steps cp=2 vs 1 GPU
+      run torchrun --nproc_per_node=2 benchmarks/check_cp.py
+      run python3 benchmarks/bench_tp.py check --precision bf16-mixed --seq 4096 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --precision bf16-mixed --seq 4096 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --cp-comm-type a2a --precision bf16-mixed --seq 4096 --watchdog $WD ;;
+    cp)  # 1.3B model, seq 16384, micro-batch 1: cp=2 (p2p, a2a) vs 1 GPU
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
+    pretrain)  # issue 6: pretrain_gpt.py on preprocessed data with MFUMonitor vs an independent timer
+      run python3 benchmarks/check_pretrain_mfu.py ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

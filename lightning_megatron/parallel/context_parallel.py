@@ -118,23 +118,66 @@ def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
     return s
 
 
+def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bool:
+    """Whether a block goes to the fused CUDA flash kernel: CUDA, fp16/bf16, head dim <= 256, and a mask the
+    kernel expresses (none, or a square causal block; its causal mask is top-left aligned)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and (mask_kind == "full" or sq == sk))
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, n_kv, s, d] -> [b, n_kv*groups, s, d]`` (query head ``i`` uses kv head ``i // groups``)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of :func:`_repeat_kv` for gradients: sum over each kv head's query-head group."""
+    if groups == 1:
+        return t
+    b, n, s, d = t.shape
+    return t.reshape(b, n // groups, groups, s, d).sum(2)
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):
+    """Fused flash attention of one block: ``(out [b, n_q, sq, d] in q's dtype, lse [b, n_q, sq] float32)``."""
+    g = q.shape[1] // k.shape[1]
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), 0.0, causal, False,
+        scale=scale)
+    return res[0], res[1]
+
+
+def _flash_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """Fused flash-attention backward of one block given the *final* merged ``out`` and ``lse`` (the kernel
+    derives ``delta = rowsum(dout * out)`` itself). Returns ``(dq, dk, dv)`` (dk/dv folded back to n_kv heads)."""
+    g = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
+        out.contiguous(), lse.contiguous(), None, None, sq, sk, 0.0, causal, empty, empty, scale=scale)
+    return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+
+
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
                      scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
 
     ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
-    lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. Math path (explicit softmax) in the inputs'
-    dtype, or float32 for half types; differentiable by autograd (the all_gather path relies on that).
-
-    GPU swap point: this function (and :func:`_attention_block_backward`) is the only place that computes
-    attention. On CUDA it can be replaced by a fused kernel that returns the log-sum-exp, e.g.
-    ``torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, return_debug_mask=False,
-    scale=scale)`` (output and ``logsumexp`` [b, n, sq]; its causal mask is top-left aligned, so use it only
-    for square causal blocks, which is all the ring uses) with the matching
-    ``_scaled_dot_product_flash_attention_backward`` for the ring backward, or the cuDNN variant
-    (``_scaled_dot_product_cudnn_attention(..., compute_log_sumexp=True)``). Fused kernels want repeated K/V
-    heads for GQA (or ``enable_gqa``) and return lse in float32.
+    lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 (:func:`use_fused_attention`)
+    the fused flash kernel computes it without materialising the attention matrix (out in the input dtype,
+    lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
+    Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
     """
+    if mask_kind not in _MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
+    if use_fused_attention(q, mask_kind, q.shape[2], k.shape[2]):
+        return _flash_forward(q, k, v, mask_kind == "causal", scale)
+    return _math_attention_block(q, k, v, mask_kind, scale)
+
+
+def _math_attention_block(q, k, v, mask_kind: str, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Math path of :func:`_attention_block`; differentiable by autograd."""
     cd = _compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     b, nq, sq, d = q.shape
@@ -145,12 +188,32 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
     return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
 
 
-def _attention_block_backward(q, k, v, dout, lse, delta, mask_kind: str, scale: float):
-    """Exact gradients of one block given the *final* (merged) ``lse`` and ``delta = rowsum(dout * out)``.
+def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
+    """Differentiable attention output only (the all_gather path). Fused SDPA on CUDA half types, where a
+    causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        import torch.nn.functional as F
+
+        g = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, g), _repeat_kv(v, g)
+        sq, sk = q.shape[2], k.shape[2]
+        if mask_kind == "causal" and sq != sk:
+            from torch.nn.attention.bias import causal_lower_right
+
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask_kind == "causal", scale=scale)
+    return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
+
+
+def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float):
+    """Exact gradients of one block given the *final* (merged) ``out``, ``lse`` and ``delta = rowsum(dout * out)``.
 
     Flash-attention backward: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
-    ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)`` in the compute dtype.
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)``: the fused CUDA kernel where
+    :func:`use_fused_attention` allows (``out`` in q's dtype), else the math path in the compute dtype.
     """
+    if use_fused_attention(q, mask_kind, q.shape[2], k.shape[2]):
+        return _flash_backward(q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
     cd = _compute_dtype(q.dtype)
     q, k, v, dout = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
     b, nq, sq, d = q.shape
@@ -224,6 +287,11 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         cd = _compute_dtype(q.dtype)
         b, nq, sq, d = q.shape
+        if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
+            out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.group, ctx.causal, ctx.scale = group, causal, scale
+            return out.to(q.dtype)
         out = torch.zeros(b, nq, sq, d, dtype=cd, device=q.device)
         lse = torch.full((b, nq, sq), float("-inf"), dtype=cd, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -233,7 +301,7 @@ class _RingAttention(torch.autograd.Function):
                 reqs, nxt_kv = _ring_shift(kv, group, _TAG_KV)
             rows, cols, mask = _step_plan(step, rank, cp, causal, c)
             blk_out, blk_lse = _attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, scale)
-            _merge(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+            _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(cd), blk_lse.to(cd))
             if reqs is not None:
                 _wait(reqs)
                 kv = nxt_kv
@@ -249,8 +317,11 @@ class _RingAttention(torch.autograd.Function):
         rank = dist.get_rank(group) if group is not None else 0
         c = q.shape[2] // 2
         cd = _compute_dtype(q.dtype)
-        dout = dout.to(cd)
-        delta = (dout * out).sum(-1)
+        if use_fused_attention(q, "full", 1, 1):  # every ring block is fused: it takes out/dout in q's dtype
+            out, dout, delta = out.to(q.dtype), dout.to(q.dtype), None
+        else:
+            dout = dout.to(cd)
+            delta = (dout * out).sum(-1)
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = None  # accumulator of the K/V block held at this step; it travels with the block
@@ -261,8 +332,8 @@ class _RingAttention(torch.autograd.Function):
                 reqs, nxt_kv = _ring_shift(kv, group, _TAG_KV)
             rows, cols, mask = _step_plan(step, rank, cp, causal, c)
             bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                      dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-                                                      mask, scale)
+                                                      dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                                      None if delta is None else delta[:, :, rows], mask, scale)
             dq[:, :, rows] += bdq
             if dkv_reqs is None:
                 dkv = torch.zeros((2,) + tuple(k.shape), dtype=cd, device=k.device)
@@ -355,12 +426,12 @@ def _all_gather_attention(q, k, v, group, causal: bool, scale: float) -> torch.T
     kg = _AllGatherSeq.apply(k, group)
     vg = _AllGatherSeq.apply(v, group)
     if not causal:
-        return _attention_block(q, kg, vg, "full", scale)[0].to(q.dtype)
+        return _attention_output(q, kg, vg, "full", scale)
     c = q.shape[2] // 2
     outs = []
     for i, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         end = (chunk + 1) * c  # queries of global chunk `chunk` see keys [0, end), causal at the end
-        outs.append(_attention_block(q[:, :, i * c:(i + 1) * c], kg[:, :, :end], vg[:, :, :end], "causal", scale)[0])
+        outs.append(_attention_output(q[:, :, i * c:(i + 1) * c], kg[:, :, :end], vg[:, :, :end], "causal", scale))
     return torch.cat(outs, dim=2).to(q.dtype)
 
 

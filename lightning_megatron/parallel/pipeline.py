@@ -213,6 +213,24 @@ def min_microbatches(schedule: str, pp: int) -> int:
     return 1 if schedule == "gpipe" else pp
 
 
+def _skip_self_init_p2p(stage: Any) -> None:
+    """Drop the warm-up send/recv a stage would make to its own rank.
+
+    Before the first step a schedule exchanges one dummy tensor with each neighbouring stage's rank. Under a
+    V placement two neighbouring stages live on the same rank; torch 2.11 still posts that exchange, which
+    gloo cannot do (no connection to itself; NCCL can). Activations between same-rank stages are passed
+    directly by the schedule, so the self exchange has no purpose and is filtered out here.
+    """
+    make_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if make_ops is None:
+        return
+
+    def ops_without_self() -> list:
+        return [op for op in make_ops() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops_without_self
+
+
 class PipelineRunner:
     """Runs training steps (a schedule) and forward-only passes over this rank's pipeline stages.
 
@@ -287,6 +305,8 @@ class PipelineRunner:
                     PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
                     for module, index in zip(self.stage_modules, self.stage_indices)
                 ]
+                for stage in self._pipeline_stages:
+                    _skip_self_init_p2p(stage)
             self._schedules[n_microbatches] = build_schedule(
                 self.schedule_name, self._pipeline_stages, n_microbatches, self._call_loss
             )
@@ -308,8 +328,13 @@ class PipelineRunner:
         schedule = self._schedule(n)
         self._loss_fn = loss_fn
         self._set_positions(position_ids)
-        target = torch.arange(n).repeat_interleave(b)  # per-row micro-batch index, split like the inputs
-        schedule.step(tokens, target=target, losses=[])
+        # Only the rank holding stage 0 feeds inputs and only the one holding the last stage takes targets
+        # (torch 2.11's schedules reject inputs on other stages; later versions ignore them).
+        args = (tokens,) if 0 in self.stage_indices else ()
+        kwargs: Dict[str, Any] = {}
+        if self.holds_last:
+            kwargs = {"target": torch.arange(n).repeat_interleave(b), "losses": []}  # per-row micro-batch index
+        schedule.step(*args, **kwargs)
         self._set_positions([])
 
     # ---- forward only (validation / test / predict)
