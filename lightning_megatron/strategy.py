@@ -34,6 +34,7 @@ from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
     allreduce_data_parallel_grads,
+    allreduce_expert_parallel_grads,
     allreduce_sequence_parallel_grads,
     defer_sequence_parallel_grad_reduce,
     owned_parameters,
@@ -68,7 +69,10 @@ class MegatronStrategy(DDPStrategy):
 
     Args:
         tp, pp, vp, cp: tensor / pipeline / virtual-pipeline / context parallel sizes; dp is world / (tp*pp*cp).
-        ep, etp: expert parallel sizes (ep > 1 is not implemented yet and raises).
+        ep, etp: expert-parallel and expert-tensor-parallel sizes (etp defaults to tp) for mixture-of-experts
+            models: ep is carved out of the dp x cp x tp ranks (Megatron's "MoE parallel folding"), the
+            expert-data-parallel size is ``world / (etp * ep * pp)``. Expert gradients are summed over the
+            expert-data-parallel group and divided by dp x cp; the other gradients go through DDP over dp x cp.
         sequence_parallel: Megatron's sequence parallelism (needs tp > 1; warns and disables otherwise).
         cp_comm_type, hierarchical_context_parallel_sizes: context-parallel attention options (Megatron's).
         pipeline_schedule: one of :data:`lightning_megatron.parallel.pipeline.SCHEDULE_NAMES` (default
@@ -114,13 +118,6 @@ class MegatronStrategy(DDPStrategy):
             tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
             cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         )
-        pending = {"ep": ep}
-        for name, size in pending.items():
-            if size > 1:
-                raise NotImplementedError(
-                    f"{name}={size}: {name} > 1 is not implemented yet in lightning-megatron (it lands with its "
-                    f"own issue); use {name}=1 for now"
-                )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
@@ -143,6 +140,7 @@ class MegatronStrategy(DDPStrategy):
         self._pp_tied = False
         self._embedding_param_owner: Optional[nn.Module] = None
         self._excluded_from_norm: Set[int] = set()
+        self._expert_params: List[nn.Parameter] = []
 
     # ------------------------------------------------------------------ launch / environment
     def _configure_launcher(self) -> None:
@@ -192,6 +190,7 @@ class MegatronStrategy(DDPStrategy):
             self._build_pipeline_runner()
         elif fitting and self.mesh.size("dp_cp") > 1:
             self._ddp_kwargs.setdefault("process_group", self.mesh.group("dp_cp"))
+            self._exclude_experts_from_ddp()
             self.configure_ddp()
         if fitting:
             self.setup_optimizers(trainer)
@@ -222,6 +221,7 @@ class MegatronStrategy(DDPStrategy):
                 apply_tp(target, self.mesh.group("tp"), cfg.sequence_parallel, tp_fork=self.tp_rng.fork)
         if cfg.cp > 1:
             self._apply_context_parallel(targets)
+        self._apply_expert_parallel(targets)
         if cfg.pp > 1:
             self._split_pipeline(targets)
         self._sp_owners = defer_sequence_parallel_grad_reduce(module) if cfg.sequence_parallel else []
@@ -234,8 +234,45 @@ class MegatronStrategy(DDPStrategy):
             for name, p in m.named_parameters(recurse=False)
             if m.is_sharded(name)
         }
+        self._expert_params = _expert_parameters(module)
         self._resolve_tied_embedding()
         return module
+
+    # ------------------------------------------------------------------ expert parallel
+    def _apply_expert_parallel(self, targets: List[nn.Module]) -> None:
+        """Mixture-of-experts models: shard the experts over the ep / etp groups (on the meta device) and tell
+        the routers where the rest of each micro-batch's tokens are (dp; cp and, under SP, tp)."""
+        assert self.mesh is not None
+        cfg = self.parallel_config
+        moe_targets = [t for t in targets if hasattr(t, "set_expert_parallel")
+                       and any(True for _ in getattr(t, "moe_layers", dict)().values())]
+        if not moe_targets:
+            if cfg.ep > 1:
+                raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (e.g. GPTModel with num_moe_experts); "
+                                 "none was found")
+            return
+        mesh = self.mesh
+        for target in moe_targets:
+            target.set_expert_parallel(mesh.group("ep") if cfg.ep > 1 else None,
+                                       mesh.group("etp") if cfg.etp > 1 else None,
+                                       mesh.group("ep_etp") if cfg.ep * cfg.etp > 1 else None)
+            sequence = [mesh.group("cp")] + ([mesh.group("tp")] if cfg.sequence_parallel else [])
+            target.set_moe_token_groups(sequence, [mesh.group("dp")])
+
+    def _exclude_experts_from_ddp(self) -> None:
+        """Expert weights differ between dp ranks (they are reduced over expert data parallel instead) and the
+        routers' token-count buffers are per rank: keep both out of DDP (no broadcast, no gradient hooks)."""
+        if not self._expert_params:
+            return
+        from lightning_megatron.moe.router import TopKRouter
+
+        experts = {id(p) for p in self._expert_params}
+        names = [n for n, p in self.model.named_parameters() if id(p) in experts]
+        for mod_name, m in self.model.named_modules():
+            if isinstance(m, TopKRouter):
+                names += [f"{mod_name}.{b}" for b, _ in m.named_buffers(recurse=False)]
+        existing = list(getattr(self.model, "_ddp_params_and_buffers_to_ignore", []))
+        self.model._ddp_params_and_buffers_to_ignore = existing + names
 
     # ------------------------------------------------------------------ context parallel
     def _apply_context_parallel(self, targets: List[nn.Module]) -> None:
@@ -366,6 +403,8 @@ class MegatronStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         dp_group, dp = self.mesh.group("dp_cp"), self.mesh.size("dp_cp")
+        if hasattr(lm, "set_moe_aux_loss_scale"):
+            lm.set_moe_aux_loss_scale(float(dp))   # the schedule divides every gradient by the micro-batch count
         counts = torch.stack([lm.token_count(mb).float() for mb in microbatches]).to(self.root_device)
         if runner.holds_last and dp > 1:
             dist.all_reduce(counts, group=dp_group)
@@ -463,11 +502,15 @@ class MegatronStrategy(DDPStrategy):
 
     def finalize_gradients(self) -> None:
         """Gradient reductions once per optimizer step, after the last backward: data-parallel average of
-        pipeline stages' grads (pp > 1), SP-replicated grads summed over TP, tied embedding grads summed over
-        the first and last pipeline stage."""
+        pipeline stages' grads (pp > 1), expert grads summed over expert data parallel and divided by dp x cp,
+        SP-replicated grads summed over TP, tied embedding grads summed over the first and last pipeline stage."""
         assert self.mesh is not None
+        experts = {id(p) for p in self._expert_params}
         if self._pp_runner is not None and self.mesh.size("dp_cp") > 1:
-            allreduce_data_parallel_grads(list(self.lightning_module.parameters()), self.mesh.group("dp_cp"))
+            dense = [p for p in self.lightning_module.parameters() if id(p) not in experts]
+            allreduce_data_parallel_grads(dense, self.mesh.group("dp_cp"))
+        if self._expert_params:
+            allreduce_expert_parallel_grads(self._expert_params, self.mesh.group("edp"), self.mesh.size("dp_cp"))
         if self._sp_owners:
             allreduce_sequence_parallel_grads(owned_parameters(self._sp_owners), self.mesh.group("tp"))
         if self._pp_tied and self.parallel_config.pp > 1 and self.pipeline_schedule not in V_SHAPE_SCHEDULES:
@@ -487,13 +530,16 @@ class MegatronStrategy(DDPStrategy):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping.
 
-        The norm counts TP-sharded parameters over the TP group and replicated ones once.
+        The norm counts TP-sharded parameters over the TP group, expert parameters over the ep x etp block, and
+        replicated ones once.
         """
         assert self.mesh is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         counted = [p for p in params if id(p) not in self._excluded_from_norm]
         pp_groups = [self.mesh.group("pp")] if self.parallel_config.pp > 1 else []
-        norm = clip_grad_norm_(counted, float(clip_val), self._sharded_params, self.mesh.group("tp"), pp_groups)
+        experts = {id(p) for p in self._expert_params}
+        norm = clip_grad_norm_(counted, float(clip_val), self._sharded_params, self.mesh.group("tp"), pp_groups,
+                               expert=experts, expert_group=self.mesh.group("ep_etp"))
         excluded = [p for p in params if id(p) in self._excluded_from_norm and p.grad is not None]
         if excluded:  # the tied copy is scaled like its first-stage twin
             with torch.no_grad():
@@ -545,6 +591,19 @@ class MegatronStrategy(DDPStrategy):
         if "megatron_spawn" not in strategy_registry:
             strategy_registry.register("megatron_spawn", cls, description="MegatronStrategy, spawn launch",
                                        start_method="spawn")
+
+
+def _expert_parameters(module: nn.Module) -> List[nn.Parameter]:
+    """Parameters of the routed experts in ``module`` (marked ``allreduce = False``, Megatron's marker)."""
+    from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
+
+    params: List[nn.Parameter] = []
+    for m in module.modules():
+        if isinstance(m, (GroupedMLPExperts, SequentialMLPExperts)):
+            for p in m.parameters():
+                p.allreduce = False   # materialisation may have replaced the marked meta parameters
+                params.append(p)
+    return params
 
 
 class _MegatronMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Union
+
+from lightning_megatron.callbacks.flops import moe_layer_pattern
+from lightning_megatron.moe.config import MoEConfig
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
@@ -16,6 +19,16 @@ class GPTConfig:
     ``4*hidden_size``; ``kv_channels=None`` means ``hidden_size // num_attention_heads``.
     ``make_vocab_size_divisible_by``: the embedding is padded to a multiple of this times tp (Megatron's
     rule); padded logits are masked out of the loss, so padding never changes the numbers.
+
+    Mixture of experts (Megatron's ``--num-experts`` / ``moe_*`` options; ``num_moe_experts=None`` = dense):
+    ``moe_layer_freq`` (int ``N``: layer ``i`` is MoE when ``i % N == 0``, or a 0/1 list of length
+    ``num_layers``), ``moe_router_topk``, ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``),
+    ``moe_router_score_function`` (``"softmax"`` / ``"sigmoid"``), ``moe_router_pre_softmax``,
+    ``moe_router_load_balancing_type`` (``"aux_loss"`` / ``"seq_aux_loss"`` / ``"none"``), ``moe_aux_loss_coeff``,
+    ``moe_z_loss_coeff``, ``moe_router_enable_expert_bias`` + ``moe_router_bias_update_rate`` (aux-loss-free
+    balancing), ``moe_expert_capacity_factor`` (None = dropless) with ``moe_token_drop_policy``
+    (``"probs"`` / ``"position"``), ``moe_shared_expert_intermediate_size``, ``moe_grouped_gemm``,
+    ``moe_token_dispatcher_type`` (``"alltoall"`` / ``"allgather"``). See :class:`lightning_megatron.moe.MoEConfig`.
     """
 
     num_layers: int = 2
@@ -38,6 +51,23 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128
+    # ---- mixture of experts (Megatron's names)
+    num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: str = "probs"
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -67,6 +97,39 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_moe_experts is not None:
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
+            self.moe_config()  # validates the moe_* fields (ValueError naming the field)
+            moe_layer_pattern(self)
+
+    # ---- mixture of experts
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (global index, from 0) has a MoE MLP (``moe_layer_freq``)."""
+        return bool(moe_layer_pattern(self)[layer])
+
+    def moe_config(self) -> MoEConfig:
+        """The ``moe_*`` fields as a :class:`MoEConfig` (raises ValueError for a dense config)."""
+        if self.num_moe_experts is None:
+            raise ValueError("moe_config() needs num_moe_experts (this GPTConfig is dense)")
+        return MoEConfig(
+            num_moe_experts=self.num_moe_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.moe_router_topk, moe_router_score_function=self.moe_router_score_function,
+            moe_router_pre_softmax=self.moe_router_pre_softmax,
+            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
+            moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=self.moe_router_bias_update_rate,
+            moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+            moe_token_drop_policy=self.moe_token_drop_policy,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_grouped_gemm=self.moe_grouped_gemm, moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+            gated_linear_unit=self.swiglu,
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -88,7 +151,14 @@ class GPTConfig:
         layer = attn + mlp + 2 * norm + bias
         emb = v * h * (2 if self.untie_embeddings_and_output_weights else 1)
         pos = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
-        return L * layer + emb + pos + norm
+        total = L * layer + emb + pos + norm
+        if self.is_moe:  # MoE layers: router + E experts + shared expert instead of the dense MLP
+            glu = 3 if self.swiglu else 2
+            moe = (self.num_moe_experts * h * (1 + glu * self.moe_ffn_hidden_size)
+                   + glu * h * (self.moe_shared_expert_intermediate_size or 0))
+            dense_mlp = mlp + ((f * (2 if self.swiglu else 1) + h) if self.add_bias_linear else 0)
+            total += sum(moe_layer_pattern(self)) * (moe - dense_mlp)
+        return total
 
     # ---- presets (shapes as published) ----
     @classmethod
@@ -132,5 +202,38 @@ class GPTConfig:
         """The 1.3B LLaMA-style benchmark model of ``benchmarks/`` and the peer baselines."""
         base = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
                     ffn_hidden_size=5632, vocab_size=32000, seq_length=2048, rotary_base=500000)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def tiny_moe(cls, **overrides: Any) -> "GPTConfig":
+        """A tiny Mixtral-style MoE for tests and CPU runs: 2 layers, hidden 64, 4 experts top-2 (SwiGLU 64)."""
+        base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                    vocab_size=256, seq_length=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                    moe_aux_loss_coeff=1e-2)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def mixtral_8x7b(cls, **overrides: Any) -> "GPTConfig":
+        """Mixtral 8x7B: 32 layers, hidden 4096, 32 heads / 8 KV groups, 8 SwiGLU experts of 14336, top-2,
+        vocab 32000, RoPE base 1e6, aux loss 1e-2 (Megatron's Mixtral example), grouped GEMM, all-to-all."""
+        base = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                    ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
+                    rotary_base=1000000, normalization="RMSNorm", swiglu=True,
+                    untie_embeddings_and_output_weights=True, num_moe_experts=8, moe_router_topk=2,
+                    moe_ffn_hidden_size=14336, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                    moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def mixtral_small_bench(cls, **overrides: Any) -> "GPTConfig":
+        """Mixtral-shaped benchmark model: 8 layers, hidden 2048, 16 heads / 8 KV groups, 8 SwiGLU experts of
+        5632, top-2, vocab 32000, seq 2048, grouped GEMM, all-to-all dispatcher, aux loss 1e-2."""
+        base = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
+                    ffn_hidden_size=5632, vocab_size=32000, seq_length=2048, rotary_base=1000000,
+                    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=5632, moe_aux_loss_coeff=1e-2,
+                    moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
         base.update(overrides)
         return cls(**base)

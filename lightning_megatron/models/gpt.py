@@ -7,7 +7,13 @@ need the TP group (loss, sequence-parallel norms and embedding scatter, dropout 
 
 Initialisation is layout-independent: every parameter is drawn from its own generator seeded by the base
 seed and the parameter's name, as a whole global tensor, then sliced to this rank's shard
-(:meth:`GPTModel.init_weights`). So the same seed gives the same global weights under any tp/dp layout.
+(:meth:`GPTModel.init_weights`). So the same seed gives the same global weights under any tp/dp/ep layout
+(experts: the full ``[E, ...]`` tensor is drawn and each rank keeps its experts by global expert index).
+
+Mixture of experts: with ``config.num_moe_experts`` the MLP of every MoE layer (``moe_layer_freq``) is a
+:class:`lightning_megatron.moe.MoELayer` (router, experts, optional shared expert), still named ``mlp``.
+:meth:`GPTModel.set_expert_parallel` and :meth:`GPTModel.set_moe_token_groups` (called by the strategy) give
+it its process groups.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.moe.layer import MoELayer
+from lightning_megatron.moe.router import TopKRouter
 from lightning_megatron.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_rows, pad_vocab_size
 from lightning_megatron.parallel.tensor_parallel.mappings import (
@@ -150,14 +158,20 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; ``mlp`` is a
+    :class:`MoELayer` when layer ``layer_number`` (global index) is a MoE layer of ``config``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer_number: int = 0) -> None:
         super().__init__()
         self.input_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
         self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
-        self.mlp = MLP(config)
+        if config.is_moe and config.is_moe_layer(layer_number):
+            if config.add_bias_linear:
+                raise ValueError("add_bias_linear=True is not supported with num_moe_experts (experts have no biases)")
+            self.mlp = MoELayer(config.hidden_size, config.moe_config(), init_std=config.init_method_std)
+        else:
+            self.mlp = MLP(config)
         self.hidden_dropout = config.hidden_dropout
         self.hidden_fork: RngFork = _null_fork
 
@@ -199,7 +213,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in range(config.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in range(config.num_layers)})
         self.final_layernorm = Norm(config.hidden_size, config.normalization, config.norm_epsilon)
 
 
@@ -217,7 +231,12 @@ class OutputLayer(nn.Module):
 
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-SCALED_INIT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
+SCALED_INIT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight", "experts.weight2")
+
+
+def _is_sharded_module(module: nn.Module) -> bool:
+    """A module whose parameters are shards of larger global tensors (e.g. the experts of one EP rank)."""
+    return hasattr(module, "global_shape") and hasattr(module, "shard_global")
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -253,17 +272,23 @@ class GPTModel(nn.Module):
         c = self.config
         padded = pad_vocab_size(c.vocab_size, tp, c.make_vocab_size_divisible_by)
         learned_pos = c.position_embedding_type == "learned_absolute"
+        mlps = [layer.mlp for layer in self.decoder.layers.values()]
         plan: Dict[str, object] = {
             "embedding.word_embeddings": VocabParallel(c.vocab_size, padded, sequence_parallel and not learned_pos,
                                                        canonical_size=self.padded_vocab_size),
             "decoder.layers.*.self_attention.linear_qkv": ColwiseParallel(),
             "decoder.layers.*.self_attention.linear_proj": RowwiseParallel(),
-            "decoder.layers.*.mlp.linear_fc1": ColwiseParallel(stride=2 if c.swiglu else 1),
-            "decoder.layers.*.mlp.linear_fc2": RowwiseParallel(),
             "output_layer": ColwiseParallel(vocab_size=c.vocab_size, padded_size=padded,
                                             tied=not c.untie_embeddings_and_output_weights,
                                             canonical_size=self.padded_vocab_size),
         }
+        if any(isinstance(m, MLP) for m in mlps):
+            plan["decoder.layers.*.mlp.linear_fc1"] = ColwiseParallel(stride=2 if c.swiglu else 1)
+            plan["decoder.layers.*.mlp.linear_fc2"] = RowwiseParallel()
+        if any(isinstance(m, MoELayer) and m.shared_experts is not None for m in mlps):
+            # shared experts are split like the dense MLP; routed experts follow expert tensor parallelism
+            plan["decoder.layers.*.mlp.shared_experts.linear_fc1"] = ColwiseParallel(stride=2 if c.swiglu else 1)
+            plan["decoder.layers.*.mlp.shared_experts.linear_fc2"] = RowwiseParallel()
         if sequence_parallel:
             plan.update({
                 "decoder.layers.*.input_layernorm": SequenceParallelNorm(),
@@ -292,6 +317,31 @@ class GPTModel(nn.Module):
         for layer in self.decoder.layers.values():
             layer.self_attention.tp_fork = fork
             layer.hidden_fork = fork if sequence_parallel else _null_fork
+        for router in self._routers():
+            # each TP rank routes its own part of the sequence: the replicated router weight's grad is summed
+            router.sequence_parallel_group = group if sequence_parallel else None
+
+    # ---- mixture of experts hooks
+    def _routers(self) -> list:
+        return [m for m in self.modules() if isinstance(m, TopKRouter)]
+
+    def moe_layers(self) -> Dict[str, MoELayer]:
+        """``{layer key: MoELayer}`` for the MoE layers this model (or pipeline stage) holds."""
+        return {k: layer.mlp for k, layer in self.decoder.layers.items() if isinstance(layer.mlp, MoELayer)}
+
+    def set_expert_parallel(self, ep_group: Group, etp_group: Group = None, ep_etp_group: Group = None) -> None:
+        """Shard every MoE layer's experts over the expert-parallel groups (call on the meta device, before
+        :meth:`init_weights`): EP rank ``r`` keeps experts ``[r*E/ep, (r+1)*E/ep)``, ETP ranks split their ffn dim.
+        ``ep_etp_group``: the ep x etp block (all-gather dispatcher with etp > 1)."""
+        for moe in self.moe_layers().values():
+            moe.set_expert_parallel(ep_group, etp_group, ep_etp_group)
+
+    def set_moe_token_groups(self, sequence_groups=(), batch_groups=()) -> None:
+        """Where the rest of a micro-batch's tokens are, for the routers' global aux-loss statistics:
+        ``sequence_groups`` hold other parts of the same sequences (cp; tp under SP), ``batch_groups`` other
+        sequences (dp). See :meth:`lightning_megatron.moe.TopKRouter.set_token_groups`."""
+        for router in self._routers():
+            router.set_token_groups(sequence_groups, batch_groups)
 
     # ---- initialisation ----
     def _init_value(self, name: str, shape: tuple, seed: int, device: torch.device) -> Tensor:
@@ -312,24 +362,27 @@ class GPTModel(nn.Module):
         """Initialise every parameter from ``seed`` (default ``torch.initial_seed()``), layout-independently.
 
         Megatron's scheme: normal(0, init_method_std) for weights, scaled by ``1/sqrt(2*num_layers)`` for the
-        output projections (``linear_proj``, ``linear_fc2``), ones for norm weights, zeros for biases and for
+        output projections (``linear_proj``, ``linear_fc2``, the experts' ``weight2``), ones for norm weights, zeros for biases and for
         padded vocabulary rows. Each parameter's global value is drawn whole and this rank keeps its shard.
         """
         seed = torch.initial_seed() if seed is None else seed
         for mod_name, module in self.named_modules():
+            sharded = isinstance(module, TensorParallelModule) or _is_sharded_module(module)
             for pname, p in module.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
                 vocab = name in VOCAB_PARAMS
-                if isinstance(module, TensorParallelModule):
+                if sharded:
                     shape = module.global_shape(pname)
                 else:
                     shape = ((self.config.vocab_size,) + tuple(p.shape[1:])) if vocab else tuple(p.shape)
                 full = self._init_value(name, shape, seed, p.device)
-                if isinstance(module, TensorParallelModule):
+                if sharded:
                     local = module.shard_global(pname, full)
                 else:
                     local = pad_rows(full, p.shape[0]) if vocab else full
                 p.copy_(local.to(p.dtype))
+        for router in self._routers():
+            router.reset_buffers()
 
     # ---- forward, in pieces a pipeline stage can run separately ----
     def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
 
 Batch = Dict[str, Tensor]
 
@@ -53,6 +54,13 @@ class ParallelGPTModule(pl.LightningModule):
 
     Under :class:`MegatronStrategy` the model is built on the meta device in :meth:`configure_model` and
     the strategy materialises it already sharded, so no rank ever holds the full model.
+
+    Mixture of experts (``config.num_moe_experts``): the routers' aux / z losses reach the gradient through
+    autograd with the main loss's scale (:meth:`set_moe_aux_loss_scale`) and are logged as ``moe_aux_loss``
+    (the load-balancing loss, summed over MoE layers) and ``moe_z_loss``: the global value of the micro-batch
+    (of the step, averaged over micro-batches, under pipeline parallelism), the same on every rank.
+    ``train_loss`` stays the language-model loss. With ``moe_router_enable_expert_bias`` the expert biases
+    are updated once per optimizer step from the step's global token counts (:meth:`on_before_optimizer_step`).
     """
 
     def __init__(
@@ -132,6 +140,67 @@ class ParallelGPTModule(pl.LightningModule):
     def on_pipeline_train_step_end(self, loss: Tensor) -> None:
         """Called by the strategy after a pipeline step with the step's global token-mean loss."""
         self.log("train_loss", loss, prog_bar=True)
+        self._log_moe_losses(self.trainer.accumulate_grad_batches, pipeline=True)
+
+    # ---------------------------------------------------------------- mixture of experts
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """Gradient the routers' aux / z losses get in backward (see :func:`lightning_megatron.moe.set_aux_loss_scale_of`).
+        :meth:`training_step` sets ``dp_cp / accumulate_grad_batches``; under pipeline parallelism the
+        strategy sets ``dp_cp`` (the schedule divides gradients by the micro-batch count itself)."""
+        if self.model is not None and self.config.is_moe:
+            set_aux_loss_scale_of(self.model, scale)
+
+    def _moe_token_groups(self) -> list:
+        """Groups holding the rest of a micro-batch's tokens (dp x cp, and tp under sequence parallelism)."""
+        strategy = getattr(self._trainer, "strategy", None)
+        mesh = getattr(strategy, "mesh", None)
+        if mesh is None:
+            return [dist.group.WORLD] if self._is_distributed() else []   # plain DDP: each rank routes its own batch
+        groups = [mesh.group("dp_cp")]
+        if strategy.parallel_config.sequence_parallel:
+            groups.append(mesh.group("tp"))
+        return groups
+
+    def _moe_loss_names(self) -> list:
+        c = self.config
+        names = []
+        if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
+            names.append(("moe_aux_loss", c.moe_router_load_balancing_type))
+        if c.moe_z_loss_coeff:
+            names.append(("moe_z_loss", "z_loss"))
+        return names
+
+    def _log_moe_losses(self, num_forwards: int, pipeline: bool = False) -> None:
+        """Log the global aux / z losses of the forwards since the last call (collective over the token groups
+        and, under pipeline parallelism, the pipeline group)."""
+        if not self.config.is_moe or self.model is None:
+            return
+        names = self._moe_loss_names()
+        # under pipeline parallelism only the step's last num_forwards forwards are real micro-batches
+        sums = pop_aux_loss_sums(self.model, num_forwards if pipeline else None)
+        if not names:
+            return
+        device = next(iter(self.model.parameters())).device
+        values = torch.stack([sums.get(key, torch.zeros((), device=device)).float().to(device) for _, key in names])
+        groups = self._moe_token_groups()
+        mesh = getattr(getattr(self._trainer, "strategy", None), "mesh", None)
+        if pipeline and mesh is not None:
+            groups.append(mesh.group("pp"))
+        for g in groups:
+            dist.all_reduce(values, group=g)
+        if mesh is None and groups:   # plain DDP: the mean of the ranks' own values
+            values = values / dist.get_world_size()
+        values = values / max(num_forwards, 1)
+        for (log_name, _), v in zip(names, values.unbind(0)):
+            self.log(log_name, v, sync_dist=False)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Aux-loss-free balancing: update the expert biases from the step's global token counts."""
+        if self.config.is_moe and self.config.moe_router_enable_expert_bias and self.model is not None:
+            strategy = getattr(self._trainer, "strategy", None)
+            pipeline = getattr(getattr(strategy, "parallel_config", None), "pp", 1) > 1
+            last = self.trainer.accumulate_grad_batches if pipeline else None
+            update_expert_biases(self.model, self._moe_token_groups(), last)
 
     def accumulate_eval_totals(self, totals: Tensor) -> None:
         """Add ``[loss_sum, token_count]`` of one evaluation batch (this data-parallel rank's part)."""
@@ -144,13 +213,16 @@ class ParallelGPTModule(pl.LightningModule):
         return value
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss_sum, count = self.loss_sum_and_count(batch)
         group, dp = self._dp_group()
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        self.set_moe_aux_loss_scale(dp / accumulate)
+        loss_sum, count = self.loss_sum_and_count(batch)
         global_count = self._global(count, group, dp).clamp(min=1.0)
         # DDP averages gradients over dp x cp, so scaling by dp gives the gradient of the global token-mean.
         loss = loss_sum * dp / global_count
         mean = self._global(loss_sum, group, dp) / global_count
         self.log("train_loss", mean, prog_bar=True, sync_dist=group is None and self._is_distributed())
+        self._log_moe_losses(1)
         return loss
 
     def _is_distributed(self) -> bool:

@@ -2,15 +2,20 @@
 
 Both take tokens already sorted by local expert, ``tokens [N, h]`` with ``tokens_per_expert [E_local]``
 (sum = N), and return ``[N, h]``. Weights: ``weight1 [E_local, h, 2f]`` (SwiGLU: gate then up halves; ``[.., h, f]``
-without GLU) and ``weight2 [E_local, f, h]``.
+without GLU) and ``weight2 [E_local, f, h]``. Under expert tensor parallelism (``etp > 1``) each rank holds
+``f / etp`` of the ffn dimension (``weight1 [E_local, h, 2f/etp]`` = its gate slice then its up slice,
+``weight2 [E_local, f/etp, h]``) and returns partial sums that the dispatcher adds up over the ETP group.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_megatron.parallel.tensor_parallel.layers import shard_tensor, unshard_tensor
+from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_dim0, group_rank, group_size
 
 
 def _activation(x: Tensor, swiglu: bool) -> Tensor:
@@ -25,9 +30,13 @@ def _grouped_mm_available() -> bool:
 
 
 class GroupedMLPExperts(nn.Module):
-    """All local experts as stacked tensors.
+    """All local experts as stacked tensors: ``forward(tokens [N, h], tokens_per_expert [E_local]) -> [N, h]``.
 
-    ``use_grouped_mm``: ``None`` (default) uses ``torch._grouped_mm`` for CUDA bf16 inputs only; ``True`` tries it
+    ``ep_group`` / ``etp_group``: where the other experts / the other ffn slices live (no communication in
+    ``forward``; only :meth:`gather_global` talks, for checkpoints). ``ffn_hidden_size`` is the full ``f``.
+    ``global_shape`` / ``shard_global`` / ``gather_global`` map the local weights onto the full tensors of all
+    ``E`` experts (``weight1 [E, h, 2f]``, ``weight2 [E, f, h]``), so initialisation and checkpoints do not
+    depend on the layout. ``use_grouped_mm``: ``None`` (default) uses ``torch._grouped_mm`` for CUDA bf16 inputs only; ``True`` tries it
     for any input (torch builds with a CPU kernel run it too); ``False`` always loops over experts. A failing
     grouped GEMM (old torch, unsupported dtype, or rows not 16-byte aligned, e.g. bf16 with ``f`` not a multiple
     of 8) falls back to the loop; ``last_used_grouped_mm`` says which path the last call took.
@@ -35,21 +44,70 @@ class GroupedMLPExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, swiglu: bool = True,
                  weight1: Optional[Tensor] = None, weight2: Optional[Tensor] = None,
-                 use_grouped_mm: Optional[bool] = None, init_std: float = 0.02) -> None:
+                 use_grouped_mm: Optional[bool] = None, init_std: float = 0.02, ep_group=None,
+                 etp_group=None) -> None:
         super().__init__()
         self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
         self.swiglu = swiglu
         self.use_grouped_mm = use_grouped_mm
-        fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
+        self.ep_group, self.etp_group = ep_group, etp_group
+        etp = group_size(etp_group)
+        if ffn_hidden_size % etp != 0:
+            raise ValueError(f"moe_ffn_hidden_size ({ffn_hidden_size}) must be divisible by the expert tensor "
+                             f"parallel size etp ({etp}): each ETP rank holds f/etp of every expert")
+        f_local = ffn_hidden_size // etp
+        fc1_out = 2 * f_local if swiglu else f_local
         if weight1 is None:
-            weight1 = torch.empty(num_local_experts, hidden_size, fc1_out).normal_(0.0, init_std)
+            weight1 = torch.empty(num_local_experts, hidden_size, fc1_out)
+            if not weight1.is_meta:
+                weight1.normal_(0.0, init_std)
         if weight2 is None:
-            weight2 = torch.empty(num_local_experts, ffn_hidden_size, hidden_size).normal_(0.0, init_std)
+            weight2 = torch.empty(num_local_experts, f_local, hidden_size)
+            if not weight2.is_meta:
+                weight2.normal_(0.0, init_std)
         assert weight1.shape == (num_local_experts, hidden_size, fc1_out), weight1.shape
-        assert weight2.shape == (num_local_experts, ffn_hidden_size, hidden_size), weight2.shape
+        assert weight2.shape == (num_local_experts, f_local, hidden_size), weight2.shape
         self.weight1 = nn.Parameter(weight1.clone())
         self.weight2 = nn.Parameter(weight2.clone())
         self.last_used_grouped_mm = False
+
+    # ---- layout: local shard <-> global tensor (experts by global index, ffn dim over ETP)
+    # dim and stride of the ETP split of each weight
+    _ETP_SPLIT = {"weight1": (2, None), "weight2": (1, 1)}
+
+    def _etp_split(self, name: str) -> Tuple[int, int]:
+        dim, stride = self._ETP_SPLIT[name]
+        return dim, (stride if stride is not None else (2 if self.swiglu else 1))
+
+    @property
+    def expert_offset(self) -> int:
+        """Global index of the first local expert (``ep_rank * E_local``)."""
+        return group_rank(self.ep_group) * self.num_local_experts
+
+    def global_shape(self, name: str) -> Tuple[int, ...]:
+        """Shape of the full tensor of all experts: ``weight1 [E, h, 2f]``, ``weight2 [E, f, h]``."""
+        shape = list(getattr(self, name).shape)
+        shape[0] *= group_size(self.ep_group)
+        shape[self._etp_split(name)[0]] *= group_size(self.etp_group)
+        return tuple(shape)
+
+    def shard_global(self, name: str, full: Tensor) -> Tensor:
+        """This rank's part of the full tensor ``full``: its experts (by global index), its ffn slice."""
+        lo = self.expert_offset
+        local = full[lo:lo + self.num_local_experts]
+        dim, stride = self._etp_split(name)
+        return shard_tensor(local, dim, group_rank(self.etp_group), group_size(self.etp_group), stride)
+
+    def gather_global(self, name: str, local: Tensor) -> Tensor:
+        """The full tensor from every rank's ``local`` (collective over the ETP group, then the EP group)."""
+        dim, stride = self._etp_split(name)
+        if group_size(self.etp_group) > 1:
+            shards = list(all_gather_dim0(local.contiguous().unsqueeze(0), self.etp_group).unbind(0))
+            local = unshard_tensor(shards, dim, stride)
+        return all_gather_dim0(local.contiguous(), self.ep_group)
+
+    def is_sharded(self, name: str) -> bool:
+        return group_size(self.ep_group) * group_size(self.etp_group) > 1
 
     def _want_grouped(self, x: Tensor) -> bool:
         if not _grouped_mm_available() or self.use_grouped_mm is False:

@@ -5,38 +5,52 @@ Auxiliary losses travel on an autograd side channel, as in Megatron's ``MoEAuxLo
 ``aux_loss`` a gradient of ``ones * scale`` (``scale`` set with ``set_aux_loss_scale``; Megatron sets it
 to ``loss_scale * cp / num_microbatches`` so that the aux loss is scaled like the main loss). So the caller
 never adds the aux loss to its loss: ``loss.backward()`` already back-propagates it through the router.
-Detached values are kept in ``router.aux_losses`` (dict name -> scalar) for logging.
+Detached values are kept in ``router.aux_losses`` (dict name -> scalar) for logging, and one record per training
+forward is kept until :meth:`TopKRouter.pop_aux_loss_sums` sums (the last ``n`` of) them: a pipeline schedule may
+run extra forwards before the real micro-batches (torch's metadata inference), which the caller then skips.
+
+Layout independence (:meth:`TopKRouter.set_token_groups`): when the tokens of one micro-batch are spread over
+ranks (data parallel: whole sequences; context and sequence parallel: parts of each sequence), every rank
+routes its own tokens but the statistics of the losses are global: the token counts per expert are summed
+over the groups holding the rest of the micro-batch (``aux_loss``) or the rest of each sequence
+(``seq_aux_loss``), and the normalisations use the global token / sequence counts. Each rank's loss is then
+its tokens' share of the single-process loss of the whole micro-batch, so the shares add up to it exactly.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.moe.config import MoEConfig
+from lightning_megatron.parallel.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, group_size
 
 
 class _AuxLossAutoScaler(torch.autograd.Function):
     scale: Tensor = torch.tensor(1.0)
 
     @staticmethod
-    def forward(ctx, output: Tensor, aux_loss: Tensor) -> Tensor:
+    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: Optional[float]) -> Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (aux_loss,) = ctx.saved_tensors
-        scale = _AuxLossAutoScaler.scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
-        return grad_output, torch.ones_like(aux_loss) * scale
+        scale = _AuxLossAutoScaler.scale if ctx.scale is None else torch.tensor(float(ctx.scale))
+        scale = scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
-def attach_aux_loss(output: Tensor, aux_loss: Tensor) -> Tensor:
-    """Identity on ``output``; in backward, ``aux_loss`` receives gradient ``scale`` (default 1)."""
-    return _AuxLossAutoScaler.apply(output, aux_loss)
+def attach_aux_loss(output: Tensor, aux_loss: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Identity on ``output``; in backward, ``aux_loss`` receives gradient ``scale`` (``None``: the process-wide
+    value of :func:`set_aux_loss_scale`, default 1)."""
+    return _AuxLossAutoScaler.apply(output, aux_loss, scale)
 
 
 def set_aux_loss_scale(scale) -> None:
@@ -90,10 +104,31 @@ def apply_token_dropping(routing_probs: Tensor, routing_map: Tensor, capacity: i
 
 
 # ----------------------------------------------------------------------------------------------- router
+def _all_reduce_(t: Tensor, groups: Sequence) -> Tensor:
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    return t
+
+
+def _product(groups: Sequence) -> int:
+    n = 1
+    for g in groups:
+        n *= group_size(g)
+    return n
+
+
 class TopKRouter(nn.Module):
     """``logits = x @ W^T`` (``W``: [E, h]) -> scores -> top-k ``(probs [T, k], indices [T, k])``.
 
     ``indices`` are global expert ids; a slot dropped by the capacity limit has index ``-1`` and prob 0.
+
+    Attributes set by the model / strategy:
+        sequence_parallel_group: under sequence parallelism the weight is replicated over this TP group while
+            each rank routes its own part of the sequence; its gradient is summed over the group (in backward,
+            or deferred by the strategy like the norms').
+        aux_loss_scale: gradient the aux / z losses get in backward (``None``: :func:`set_aux_loss_scale`'s).
+        sequence_groups / batch_groups: see :meth:`set_token_groups` (all-reduces of ``[E]`` or ``[b*E]``
+            counts in forward while training).
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, init_std: float = 0.02,
@@ -113,6 +148,49 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
             self.local_tokens_per_expert = None
         self.aux_losses: Dict[str, Tensor] = {}
+        self._aux_history: List[Dict[str, Tensor]] = []     # one dict per training forward
+        self._count_history: List[Tensor] = []              # expert-bias token counts, one per training forward
+        self.aux_loss_scale: Optional[float] = None
+        self.sequence_parallel_group = None
+        self.sequence_groups: List = []
+        self.batch_groups: List = []
+
+    def set_token_groups(self, sequence_groups: Sequence = (), batch_groups: Sequence = ()) -> None:
+        """Groups over which one micro-batch's tokens are spread: ``sequence_groups`` hold other parts of the
+        same sequences (context parallel, tensor parallel under SP), ``batch_groups`` other sequences (data
+        parallel). Groups of size 1 (or None) are dropped."""
+        self.sequence_groups = [g for g in sequence_groups if group_size(g) > 1]
+        self.batch_groups = [g for g in batch_groups if group_size(g) > 1]
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the expert bias and the token counts (after materialising a meta-device model)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.local_tokens_per_expert.zero_()
+
+    def pop_aux_loss_sums(self, last: Optional[int] = None) -> Dict[str, Tensor]:
+        """This rank's share of each aux loss summed over the training forwards since the last call (only the
+        ``last`` most recent ones if given); resets."""
+        history, self._aux_history = self._aux_history, []
+        sums: Dict[str, Tensor] = {}
+        for record in history[-last:] if last else history:
+            for name, value in record.items():
+                sums[name] = sums[name] + value if name in sums else value
+        return sums
+
+    def tokens_per_expert_since_update(self, last: Optional[int] = None) -> Tensor:
+        """Kept tokens per expert ``[E]`` routed by this rank since the last bias update (the ``last`` most recent
+        training forwards if given); needs ``moe_router_enable_expert_bias``."""
+        if self.local_tokens_per_expert is None:
+            raise RuntimeError("token counts are kept only with moe_router_enable_expert_bias=True")
+        if not last:
+            return self.local_tokens_per_expert.clone()
+        recent = self._count_history[-last:]
+        return torch.stack(recent).sum(0) if recent else torch.zeros_like(self.local_tokens_per_expert)
+
+    def _record(self, name: str, value: Tensor) -> None:
+        self.aux_losses[name] = value.detach()
 
     # -- scoring --------------------------------------------------------------------------------------
     def topk_routing(self, logits: Tensor) -> Tuple[Tensor, Tensor]:
@@ -154,15 +232,20 @@ class TopKRouter(nn.Module):
             hidden = hidden.unsqueeze(1)
         seq_len, bsz, _ = hidden.shape
         x = hidden.reshape(-1, self.hidden_size)
-        logits = F.linear(x, self.weight.to(x.dtype))
+        weight = self.weight
+        if self.sequence_parallel_group is not None:
+            weight = copy_to_tensor_model_parallel_region(weight, self.sequence_parallel_group)
+        logits = F.linear(x, weight.to(x.dtype))
         cfg = self.config
         self.aux_losses = {}
         train = self.training and torch.is_grad_enabled()
+        token_groups = self.batch_groups + self.sequence_groups
+        num_tokens_global = logits.shape[0] * _product(token_groups)
 
         if cfg.moe_z_loss_coeff and train:
-            zl = z_loss(logits, cfg.moe_z_loss_coeff)
-            logits = attach_aux_loss(logits, zl)
-            self.aux_losses["z_loss"] = zl.detach()
+            zl = z_loss(logits, cfg.moe_z_loss_coeff) * (logits.shape[0] / num_tokens_global)
+            logits = attach_aux_loss(logits, zl, self.aux_loss_scale)
+            self._record("z_loss", zl)
 
         probs, indices = self.topk_routing(logits)
         num_tokens = logits.shape[0]
@@ -178,22 +261,29 @@ class TopKRouter(nn.Module):
 
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
             valid = indices[indices >= 0]
-            self.local_tokens_per_expert += torch.bincount(valid, minlength=self.num_experts).float()
+            counts = torch.bincount(valid, minlength=self.num_experts).float()
+            self.local_tokens_per_expert += counts
+            self._count_history.append(counts)
 
         lb = cfg.moe_router_load_balancing_type
         if train and lb != "none" and cfg.moe_aux_loss_coeff > 0:
             scores, aux_map = self.scores_for_aux_loss(logits)
-            if lb == "aux_loss":
-                aux = switch_load_balancing_loss(scores, aux_map.sum(0).float(), num_tokens, self.topk,
+            if lb == "aux_loss":  # counts over the whole micro-batch
+                counts = _all_reduce_(aux_map.sum(0).float(), token_groups)
+                aux = switch_load_balancing_loss(scores, counts, num_tokens_global, self.topk,
                                                  cfg.moe_aux_loss_coeff)
-            else:  # seq_aux_loss: the switch loss of each sequence, averaged over the batch
+            else:  # seq_aux_loss: the switch loss of each sequence, averaged over the (global) batch
                 E = self.num_experts
+                seq_global = seq_len * _product(self.sequence_groups)
+                bsz_global = bsz * _product(self.batch_groups)
                 s_scores = scores.reshape(seq_len, bsz * E)
-                s_counts = aux_map.reshape(seq_len, bsz * E).sum(0).float()
+                s_counts = _all_reduce_(aux_map.reshape(seq_len, bsz * E).sum(0).float(), self.sequence_groups)
                 aux = (s_scores.sum(0) * s_counts).sum() * (E * cfg.moe_aux_loss_coeff
-                                                            / (self.topk * seq_len * seq_len)) / bsz
-            probs = attach_aux_loss(probs, aux)
-            self.aux_losses[lb] = aux.detach()
+                                                            / (self.topk * seq_global * seq_global)) / bsz_global
+            probs = attach_aux_loss(probs, aux, self.aux_loss_scale)
+            self._record(lb, aux)
+        if train and self.aux_losses:
+            self._aux_history.append(dict(self.aux_losses))
         return probs, indices
 
     # -- aux-loss-free balancing ------------------------------------------------------------------------
@@ -208,3 +298,4 @@ class TopKRouter(nn.Module):
         n = n.to(self.expert_bias.device, torch.float32)
         self.expert_bias += torch.sign(n.mean() - n) * self.config.moe_router_bias_update_rate
         self.local_tokens_per_expert.zero_()
+        self._count_history = []

@@ -20,8 +20,9 @@ class ParallelConfig:
         pp: pipeline-model-parallel size.
         vp: virtual pipeline stages per rank (interleaved schedule); needs ``pp > 1``.
         cp: context-parallel size.
-        ep: expert-model-parallel size.
-        etp: expert-tensor-parallel size (default: ``tp``).
+        ep: expert-model-parallel size: each expert-parallel rank holds ``num_moe_experts / ep`` experts.
+        etp: expert-tensor-parallel size (default: ``tp``): ranks splitting each expert's ffn dimension.
+            Expert grid: ``edp = world / (etp * ep * pp)`` expert-data-parallel replicas.
         sequence_parallel: split activations along the sequence over the TP group between TP regions.
             Ignored with a warning when ``tp == 1`` (as Megatron's training arguments do).
         cp_comm_type: context-parallel attention communication, one string or one per layer.
@@ -156,4 +157,38 @@ class ParallelConfig:
             raise ValueError(
                 f"seq_length={seq} is not divisible by tp={self.tp}: sequence parallelism splits the "
                 f"sequence over the tensor-parallel ranks"
+            )
+        self.validate_moe(model_config)
+
+    def validate_moe(self, model_config: Any) -> None:
+        """Check the expert layout against the model (``num_moe_experts``, ``moe_ffn_hidden_size``, ...).
+
+        Raises:
+            ValueError: ep > 1 or etp > tp-default on a dense model; experts not divisible by ep; the ffn of an
+                expert not divisible by etp; MoE with tp > 1 but no sequence parallelism (Megatron's rule).
+        """
+        experts = getattr(model_config, "num_moe_experts", None)
+        if experts is None:
+            if self.ep > 1:
+                raise ValueError(
+                    f"ep={self.ep} (expert parallelism) needs a mixture-of-experts model: set "
+                    f"num_moe_experts in the model config, or use ep=1"
+                )
+            return
+        if experts % self.ep != 0:
+            raise ValueError(
+                f"num_moe_experts={experts} is not divisible by ep={self.ep}: each expert-parallel rank holds "
+                f"num_moe_experts / ep whole experts; pick ep dividing {experts}"
+            )
+        ffn = getattr(model_config, "moe_ffn_hidden_size", None)
+        if ffn is not None and ffn % self.etp != 0:
+            raise ValueError(
+                f"moe_ffn_hidden_size={ffn} is not divisible by etp={self.etp}: expert tensor parallelism "
+                f"splits each expert's ffn dimension; pick etp dividing {ffn} (etp defaults to tp)"
+            )
+        if self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"a mixture-of-experts model with tp={self.tp} needs sequence_parallel=True (Megatron's rule: "
+                f"with MoE and tensor parallelism each TP rank routes its own part of the sequence); set "
+                f"MegatronStrategy(sequence_parallel=True) or tp=1"
             )

@@ -1,4 +1,4 @@
-"""Gradient norm and clipping by the true global norm of a model split over TP (and later PP/EP)."""
+"""Gradient norm and clipping by the true global norm of a model split over TP, PP and EP/ETP."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Set
@@ -11,7 +11,8 @@ from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_si
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,
-                     model_parallel_groups: Optional[List[Group]] = None) -> Tensor:
+                     model_parallel_groups: Optional[List[Group]] = None, expert: Optional[Set[int]] = None,
+                     expert_group: Group = None) -> Tensor:
     """L2 norm of the gradients of the whole model, the same value on every rank.
 
     Args:
@@ -22,17 +23,29 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
         tp_group: the TP group (one all-reduce of a scalar).
         model_parallel_groups: further groups whose ranks hold disjoint parameters (pipeline stages):
             the total is summed over each.
+        expert, expert_group: ``id()`` of expert parameters (split over the ep x etp block ``expert_group``,
+            identical over expert data parallel); their squared norms are summed over ``expert_group``.
     """
-    grads_sharded, grads_replicated = [], []
+    expert = expert or set()
+    grads_sharded, grads_replicated, grads_expert = [], [], []
     for p in params:
         if p.grad is None:
             continue
-        (grads_sharded if id(p) in sharded else grads_replicated).append(p.grad.detach())
-    device = (grads_sharded + grads_replicated)[0].device if (grads_sharded or grads_replicated) else torch.device("cpu")
+        if id(p) in expert:
+            grads_expert.append(p.grad.detach())
+        else:
+            (grads_sharded if id(p) in sharded else grads_replicated).append(p.grad.detach())
+    every = grads_sharded + grads_replicated + grads_expert
+    device = every[0].device if every else torch.device("cpu")
     sharded_sq = _sum_squares(grads_sharded, device)
     if group_size(tp_group) > 1:
         dist.all_reduce(sharded_sq, group=tp_group)
     total = sharded_sq + _sum_squares(grads_replicated, device)
+    if expert:
+        expert_sq = _sum_squares(grads_expert, device)
+        if group_size(expert_group) > 1:
+            dist.all_reduce(expert_sq, group=expert_group)
+        total = total + expert_sq
     for group in model_parallel_groups or []:
         if group_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -48,14 +61,15 @@ def _sum_squares(grads: List[Tensor], device: torch.device) -> Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
-                    model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6) -> Tensor:
+                    model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
+                    expert: Optional[Set[int]] = None, expert_group: Group = None) -> Tensor:
     """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
     but with the norm from :func:`global_grad_norm`.
     """
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups)
+    norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     if params:
         torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))

@@ -1,5 +1,5 @@
-"""Gradient reductions besides torch DDP's: SP-replicated weights summed over the TP group, and the
-data-parallel average of pipeline stages' gradients.
+"""Gradient reductions besides torch DDP's: SP-replicated weights summed over the TP group, the
+data-parallel average of pipeline stages' gradients, and expert weights over the expert-data-parallel group.
 
 Under sequence parallelism every TP rank computes the gradient of a norm weight (or a row-parallel bias)
 from its own slice of the sequence, so the true gradient is the sum over the TP group. Instead of one
@@ -88,3 +88,21 @@ def allreduce_data_parallel_grads(params: List[nn.Parameter], group: Group, buck
     expects one): one reduction per optimizer step after the schedule, no overlap with backward.
     """
     _allreduce_grads(params, group, average=True, bucket_bytes=bucket_bytes)
+
+
+@torch.no_grad()
+def allreduce_expert_parallel_grads(params: List[nn.Parameter], edp_group: Group, dp_cp_size: int,
+                                    bucket_bytes: int = 64 * 2**20) -> None:
+    """Sum the gradients of expert ``params`` over the expert-data-parallel ``edp_group`` and divide by the
+    dense data-parallel size ``dp_cp_size`` (Megatron's expert gradient scaling).
+
+    Every rank's loss is ``dp_cp`` times its tokens' share of the global mean (dense gradients are then averaged
+    over dp x cp). An expert sees the tokens of its whole ep x etp block, and the edp replicas of the block
+    together see every token of the pipeline stage once, so the sum over edp divided by ``dp_cp`` is the
+    gradient of the global mean. Runs (the scaling at least) even when edp = 1.
+    """
+    _allreduce_grads(params, edp_group, average=False, bucket_bytes=bucket_bytes)
+    if dp_cp_size != 1:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, float(dp_cp_size))

@@ -18,7 +18,8 @@ class ParallelMesh:
 
     Dense grid ``(pp, dp, cp, tp)`` with tp fastest-varying (Megatron's ``tp-cp-ep-dp-pp`` order: ranks
     ``0..tp-1`` form the first TP group). Expert grid ``(pp, edp, ep, etp)`` over the same ranks (ep is
-    folded into dp x cp x tp). Groups: ``tp, pp, dp, cp, dp_cp, ep, etp, edp`` and ``embedding`` (the first
+    folded into dp x cp x tp). Groups: ``tp, pp, dp, cp, dp_cp, ep, etp, edp, ep_etp`` (the ep x etp block that
+    shares one set of tokens between its experts) and ``embedding`` (the first
     and last pipeline stage of this rank's pipeline; a middle stage (pp > 2) is in none, as in Megatron:
     its ``group("embedding")`` is None, ``ranks`` empty, ``size`` 0 and ``rank`` -1). Build it once per run
     (the strategy does) and pass it around; there is no module-level state.
@@ -39,9 +40,11 @@ class ParallelMesh:
             device_type, world.view(c.pp, c.edp, c.ep, c.etp), mesh_dim_names=EXPERT_DIMS
         )
         self.dp_cp_mesh = self.dense["dp", "cp"]._flatten("dp_cp")
+        self.ep_etp_mesh = self.expert["ep", "etp"]._flatten("ep_etp")
         self._groups: Dict[str, Optional[dist.ProcessGroup]] = {d: self.dense.get_group(d) for d in DENSE_DIMS}
         self._groups.update({d: self.expert.get_group(d) for d in ("edp", "ep", "etp")})
         self._groups["dp_cp"] = self.dp_cp_mesh.get_group()
+        self._groups["ep_etp"] = self.ep_etp_mesh.get_group()
         self._groups["embedding"] = self._new_embedding_group(world.view(c.pp, -1))
         if c.cp > 1 and c.hierarchical_context_parallel_sizes:
             self._groups.update(self._new_hierarchical_cp_groups(world.view(c.pp, c.dp, c.cp, c.tp)))
@@ -81,7 +84,7 @@ class ParallelMesh:
         return mine
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
-        """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, embedding``, and
+        """Process group of dimension ``name`` (``tp, pp, dp, cp, dp_cp, ep, etp, edp, ep_etp, embedding``, and
         ``cp_inner`` / ``cp_outer`` with hierarchical context parallelism)."""
         return self._groups[name]
 
@@ -95,6 +98,8 @@ class ParallelMesh:
         """This process's rank inside dimension ``name``."""
         if name == "dp_cp":
             return self._coords["dp"] * self.config.cp + self._coords["cp"]
+        if name == "ep_etp":
+            return self._coords["ep"] * self.config.etp + self._coords["etp"]
         if name == "embedding":
             return -1 if self._groups[name] is None else dist.get_rank(self._groups[name])
         return self._coords[name]

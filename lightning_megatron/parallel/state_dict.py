@@ -1,9 +1,11 @@
 """Layout-independent (full, unsharded) model and optimizer state from tensor/pipeline-parallel shards and back.
 
 A checkpoint written from these functions holds every tensor in the layout of the plain tp=1, pp=1 model
-(the vocabulary padded as at tp=1; layers under their global index), so it loads under any tp/pp/dp layout,
+(the vocabulary padded as at tp=1; layers under their global index; all experts, by global expert index, with
+their full ffn dimension), so it loads under any tp/pp/dp/ep/etp layout,
 and into a plain ``GPTModel``. Optimizer state is keyed by parameter *name*, not by position, for the same
-reason. Gathering is collective over each layer's TP group and over the pipeline group: call on every rank.
+reason. Gathering is collective over each layer's TP group (experts: ETP then EP group) and over the pipeline
+group: call on every rank.
 """
 from __future__ import annotations
 
@@ -18,11 +20,19 @@ from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelMod
 Owner = Tuple[TensorParallelModule, str]
 
 
+def _is_sharded_module(mod: nn.Module) -> bool:
+    """A TP layer, or any module mapping its parameters onto global tensors the same way (``global_shape``,
+    ``shard_global``, ``gather_global``; e.g. the experts of one EP/ETP rank)."""
+    return isinstance(mod, TensorParallelModule) or all(
+        hasattr(mod, a) for a in ("global_shape", "shard_global", "gather_global"))
+
+
 def tensor_parallel_owners(module: nn.Module) -> Dict[str, Owner]:
-    """``state-dict key -> (TP layer, parameter name)`` for every parameter of a TP layer in ``module``."""
+    """``state-dict key -> (sharded module, parameter name)`` for every parameter of a TP layer (or of an expert
+    module, sharded over EP/ETP) in ``module``."""
     owners: Dict[str, Owner] = {}
     for mod_name, mod in module.named_modules():
-        if isinstance(mod, TensorParallelModule):
+        if _is_sharded_module(mod):
             for pname, _ in mod.named_parameters(recurse=False):
                 owners[f"{mod_name}.{pname}" if mod_name else pname] = (mod, pname)
     return owners
@@ -53,7 +63,9 @@ def full_model_state_dict(module: nn.Module, pp_group: Optional[dist.ProcessGrou
 
 
 def _strip_canonical_padding(mod: TensorParallelModule, pname: str, t: Tensor) -> Tensor:
-    rows = mod._vocab_rows
+    rows = getattr(mod, "_vocab_rows", None)
+    if rows is None:
+        return t
     dim, _ = mod._partition.get(pname, (None, None))
     return t[:rows] if rows is not None and dim == 0 else t
 
