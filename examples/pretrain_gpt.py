@@ -53,7 +53,7 @@ import os
 import shlex
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -82,10 +82,18 @@ NOT_SUPPORTED = {
     "use_custom_fsdp": ("--use-custom-fsdp", "FSDP"),
     "use_torch_fsdp2": ("--use-torch-fsdp2", "FSDP"),
     "use_distributed_optimizer": ("--use-distributed-optimizer", "the sharded (distributed) optimizer"),
-    "num_experts": ("--num-experts", "mixture of experts"),
-    "moe_grouped_gemm": ("--moe-grouped-gemm", "mixture of experts"),
-    "moe_router_topk": ("--moe-router-topk", "mixture of experts"),
-    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", "mixture of experts"),
+}
+# Megatron's MoE flags -> GPTConfig fields (parsed values are passed on unchanged; None = not given)
+MOE_FLAGS = {
+    "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_layer_freq": "moe_layer_freq",
+    "moe_router_score_function": "moe_router_score_function", "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type", "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff", "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate": "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor": "moe_expert_capacity_factor", "moe_token_drop_policy": "moe_token_drop_policy",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_grouped_gemm": "moe_grouped_gemm", "moe_token_dispatcher_type": "moe_token_dispatcher_type",
 }
 # Sizes whose > 1 values MegatronStrategy may refuse (NotImplementedError): probed, so they work once landed.
 PROBED_SIZES = {"cp": "--context-parallel-size", "ep": "--expert-model-parallel-size"}
@@ -203,11 +211,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-custom-fsdp", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--num-experts", type=int, default=None)
-    g.add_argument("--moe-grouped-gemm", action="store_true")
-    g.add_argument("--moe-router-topk", type=int, default=None)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g = p.add_argument_group("mixture of experts (with --expert-model-parallel-size / --expert-tensor-parallel-size)")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="one grouped GEMM for the local experts (torch._grouped_mm; loop fallback)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert ffn size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=None,
+                   help="N (every N-th layer is MoE) or a 0/1 list such as [1,0,1,0] (default 1)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None)
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=None)
+    g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"), default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None)
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
+    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default=None)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default=None)
     return p
+
+
+def _layer_freq(text: str) -> Union[int, List[int]]:
+    """``--moe-layer-freq``: an int, or a list literal of 0/1 (Megatron also takes ``"([1]*N)"``-style code;
+    write the list out here)."""
+    import ast
+
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a list such as [1,0,1,0]") from e
+    if isinstance(value, (list, tuple)):
+        return [int(x) for x in value]
+    if isinstance(value, int):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not an int or a list such as [1,0,1,0]")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -349,7 +388,19 @@ def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                        ("attention_dropout", args.attention_dropout)):
         if value is not None:
             kw[key] = value
+    for dest, field in MOE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            kw[field] = value
+    if "num_moe_experts" not in kw:
+        given = [f"--{dest.replace('_', '-')}" for dest in MOE_FLAGS if field_given(args, dest)]
+        if given:
+            raise FlagError(f"{', '.join(given)} need --num-experts (the model is dense without it)")
     return kw
+
+
+def field_given(args: argparse.Namespace, dest: str) -> bool:
+    return dest != "num_experts" and getattr(args, dest) is not None
 
 
 def config_from_args(args: argparse.Namespace) -> RunPlan:

@@ -105,6 +105,38 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(pg, tmp_path):
     assert strategy.pipeline_schedule == "interleaved_1f1b"
 
 
+def test_moe_flags_map_onto_config_and_strategy(pg):
+    argv = ("--devices 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+            "--expert-tensor-parallel-size 1 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+            "--moe-grouped-gemm --moe-layer-freq [1,0,1,0] --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
+            "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type allgather "
+            "--moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
+            "--moe-shared-expert-intermediate-size 32").split()
+    plan = plan_of(pg, argv)
+    assert plan.strategy == dict(tp=2, pp=1, vp=None, cp=1, ep=2, sequence_parallel=True, etp=1)
+    m = plan.model
+    assert (m["num_moe_experts"], m["moe_router_topk"], m["moe_ffn_hidden_size"], m["moe_grouped_gemm"]) == (8, 2, 64, True)
+    assert m["moe_layer_freq"] == [1, 0, 1, 0] and m["moe_router_load_balancing_type"] == "seq_aux_loss"
+    assert (m["moe_aux_loss_coeff"], m["moe_z_loss_coeff"], m["moe_expert_capacity_factor"]) == (0.01, 0.001, 1.25)
+    assert (m["moe_token_dispatcher_type"], m["moe_token_drop_policy"]) == ("allgather", "position")
+    assert m["moe_shared_expert_intermediate_size"] == 32
+    config = pg.GPTConfig(**{**m, "vocab_size": 256})
+    assert config.is_moe_layer(2) and not config.is_moe_layer(1)
+    pg.MegatronStrategy(**plan.strategy)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--moe-router-topk", "2"], "--moe-router-topk need --num-experts"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4", "--devices", "4",
+      "--tensor-model-parallel-size", "1"], "num_moe_experts=6 is not divisible by ep=4"),
+    (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1"], "needs a mixture-of-experts model"),
+    (["--expert-model-parallel-size", "2"], "world size 2 is not divisible by etp*ep*pp = 2*2*1 = 4"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk (5) must be <= num_moe_experts (4)"),
+])
+def test_moe_flag_errors(pg, capsys, argv, needle):
+    assert needle in exit_message(pg, argv, capsys)
+
+
 def test_shape_defaults_follow_megatron_when_shape_flags_are_given(pg):
     plan = plan_of(pg, ["--hidden-size", "256", "--num-attention-heads", "8", "--devices", "1",
                         "--tensor-model-parallel-size", "1"])
@@ -216,7 +248,7 @@ NOT_SUPPORTED = [
     ["--fp8-hybrid"], ["--fp8-format", "hybrid"], ["--recompute-granularity", "full"],
     ["--recompute-granularity", "selective"], ["--recompute-activations"], ["--recompute-method", "uniform"],
     ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"], ["--use-custom-fsdp"],
-    ["--use-torch-fsdp2"], ["--use-distributed-optimizer"], ["--num-experts", "8"], ["--moe-grouped-gemm"],
+    ["--use-torch-fsdp2"], ["--use-distributed-optimizer"],
     ["--context-parallel-size", "2"], ["--expert-model-parallel-size", "2"],
 ]
 
