@@ -3,6 +3,7 @@ from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floati
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.module import ParallelGPTModule
+from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.tensor_parallel import (
@@ -21,6 +22,10 @@ __all__ = [
     "GPTConfig",
     "GPTModel",
     "ParallelGPTModule",
+    "MoEConfig",
+    "MoELayer",
+    "TopKRouter",
+    "GroupedMLPExperts",
     "ParallelConfig",
     "ParallelMesh",
     "MegatronStrategy",

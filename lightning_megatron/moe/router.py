@@ -42,8 +42,9 @@ class _AuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (aux_loss,) = ctx.saved_tensors
-        scale = _AuxLossAutoScaler.scale if ctx.scale is None else torch.tensor(float(ctx.scale))
-        scale = scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
+        if ctx.scale is not None:
+            return grad_output, torch.full_like(aux_loss, float(ctx.scale)), None
+        scale = _AuxLossAutoScaler.scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
         return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
