@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
@@ -526,6 +526,10 @@ class MegatronStrategy(DDPStrategy):
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
         plugin = self.precision_plugin
         plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed has no loss scaler, so a fused optimizer (ours on CUDA) has nothing to unscale and
+            # clipping before its step is correct; Lightning's check refuses it anyway. fp16 keeps the check.
+            plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping.
