@@ -93,8 +93,38 @@ class StepTimer(pl.Callback):
                 self.peak_mem = torch.cuda.max_memory_allocated()
 
 
+class ProfileSteps(pl.Callback):
+    """Profile Lightning batches [start, start + n) with torch.profiler and print the top device ops (rank 0)."""
+
+    def __init__(self, start: int, n: int = 2, rows: int = 25) -> None:
+        self.start, self.n, self.rows, self.prof = start, n, rows, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.prof is not None and batch_idx == self.start + self.n - 1:
+            _sync()
+            self.prof.__exit__(None, None, None)
+            if trainer.global_rank == 0:
+                events = self.prof.key_averages()
+                key = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+                print(events.table(sort_by=key, row_limit=self.rows, max_name_column_width=70), flush=True)
+            self.prof = None
+
+
 def run_ours(args) -> None:
-    cfg = GPTConfig.llama_1b_bench() if args.model == "bench" else GPTConfig.tiny(num_layers=4)
+    if args.model == "moe":  # Mixtral-shaped: 8 experts, top-2, hidden 2048, 8 layers
+        cfg = GPTConfig.mixtral_small_bench(moe_grouped_gemm=not args.moe_loop,
+                                            moe_token_dispatcher_type=args.dispatcher)
+    elif args.model == "tiny_moe":
+        cfg = GPTConfig.tiny_moe(moe_grouped_gemm=not args.moe_loop, moe_token_dispatcher_type=args.dispatcher)
+    else:
+        cfg = GPTConfig.llama_1b_bench() if args.model == "bench" else GPTConfig.tiny(num_layers=4)
     if args.seq:
         cfg = dataclasses.replace(cfg, seq_length=args.seq)
     ColumnParallelLinear.recompute_input_gather = args.recompute_gather
@@ -104,21 +134,29 @@ def run_ours(args) -> None:
     timer = StepTimer(4 * acc, 14 * acc) if acc == 1 else StepTimer(2 * acc, 7 * acc)
     module = ParallelGPTModule(cfg, lr=1e-4, weight_decay=0.0, lr_decay_style="constant")
     strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
-                                sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+                                ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
-                         precision="bf16-mixed", max_steps=timer.stop // acc, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                         precision="bf16-mixed", max_steps=timer.stop // acc + (1 if args.profile else 0), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[timer] + ([ProfileSteps(timer.stop, acc)] if args.profile else []))
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2, pin_memory=True))
     if trainer.global_rank == 0:
         dp = world // (args.tp * args.pp * args.cp)
         steps = timer.stop - timer.start  # micro-batches (Lightning batches) timed
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
-        tflops = tok_per_gpu * flops_per_token(cfg)
+        if cfg.num_moe_experts:  # routed top-k experts (+ router): the library's Megatron formula, non-causal
+            from lightning_megatron.callbacks.flops import flops_per_token as megatron_flops_per_token
+
+            tflops = tok_per_gpu * megatron_flops_per_token(cfg, causal=False)
+        else:
+            tflops = tok_per_gpu * flops_per_token(cfg)
         layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
         layout += f"-{args.schedule}" if args.schedule else ""
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
+        if cfg.num_moe_experts:
+            layout = f"moe-ep{args.ep}-{layout}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}"
         layout += f"-m{acc}" if acc > 1 else ""
         print(json.dumps(dict(name=f"lightning-megatron-{layout}{'-sp' if args.sp else ''}{'-regather' if args.recompute_gather else ''}-{world}gpu",
                               tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
@@ -134,8 +172,11 @@ def run_ours(args) -> None:
 def run_check(args) -> None:
     """5 optimizer steps of a small model on fixed data; prints the per-step losses (same on every rank).
     ``--precision 32-true`` (default) for exact parity; ``bf16-mixed`` exercises the fused attention kernels."""
+    # no aux loss: it is per micro-batch, and the two layouts group the same samples differently
+    moe = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=1408, moe_aux_loss_coeff=0.0,
+               moe_grouped_gemm=not args.moe_loop, moe_token_dispatcher_type=args.dispatcher)
     cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
-                    vocab_size=32000, seq_length=args.seq or 1024)
+                    vocab_size=32000, seq_length=args.seq or 1024, **(moe if args.model in ("moe", "tiny_moe") else {}))
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
     acc = args.accumulate
@@ -144,7 +185,7 @@ def run_check(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
-                                sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+                                ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision=args.precision, max_steps=5, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
@@ -152,6 +193,7 @@ def run_check(args) -> None:
     if trainer.global_rank == 0:
         layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
+        layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
                               losses=[round(x, 6) for x in timer.losses])), flush=True)
 
@@ -169,7 +211,12 @@ if __name__ == "__main__":
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--cp-comm-type", default="p2p")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's 2048)")
-    p.add_argument("--model", default="bench", choices=["bench", "tiny"], help="tiny: a CPU smoke test of the script")
+    p.add_argument("--model", default="bench", choices=["bench", "tiny", "moe", "tiny_moe"],
+                   help="bench: 1.3B dense; moe: Mixtral-shaped 8x top-2; tiny*: CPU smoke tests of the script")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
+    p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")
+    p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--precision", default="32-true")

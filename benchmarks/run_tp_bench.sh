@@ -44,6 +44,15 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
     pretrain)  # issue 6: pretrain_gpt.py on preprocessed data with MFUMonitor vs an independent timer
       run python3 benchmarks/check_pretrain_mfu.py ;;
+    moe)  # Mixtral-shaped (8 experts, top-2, hidden 2048, 8 layers): NCCL numerics ep=2 vs 1 GPU, then tokens/s
+      run python3 benchmarks/bench_tp.py check --model moe --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --model moe --ep 2 --mbs 2 --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --model moe --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --model moe --moe-loop --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --model moe --ep 2 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --model moe --ep 2 --dispatcher allgather --watchdog $WD ;;
+    cpprofile)  # one profiled optimizer step of cp=2 p2p at seq 16384 (top device ops of rank 0)
+      timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -40 | tee -a "$LOG" ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;
