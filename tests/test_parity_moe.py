@@ -127,7 +127,7 @@ CASES = {
     "ep2xpp2-expertbias": (4, dict(ep=2, pp=2), dict(moe_layer_freq=[1, 0], moe_router_score_function="sigmoid",
                                                    moe_router_enable_expert_bias=True,
                                                    moe_router_bias_update_rate=0.05), 2, 0.05),
-    "ep2xcp2": (4, dict(ep=2, cp=2), {}, 1, None),
+    "ep2xcp2-seqaux": (4, dict(ep=2, cp=2), dict(moe_router_load_balancing_type="seq_aux_loss"), 1, None),
 }
 
 
