@@ -4,7 +4,7 @@ the logged ``moe_aux_loss``, and the final weights (1e-5 relative, fp32). Plus: 
 capacity drops at layer level, checkpoints of expert weights, and the layout errors."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 import pytest

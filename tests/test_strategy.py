@@ -13,7 +13,6 @@ instead replays epoch 0 from its first batch. The reference below is a plain 4-s
 batches Lightning feeds, and the test checks that order explicitly.
 """
 import os
-import re
 
 import lightning.pytorch as pl
 import pytest
