@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node=2 benchmarks/check_cp.py      # prints one JSON line per check (rank 0)
 
-1. Fused vs math block kernels on one GPU (bf16, GQA): ``_attention_block`` output/lse and
+1. Fused (flash and cuDNN) vs math block kernels on one GPU (bf16, GQA): ``_attention_block`` output/lse and
    ``_attention_block_backward`` gradients, square causal and full blocks.
-2. cp = world size for each comm type against full causal attention (``F.scaled_dot_product_attention`` on
+2. cp = world size for each comm type and fused kernel against full causal attention (``F.scaled_dot_product_attention`` on
    the whole sequence, same bf16 inputs on every rank): outputs and q/k/v gradients of the local zigzag rows.
 
 Errors are relative Frobenius norms; bf16 inputs, so ~1e-2 is the expected scale. ``ok`` uses 3e-2.
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_megatron.parallel.context_parallel import (
+    KERNEL_ENV,
     _attention_block,
     _attention_block_backward,
     _math_attention_block,
@@ -40,6 +41,16 @@ def emit(rank: int, **kw) -> None:
 
 
 def check_blocks(rank: int, device: torch.device) -> None:
+    for kernel in ("flash", "cudnn"):
+        os.environ[KERNEL_ENV] = kernel
+        try:
+            check_blocks_with(rank, device, kernel)
+        except RuntimeError as e:  # a kernel this build/GPU lacks: say so, keep checking the rest
+            emit(rank, check=f"fused-vs-math-{kernel}", error=str(e).splitlines()[0][:300], ok=False)
+    os.environ.pop(KERNEL_ENV)
+
+
+def check_blocks_with(rank: int, device: torch.device, kernel: str) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     b, nq, nkv, s, d = 1, 16, 8, 1024, 128
     for mask in ("causal", "full"):
@@ -56,11 +67,21 @@ def check_blocks(rank: int, device: torch.device) -> None:
                                             mask, scale)
         errs = dict(out=rel(out_f, out_m), lse=rel(lse_f, lse_m),
                     **{f"d{n}": rel(gf, gm) for n, gf, gm in zip("qkv", grads_f, grads_m)})
-        emit(rank, check=f"fused-vs-math-{mask}", fused_dtype=str(out_f.dtype), errors=errs,
+        emit(rank, check=f"fused-{kernel}-vs-math-{mask}", fused_dtype=str(out_f.dtype), errors=errs,
              ok=all(e < TOL for e in errs.values()))
 
 
 def check_cp(rank: int, world: int, device: torch.device) -> None:
+    for kernel in ("flash", "cudnn"):
+        os.environ[KERNEL_ENV] = kernel
+        try:
+            check_cp_with(rank, world, device, kernel)
+        except RuntimeError as e:
+            emit(rank, check=f"cp{world}-{kernel}", error=str(e).splitlines()[0][:300], ok=False)
+    os.environ.pop(KERNEL_ENV)
+
+
+def check_cp_with(rank: int, world: int, device: torch.device, kernel: str) -> None:
     g = torch.Generator(device=device).manual_seed(1)
     b, nq, nkv, s, d = 1, 16, 8, 4096, 128
     q = torch.randn(b, nq, s, d, device=device, generator=g).bfloat16().requires_grad_()
@@ -78,7 +99,7 @@ def check_cp(rank: int, world: int, device: torch.device) -> None:
                     dv=rel(vl.grad, split(v.grad)))
         worst = torch.tensor(max(errs.values()), device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        emit(rank, check=f"cp{world}-{comm}-vs-full-sdpa", seq=s, errors_rank0=errs,
+        emit(rank, check=f"cp{world}-{comm}-{kernel}-vs-full-sdpa", seq=s, errors_rank0=errs,
              worst_over_ranks=float(worst), ok=float(worst) < TOL)
 
 

@@ -51,6 +51,12 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py ours --model moe --moe-loop --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --model moe --ep 2 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --model moe --ep 2 --dispatcher allgather --watchdog $WD ;;
+    cpkernels)  # attention kernels alone, the fused-kernel checks, then cp=2 with the cuDNN block kernel vs 1 GPU
+      run python3 benchmarks/bench_attention.py
+      run torchrun --nproc_per_node=2 benchmarks/check_cp.py
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
+      LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
+      LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
     cpprofile)  # one profiled optimizer step of cp=2 p2p at seq 16384 (top device ops of rank 0)
       timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -40 | tee -a "$LOG" ;;
     peers)

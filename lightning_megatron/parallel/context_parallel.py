@@ -26,6 +26,7 @@ belong to the local tokens. Four communication schemes, as ``cp_comm_type`` in M
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -118,11 +119,29 @@ def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
     return s
 
 
+#: Environment variable choosing the per-block kernel of the ring on CUDA half types: ``auto`` (default: the
+#: fastest measured on H200, see benchmarks/RESULTS.md), ``flash``, ``cudnn`` or ``math``.
+KERNEL_ENV = "LIGHTNING_MEGATRON_CP_ATTENTION"
+_KERNELS = ("auto", "flash", "cudnn", "math")
+
+
+def block_kernel(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> str:
+    """The kernel a ring block uses: ``"flash"`` / ``"cudnn"`` (fused, return the log-sum-exp) on CUDA in
+    fp16/bf16 with head dim <= 256 and a mask the kernels express (none, or a square causal block: their causal
+    mask is top-left aligned), else ``"math"``. :data:`KERNEL_ENV` overrides the fused choice."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in _KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r} must be one of {_KERNELS}")
+    fused_ok = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and (mask_kind == "full" or sq == sk))
+    if not fused_ok or choice == "math":
+        return "math"
+    return "flash" if choice == "auto" else choice
+
+
 def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bool:
-    """Whether a block goes to the fused CUDA flash kernel: CUDA, fp16/bf16, head dim <= 256, and a mask the
-    kernel expresses (none, or a square causal block; its causal mask is top-left aligned)."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and (mask_kind == "full" or sq == sk))
+    """Whether a block goes to a fused CUDA kernel (see :func:`block_kernel`)."""
+    return block_kernel(q, mask_kind, sq, sk) != "math"
 
 
 def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -159,6 +178,31 @@ def _flash_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
 
 
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    """Fused cuDNN attention of one block: ``(out [b, n_q, sq, d], lse [b, n_q, sq] float32)``."""
+    g = q.shape[1] // k.shape[1]
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), None, True, 0.0, causal,
+        False, scale=scale)
+    lse = res[1]
+    return res[0], lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN may add a trailing 1
+
+
+def _cudnn_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """cuDNN attention backward of one block given the final merged ``out`` and ``lse``."""
+    g = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
+        out.contiguous(), lse.contiguous().unsqueeze(-1), empty, empty, None, None, None, sq, sk, 0.0, causal,
+        scale=scale)
+    return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+
+
+_FUSED = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, _cudnn_backward)}
+
+
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
                      scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
@@ -171,8 +215,9 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
     """
     if mask_kind not in _MASK_KINDS:
         raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
-    if use_fused_attention(q, mask_kind, q.shape[2], k.shape[2]):
-        return _flash_forward(q, k, v, mask_kind == "causal", scale)
+    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
+    if kernel != "math":
+        return _FUSED[kernel][0](q, k, v, mask_kind == "causal", scale)
     return _math_attention_block(q, k, v, mask_kind, scale)
 
 
@@ -212,8 +257,9 @@ def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, sc
     ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)``: the fused CUDA kernel where
     :func:`use_fused_attention` allows (``out`` in q's dtype), else the math path in the compute dtype.
     """
-    if use_fused_attention(q, mask_kind, q.shape[2], k.shape[2]):
-        return _flash_backward(q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
+    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
+    if kernel != "math":
+        return _FUSED[kernel][1](q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
     cd = _compute_dtype(q.dtype)
     q, k, v, dout = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
     b, nq, sq, d = q.shape
