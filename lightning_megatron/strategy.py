@@ -190,6 +190,8 @@ class MegatronStrategy(DDPStrategy):
             self._build_pipeline_runner()
         elif fitting and self.mesh.size("dp_cp") > 1:
             self._ddp_kwargs.setdefault("process_group", self.mesh.group("dp_cp"))
+            # gradients live in DDP's buckets (Megatron's contiguous grad buffer): no per-step copy in and out
+            self._ddp_kwargs.setdefault("gradient_as_bucket_view", True)
             self._exclude_experts_from_ddp()
             self.configure_ddp()
         if fitting:

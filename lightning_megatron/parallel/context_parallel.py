@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,9 @@ def block_kernel(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> str:
                 and (mask_kind == "full" or sq == sk))
     if not fused_ok or choice == "math":
         return "math"
-    return "flash" if choice == "auto" else choice
+    if choice == "auto":
+        return "flash" if _CUDNN_FAILED else "cudnn"
+    return choice
 
 
 def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bool:
@@ -201,6 +203,21 @@ def _cudnn_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
 
 
 _FUSED = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, _cudnn_backward)}
+#: Set once when cuDNN attention is unavailable here (old cuDNN, GPU or shape it rejects): "auto" then uses
+#: flash for the rest of the process. A capability cache, not communication state.
+_CUDNN_FAILED: List[bool] = []
+
+
+def _run_fused(which: int, kernel: str, *args):
+    """Forward (``which=0``) or backward (1) through ``kernel``; under ``auto`` a cuDNN failure falls back to
+    flash (cuDNN is 1.8x faster on H200 at the benchmark model's shapes: benchmarks/RESULTS.md)."""
+    if kernel == "cudnn" and os.environ.get(KERNEL_ENV, "auto") == "auto":
+        try:
+            return _FUSED["cudnn"][which](*args)
+        except RuntimeError:
+            _CUDNN_FAILED.append(True)
+            return _FUSED["flash"][which](*args)
+    return _FUSED[kernel][which](*args)
 
 
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
@@ -217,7 +234,7 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
         raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
     kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
     if kernel != "math":
-        return _FUSED[kernel][0](q, k, v, mask_kind == "causal", scale)
+        return _run_fused(0, kernel, q, k, v, mask_kind == "causal", scale)
     return _math_attention_block(q, k, v, mask_kind, scale)
 
 
@@ -259,7 +276,7 @@ def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, sc
     """
     kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
     if kernel != "math":
-        return _FUSED[kernel][1](q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
+        return _run_fused(1, kernel, q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
     cd = _compute_dtype(q.dtype)
     q, k, v, dout = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
     b, nq, sq, d = q.shape
@@ -338,8 +355,8 @@ class _RingAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.group, ctx.causal, ctx.scale = group, causal, scale
             return out.to(q.dtype)
-        out = torch.zeros(b, nq, sq, d, dtype=cd, device=q.device)
-        lse = torch.full((b, nq, sq), float("-inf"), dtype=cd, device=q.device)
+        out = torch.empty(b, nq, sq, d, dtype=cd, device=q.device)
+        lse = torch.empty((b, nq, sq), dtype=cd, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             reqs = None
@@ -347,7 +364,11 @@ class _RingAttention(torch.autograd.Function):
                 reqs, nxt_kv = _ring_shift(kv, group, _TAG_KV)
             rows, cols, mask = _step_plan(step, rank, cp, causal, c)
             blk_out, blk_lse = _attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, scale)
-            _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(cd), blk_lse.to(cd))
+            if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
+                out.copy_(blk_out)
+                lse.copy_(blk_lse)
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(cd), blk_lse.to(cd))
             if reqs is not None:
                 _wait(reqs)
                 kv = nxt_kv
