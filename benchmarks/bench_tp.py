@@ -123,6 +123,8 @@ def run_ours(args) -> None:
                                             moe_token_dispatcher_type=args.dispatcher)
     elif args.model == "tiny_moe":
         cfg = GPTConfig.tiny_moe(moe_grouped_gemm=not args.moe_loop, moe_token_dispatcher_type=args.dispatcher)
+    elif args.model == "llama3_8b":
+        cfg = GPTConfig.llama3_8b()
     else:
         cfg = GPTConfig.llama_1b_bench() if args.model == "bench" else GPTConfig.tiny(num_layers=4)
     if args.seq:
@@ -145,7 +147,7 @@ def run_ours(args) -> None:
         steps = timer.stop - timer.start  # micro-batches (Lightning batches) timed
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
-        if cfg.num_moe_experts:  # routed top-k experts (+ router): the library's Megatron formula, non-causal
+        if cfg.num_moe_experts or args.model == "llama3_8b":  # the library's Megatron formula, non-causal
             from lightning_megatron.callbacks.flops import flops_per_token as megatron_flops_per_token
 
             tflops = tok_per_gpu * megatron_flops_per_token(cfg, causal=False)
@@ -211,7 +213,7 @@ if __name__ == "__main__":
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--cp-comm-type", default="p2p")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's 2048)")
-    p.add_argument("--model", default="bench", choices=["bench", "tiny", "moe", "tiny_moe"],
+    p.add_argument("--model", default="bench", choices=["bench", "tiny", "moe", "tiny_moe", "llama3_8b"],
                    help="bench: 1.3B dense; moe: Mixtral-shaped 8x top-2; tiny*: CPU smoke tests of the script")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")

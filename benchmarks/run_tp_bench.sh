@@ -1,15 +1,9 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2: NCCL numerics check (tp=2 vs tp=1) and throughput of every arm on the
 # 1.3B benchmark model. Output lines are JSON; everything is also written to $OUT/tp_bench.log.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-LOG=${OUT:-/tmp}/tp_bench.log
-run() { echo "### $*" | tee -a "$LOG"; timeout -k 10 ${ARM_TIMEOUT:-330} "$@" 2>&1 | grep -E '^\{|Error|error|Traceback|^Thread|^  File|^iteration|^command' | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
-python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$LOG"
+LOG_NAME=tp_bench
+source "$(dirname "$0")/_common.sh"
 ARMS=${ARMS:-"check ours peers"}
-WD=${WATCHDOG:-240}  # bench processes dump their stacks and exit after this many seconds
 for arm in $ARMS; do
   case $arm in
     check)
