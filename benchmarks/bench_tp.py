@@ -94,9 +94,10 @@ class StepTimer(pl.Callback):
 
 
 class ProfileSteps(pl.Callback):
-    """Profile Lightning batches [start, start + n) with torch.profiler and print the top device ops (rank 0)."""
+    """Profile Lightning batches [start, start + n) with torch.profiler and print the ops with the most self
+    device time (rank 0)."""
 
-    def __init__(self, start: int, n: int = 2, rows: int = 25) -> None:
+    def __init__(self, start: int, n: int = 2, rows: int = 30) -> None:
         self.start, self.n, self.rows, self.prof = start, n, rows, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -112,7 +113,7 @@ class ProfileSteps(pl.Callback):
             self.prof.__exit__(None, None, None)
             if trainer.global_rank == 0:
                 events = self.prof.key_averages()
-                key = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+                key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
                 print(events.table(sort_by=key, row_limit=self.rows, max_name_column_width=70), flush=True)
             self.prof = None
 

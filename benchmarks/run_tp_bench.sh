@@ -52,7 +52,7 @@ for arm in $ARMS; do
       LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
       LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
     cpprofile)  # one profiled optimizer step of cp=2 p2p at seq 16384 (top device ops of rank 0)
-      timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -40 | tee -a "$LOG" ;;
+      timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -45 | tee -a "$LOG" ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;
