@@ -31,6 +31,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "zigzag_split",
@@ -159,46 +161,46 @@ def _fold_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.reshape(b, n // groups, groups, s, d).sum(2)
 
 
+def _kernel_inputs(q, k, v):
+    """Contiguous ``q`` and K/V with their heads repeated to ``n_q`` (the fused kernels take equal head counts),
+    and the repetition factor ``n_q / n_kv``."""
+    g = q.shape[1] // k.shape[1]
+    return q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), g
+
+
 def _flash_forward(q, k, v, causal: bool, scale: float):
     """Fused flash attention of one block: ``(out [b, n_q, sq, d] in q's dtype, lse [b, n_q, sq] float32)``."""
-    g = q.shape[1] // k.shape[1]
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), 0.0, causal, False,
-        scale=scale)
+    q, k, v, _ = _kernel_inputs(q, k, v)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return res[0], res[1]
 
 
 def _flash_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     """Fused flash-attention backward of one block given the *final* merged ``out`` and ``lse`` (the kernel
     derives ``delta = rowsum(dout * out)`` itself). Returns ``(dq, dk, dv)`` (dk/dv folded back to n_kv heads)."""
-    g = q.shape[1] // k.shape[1]
-    sq, sk = q.shape[2], k.shape[2]
+    q, k, v, g = _kernel_inputs(q, k, v)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
-        out.contiguous(), lse.contiguous(), None, None, sq, sk, 0.0, causal, empty, empty, scale=scale)
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+        causal, empty, empty, scale=scale)
     return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
 
 
 def _cudnn_forward(q, k, v, causal: bool, scale: float):
     """Fused cuDNN attention of one block: ``(out [b, n_q, sq, d], lse [b, n_q, sq] float32)``."""
-    g = q.shape[1] // k.shape[1]
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), None, True, 0.0, causal,
-        False, scale=scale)
+    q, k, v, _ = _kernel_inputs(q, k, v)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     lse = res[1]
     return res[0], lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN may add a trailing 1
 
 
 def _cudnn_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     """cuDNN attention backward of one block given the final merged ``out`` and ``lse``."""
-    g = q.shape[1] // k.shape[1]
-    sq, sk = q.shape[2], k.shape[2]
+    q, k, v, g = _kernel_inputs(q, k, v)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
-        out.contiguous(), lse.contiguous().unsqueeze(-1), empty, empty, None, None, None, sq, sk, 0.0, causal,
-        scale=scale)
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous().unsqueeze(-1), empty, empty, None, None,
+        None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
     return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
 
 
@@ -225,8 +227,8 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
     """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
 
     ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
-    lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 (:func:`use_fused_attention`)
-    the fused flash kernel computes it without materialising the attention matrix (out in the input dtype,
+    lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 a fused kernel (cuDNN or
+    flash, :func:`block_kernel`) computes it without materialising the attention matrix (out in the input dtype,
     lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
     Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
     """
@@ -254,14 +256,10 @@ def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
     """Differentiable attention output only (the all_gather path). Fused SDPA on CUDA half types, where a
     causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        import torch.nn.functional as F
-
         g = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, g), _repeat_kv(v, g)
         sq, sk = q.shape[2], k.shape[2]
         if mask_kind == "causal" and sq != sk:
-            from torch.nn.attention.bias import causal_lower_right
-
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask_kind == "causal", scale=scale)
     return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
