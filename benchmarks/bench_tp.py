@@ -23,15 +23,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
+from lightning_megatron.callbacks.flops import flops_per_token
 
 PEAK = 989e12
 
 
-def flops_per_token(c: GPTConfig) -> float:
-    """PEERS.md's formula: 3 * (L * (2*(2h^2 + 2h*kv) + 6hf + 4sh) + 2hV), attention non-causal."""
-    h, L, V, s, f = c.hidden_size, c.num_layers, c.vocab_size, c.seq_length, c.ffn_hidden_size
-    kvd = c.kv_channels * c.num_query_groups
-    return 3 * (L * (2 * (2 * h * h + 2 * h * kvd) + 6 * h * f + 4 * s * h) + 2 * h * V)
+def build_strategy(args) -> MegatronStrategy:
+    """The layout the command line asks for (same in every arm)."""
+    return MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
+                            ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+
+
+def layout_prefix(args) -> str:
+    """``tp<N>[-pp<N>][-vp<N>]``: the start of every result's name."""
+    return f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
 
 
 class RandomTokens(Dataset):
@@ -136,8 +141,7 @@ def run_ours(args) -> None:
     acc = args.accumulate
     timer = StepTimer(4 * acc, 14 * acc) if acc == 1 else StepTimer(2 * acc, 7 * acc)
     module = ParallelGPTModule(cfg, lr=1e-4, weight_decay=0.0, lr_decay_style="constant")
-    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
-                                ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+    strategy = build_strategy(args)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision="bf16-mixed", max_steps=timer.stop // acc + (1 if args.profile else 0), logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -148,13 +152,10 @@ def run_ours(args) -> None:
         steps = timer.stop - timer.start  # micro-batches (Lightning batches) timed
         dt = timer.times[1] - timer.times[0]
         tok_per_gpu = args.mbs * cfg.seq_length * dp * steps / dt / world
-        if cfg.num_moe_experts or args.model == "llama3_8b":  # the library's Megatron formula, non-causal
-            from lightning_megatron.callbacks.flops import flops_per_token as megatron_flops_per_token
-
-            tflops = tok_per_gpu * megatron_flops_per_token(cfg, causal=False)
-        else:
-            tflops = tok_per_gpu * flops_per_token(cfg)
-        layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
+        # attention counted non-causal: for dense models PEERS.md's 3*(L*(2*(2h^2+2h*kv)+6hf+4sh)+2hV)
+        # (tests/test_mfu.py checks the two agree); MoE models count the routed top-k experts and the router
+        tflops = tok_per_gpu * flops_per_token(cfg, causal=False)
+        layout = layout_prefix(args)
         layout += f"-{args.schedule}" if args.schedule else ""
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
@@ -187,14 +188,13 @@ def run_check(args) -> None:
     module = ParallelGPTModule(cfg, lr=1e-3, lr_decay_style="constant")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
-                                ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule)
+    strategy = build_strategy(args)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision=args.precision, max_steps=5, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(module, DataLoader(RandomTokens(cfg, 64 * acc), batch_size=args.mbs, shuffle=False))
     if trainer.global_rank == 0:
-        layout = f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
+        layout = layout_prefix(args)
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",

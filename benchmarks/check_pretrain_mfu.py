@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--from-iter", type=int, default=20, help="first logged iteration of the compared window")
     a = p.parse_args()
+    model_flags = BENCH if a.model == "bench" else TINY
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -79,7 +80,7 @@ def main() -> None:
                         "--append-eod", "--workers", "4", "--quiet"], check=True, env=env)
         prep_s = time.perf_counter() - t0
         cmd = [sys.executable, str(ROOT / "examples" / "pretrain_gpt.py"), "--accelerator", a.accelerator,
-               "--devices", "1", "--tensor-model-parallel-size", "1", *(BENCH if a.model == "bench" else TINY),
+               "--devices", "1", "--tensor-model-parallel-size", "1", *model_flags,
                "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.mbs), "--train-iters", str(a.iters),
                "--lr", "1e-4", "--lr-warmup-iters", "5", "--bf16", "--data-path", str(tmp / "data" / "train_text_document"),
                "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999", "--log-interval", "5", "--eval-iters", "0",
@@ -102,7 +103,7 @@ def main() -> None:
             raise SystemExit(f"pretrain_gpt.py exited with {rc}")
     its = sorted(i for i in stamps if i >= a.from_iter)
     first, last = its[0], its[-1]
-    seq = int((BENCH if a.model == "bench" else TINY)[(BENCH if a.model == "bench" else TINY).index("--seq-length") + 1])
+    seq = int(model_flags[model_flags.index("--seq-length") + 1])
     tokens = (last - first) * a.mbs * seq
     independent = tokens / (stamps[last] - stamps[first])
     window = [logged[i] for i in its[1:] if "tokens_per_sec" in logged[i]]
