@@ -102,8 +102,8 @@ class ProfileSteps(pl.Callback):
     """Profile Lightning batches [start, start + n) with torch.profiler and print the ops with the most self
     device time (rank 0)."""
 
-    def __init__(self, start: int, n: int = 2, rows: int = 30) -> None:
-        self.start, self.n, self.rows, self.prof = start, n, rows, None
+    def __init__(self, start: int, n: int = 2, rows: int = 30, json_path: str = "") -> None:
+        self.start, self.n, self.rows, self.prof, self.json_path = start, n, rows, None, json_path
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
@@ -120,7 +120,38 @@ class ProfileSteps(pl.Callback):
                 events = self.prof.key_averages()
                 key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
                 print(events.table(sort_by=key, row_limit=self.rows, max_name_column_width=70), flush=True)
+                if self.json_path:
+                    with open(self.json_path, "w") as f:
+                        json.dump(profile_summary(self.prof, key), f, indent=1)
             self.prof = None
+
+
+def _union_us(intervals) -> float:
+    """Total length of the union of ``(start, end)`` intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def profile_summary(prof, key: str, top: int = 80) -> dict:
+    """Ops with the most self device time (us, calls) and the device's busy time: the window from the first to
+    the last kernel, the union of all kernels, and the union of the non-NCCL (compute) kernels; the gap between
+    window and compute is where the GPU computes nothing (idle or communication only)."""
+    from torch.autograd import DeviceType
+
+    ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    kern = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    out = {"ops": [[e.key, round(getattr(e, key)), e.count] for e in ops]}
+    if kern:
+        out["window_us"] = max(k[1] for k in kern) - min(k[0] for k in kern)
+        out["busy_us"] = _union_us([(a, b) for a, b, _ in kern])
+        out["compute_busy_us"] = _union_us([(a, b) for a, b, n in kern if "nccl" not in n.lower()])
+    return out
 
 
 def run_ours(args) -> None:
@@ -145,7 +176,7 @@ def run_ours(args) -> None:
     trainer = pl.Trainer(accelerator=args.accelerator, devices=world, strategy=strategy, accumulate_grad_batches=acc,
                          precision="bf16-mixed", max_steps=timer.stop // acc + (1 if args.profile else 0), logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[timer] + ([ProfileSteps(timer.stop, acc)] if args.profile else []))
+                         callbacks=[timer] + ([ProfileSteps(timer.stop, acc, json_path=args.profile_json)] if args.profile else []))
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=args.mbs, num_workers=2, pin_memory=True))
     if trainer.global_rank == 0:
         dp = world // (args.tp * args.pp * args.cp)
@@ -218,6 +249,7 @@ if __name__ == "__main__":
                    help="bench: 1.3B dense; moe: Mixtral-shaped 8x top-2; tiny*: CPU smoke tests of the script")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
+    p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")
     p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")

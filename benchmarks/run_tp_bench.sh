@@ -53,6 +53,15 @@ for arm in $ARMS; do
       LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
     cpprofile)  # one profiled optimizer step of cp=2 p2p at seq 16384 (top device ops of rank 0)
       timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -45 | tee -a "$LOG" ;;
+    cpdiff)  # kernel probe (native GQA, strided inputs), then profiles of cp=1 / cp=2 p2p / cp=2 a2a written to
+             # $OUT/profile-*.json (top ops, busy time), then 4 micro-batches per step (fixed costs amortised)
+      run python3 benchmarks/probe_cp_kernels.py
+      P="ours --seq 16384 --mbs 1 --watchdog $WD --profile"
+      run python3 benchmarks/bench_tp.py $P --profile-json ${OUT:-/tmp}/profile-cp1.json
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;
