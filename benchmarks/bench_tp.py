@@ -145,7 +145,10 @@ def profile_summary(prof, key: str, top: int = 80) -> dict:
     from torch.autograd import DeviceType
 
     ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
-    kern = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}  # annotations mirrored on the device
+    kern = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == DeviceType.CUDA and e.name not in host_names and e.name != "Command Buffer Full"]
     out = {"ops": [[e.key, round(getattr(e, key)), e.count] for e in ops]}
     if kern:
         out["window_us"] = max(k[1] for k in kern) - min(k[0] for k in kern)

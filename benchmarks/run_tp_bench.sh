@@ -62,6 +62,12 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD ;;
+    cpprof3)  # attention numerics (fused kernels, NCCL), then cp=1 / cp=2 p2p / cp=2 a2a with profiles in $OUT
+      run torchrun --nproc_per_node=2 benchmarks/check_cp.py
+      P="ours --seq 16384 --mbs 1 --watchdog $WD --profile"
+      run python3 benchmarks/bench_tp.py $P --profile-json ${OUT:-/tmp}/profile-cp1.json
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

@@ -148,47 +148,35 @@ def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bo
     return block_kernel(q, mask_kind, sq, sk) != "math"
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[b, n_kv, s, d] -> [b, n_kv*groups, s, d]`` (query head ``i`` uses kv head ``i // groups``)."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _fold_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Inverse of :func:`_repeat_kv` for gradients: sum over each kv head's query-head group."""
-    if groups == 1:
-        return t
-    b, n, s, d = t.shape
-    return t.reshape(b, n // groups, groups, s, d).sum(2)
-
-
-def _kernel_inputs(q, k, v):
-    """Contiguous ``q`` and K/V with their heads repeated to ``n_q`` (the fused kernels take equal head counts),
-    and the repetition factor ``n_q / n_kv``."""
-    g = q.shape[1] // k.shape[1]
-    return q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(), g
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the fused kernels take it: any strides (the model's ``[s, b, n, d]`` activations viewed as
+    ``[b, n, s, d]`` are fine) as long as the head dim is contiguous. Both kernels take GQA K/V (fewer heads than
+    ``q``) natively (benchmarks/probe_cp_kernels.py), so nothing is repeated or copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _flash_forward(q, k, v, causal: bool, scale: float):
-    """Fused flash attention of one block: ``(out [b, n_q, sq, d] in q's dtype, lse [b, n_q, sq] float32)``."""
-    q, k, v, _ = _kernel_inputs(q, k, v)
+    """Fused flash attention of one block: ``(out [b, n_q, sq, d] in q's dtype and layout, lse [b, n_q, sq]
+    float32)``."""
+    q, k, v = (_kernel_input(t) for t in (q, k, v))
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return res[0], res[1]
 
 
 def _flash_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     """Fused flash-attention backward of one block given the *final* merged ``out`` and ``lse`` (the kernel
-    derives ``delta = rowsum(dout * out)`` itself). Returns ``(dq, dk, dv)`` (dk/dv folded back to n_kv heads)."""
-    q, k, v, g = _kernel_inputs(q, k, v)
+    derives ``delta = rowsum(dout * out)`` itself). Returns ``(dq, dk, dv)`` with the heads of q, k and v."""
+    q, k, v, dout, out = (_kernel_input(t) for t in (q, k, v, dout, out))
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
-        causal, empty, empty, scale=scale)
-    return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty,
+        scale=scale)
+    return dq, dk, dv
 
 
 def _cudnn_forward(q, k, v, causal: bool, scale: float):
-    """Fused cuDNN attention of one block: ``(out [b, n_q, sq, d], lse [b, n_q, sq] float32)``."""
-    q, k, v, _ = _kernel_inputs(q, k, v)
+    """Fused cuDNN attention of one block: ``(out [b, n_q, sq, d] in q's layout, lse [b, n_q, sq] float32)``."""
+    q, k, v = (_kernel_input(t) for t in (q, k, v))
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     lse = res[1]
     return res[0], lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN may add a trailing 1
@@ -196,12 +184,12 @@ def _cudnn_forward(q, k, v, causal: bool, scale: float):
 
 def _cudnn_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     """cuDNN attention backward of one block given the final merged ``out`` and ``lse``."""
-    q, k, v, g = _kernel_inputs(q, k, v)
+    q, k, v, dout, out = (_kernel_input(t) for t in (q, k, v, dout, out))
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous().unsqueeze(-1), empty, empty, None, None,
-        None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
-    return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+        dout, q, k, v, out, lse.contiguous().unsqueeze(-1), empty, empty, None, None, None, q.shape[2], k.shape[2],
+        0.0, causal, scale=scale)
+    return dq, dk, dv
 
 
 _FUSED = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, _cudnn_backward)}
@@ -256,12 +244,12 @@ def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
     """Differentiable attention output only (the all_gather path). Fused SDPA on CUDA half types, where a
     causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        g = q.shape[1] // k.shape[1]
-        k, v = _repeat_kv(k, g), _repeat_kv(v, g)
+        gqa = q.shape[1] != k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
         if mask_kind == "causal" and sq != sk:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=mask_kind == "causal", scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask_kind == "causal", scale=scale, enable_gqa=gqa)
     return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
 
 
@@ -291,11 +279,27 @@ def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, sc
     return dq, dk, dv
 
 
-def _merge(out, lse, blk_out, blk_lse):
-    """Merge a partial result into (out, lse) with the log-sum-exp rule (in place)."""
-    new_lse = torch.logaddexp(lse, blk_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(blk_out * torch.exp(blk_lse - new_lse).unsqueeze(-1))
-    lse.copy_(new_lse)
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Merge a partial result for ``rows`` into ``(out, lse)`` in place with the log-sum-exp rule.
+
+    The two weights ``exp(lse - new)`` and ``exp(blk_lse - new)`` sum to one, so the merge is a linear
+    interpolation towards the block, done in float32 (``out`` may be float32 or the kernels' half type).
+    """
+    o, l = out[:, :, rows], lse[:, :, rows]
+    new_lse = torch.logaddexp(l, blk_lse.to(l.dtype))
+    w = torch.exp(blk_lse - new_lse).unsqueeze(-1)
+    if o.dtype == l.dtype:
+        o.lerp_(blk_out.to(o.dtype), w)
+    else:  # a half-type accumulator: merge in lse's (float32) precision, round once
+        o.copy_(torch.lerp(o.to(l.dtype), blk_out.to(l.dtype), w))
+    l.copy_(new_lse)
+
+
+def _accumulator_dtype(q: torch.Tensor, cp: int, fused: bool) -> torch.dtype:
+    """dtype of the ring's output / dq / dK,dV accumulators. Float32 in general; the kernels' own half type when
+    they produce it and there is at most one addition (cp=2), where rounding the float32 sum once equals adding
+    in the half type (the add is computed in float32 and rounded), so nothing is lost and two copies are saved."""
+    return q.dtype if fused and cp <= 2 else _compute_dtype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,83 +343,96 @@ _TAG_KV, _TAG_DKV = 0, 1
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over ``group`` (``None`` = one rank: plain local attention on the local layout)."""
+    """Ring attention over ``group`` (``None`` = one rank: plain local attention on the local layout).
+
+    Inputs may be strided views (the model passes its ``[s, b, n, d]`` activations as ``[b, n, s, d]``); on the
+    fused path the output and ``dq`` keep ``q``'s layout, so the model's reshape back is free. The K/V pair travels
+    as one contiguous ``[2, b, n_kv, s_local, d]`` buffer, saved for the backward ring.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, scale: float):
         cp = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         c = q.shape[2] // 2
-        cd = _compute_dtype(q.dtype)
-        b, nq, sq, d = q.shape
+        fused = use_fused_attention(q, "full", 1, 1)
+        acc = _accumulator_dtype(q, cp, fused)
+        ctx.group, ctx.causal, ctx.scale, ctx.fused = group, causal, scale, fused
         if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
             out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.group, ctx.causal, ctx.scale = group, causal, scale
             return out.to(q.dtype)
-        out = torch.empty(b, nq, sq, d, dtype=cd, device=q.device)
-        lse = torch.empty((b, nq, sq), dtype=cd, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.stack([k, v])
+        send = kv
+        out = lse = None
         for step in range(cp):
             reqs = None
             if step + 1 < cp:  # start the next exchange before computing this block
-                reqs, nxt_kv = _ring_shift(kv, group, _TAG_KV)
+                reqs, nxt_kv = _ring_shift(send, group, _TAG_KV)
             rows, cols, mask = _step_plan(step, rank, cp, causal, c)
-            blk_out, blk_lse = _attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, scale)
+            blk_out, blk_lse = _attention_block(q[:, :, rows], send[0][:, :, cols], send[1][:, :, cols], mask,
+                                                scale)
             if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
-                out.copy_(blk_out)
-                lse.copy_(blk_lse)
+                out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
             else:
-                _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(cd), blk_lse.to(cd))
+                _merge(out, lse, rows, blk_out, blk_lse)
             if reqs is not None:
                 _wait(reqs)
-                kv = nxt_kv
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
-        return out.to(q.dtype)
+                send = nxt_kv
+        out_q = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out_q if fused else out, lse)
+        return out_q
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, causal, scale, fused = ctx.group, ctx.causal, ctx.scale, ctx.fused
         cp = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        c = q.shape[2] // 2
-        cd = _compute_dtype(q.dtype)
-        if use_fused_attention(q, "full", 1, 1):  # every ring block is fused: it takes out/dout in q's dtype
-            out, dout, delta = out.to(q.dtype), dout.to(q.dtype), None
+        if cp == 1:
+            q, k, v, out, lse = ctx.saved_tensors
+            kv = None
         else:
-            dout = dout.to(cd)
+            q, kv, out, lse = ctx.saved_tensors
+        c = q.shape[2] // 2
+        if fused:  # the fused kernels take out/dout in q's dtype and derive delta themselves
+            dout, delta = dout.to(q.dtype), None
+        else:
+            dout = dout.to(out.dtype)
             delta = (dout * out).sum(-1)
-        dq = torch.zeros(q.shape, dtype=cd, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        mask0 = "causal" if causal else "full"
+        if cp == 1:
+            dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, mask0, scale)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        acc = _accumulator_dtype(q, cp, fused)
+        dq = None
         dkv = None  # accumulator of the K/V block held at this step; it travels with the block
         dkv_reqs, recv_dkv = None, None
+        held = kv
         for step in range(cp):
             reqs = None
             if step + 1 < cp:
-                reqs, nxt_kv = _ring_shift(kv, group, _TAG_KV)
+                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
             rows, cols, mask = _step_plan(step, rank, cp, causal, c)
-            bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
                                                       dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
                                                       None if delta is None else delta[:, :, rows], mask, scale)
-            dq[:, :, rows] += bdq
-            if dkv_reqs is None:
-                dkv = torch.zeros((2,) + tuple(k.shape), dtype=cd, device=k.device)
+            if step == 0:  # step 0 covers every row and column
+                dq = bdq.to(acc)
+                dkv = torch.stack([bdk, bdv]).to(acc)
             else:
+                dq[:, :, rows] += bdq
                 _wait(dkv_reqs)
                 dkv = recv_dkv
-            dkv[0][:, :, cols] += bdk
-            dkv[1][:, :, cols] += bdv
-            if cp > 1:  # pass the accumulator on with its block (after the last step it reaches its owner)
-                dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV)
+                dkv[0][:, :, cols] += bdk
+                dkv[1][:, :, cols] += bdv
+            # pass the accumulator on with its block (after the last step it reaches its owner)
+            dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV)
             if reqs is not None:
                 _wait(reqs)
-                kv = nxt_kv
-        if dkv_reqs is not None:
-            _wait(dkv_reqs)
-            dkv = recv_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+                held = nxt_kv
+        _wait(dkv_reqs)
+        dkv = recv_dkv
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -423,28 +440,46 @@ class _RingAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _reversed_chunks(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t [a, ...]`` with dim 0 reversed, written into ``out`` when given (one copy)."""
+    idx = torch.arange(t.shape[0] - 1, -1, -1, device=t.device)
+    return torch.index_select(t, 0, idx) if out is None else torch.index_select(t, 0, idx, out=out)
+
+
 def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     """``[b, n, s_local, d]`` zigzag shard of all heads -> ``[b, n/A, A*s_local, d]`` (A = group size).
 
     The result is the group's sequence in "group-zigzag" order: first chunks of ranks 0..A-1 then second
-    chunks of ranks A-1..0 (global order when the group is the whole CP group).
+    chunks of ranks A-1..0 (global order when the group is the whole CP group). It is a view of a contiguous
+    ``[A*s_local, b, n/A, d]`` buffer, the model's ``[s, b, n, d]`` layout. Two all-to-alls over ``group``: the
+    first chunks land in global order straight in the first half of the buffer; the second arrive in reverse and
+    are reordered by one copy of half the data. With the pack, 1.5 copies of ``x`` in all.
     """
     a = dist.get_world_size(group)
     b, n, s, d = x.shape
-    send = x.reshape(b, a, n // a, s, d).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return _chunks_to_global(list(recv.unbind(0)), dim=2)
+    c, h = s // 2, n // a
+    # [s, b, n, d] -> [2 (chunk), a (destination rank = head group), c, b, h, d], one copy
+    send = x.permute(2, 0, 1, 3).reshape(2, c, b, a, h, d).permute(0, 3, 1, 2, 4, 5).contiguous()
+    full = torch.empty(2 * a * c, b, h, d, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(full[: a * c], send[0], group=group)
+    second = torch.empty_like(send[1])
+    dist.all_to_all_single(second, send[1], group=group)
+    _reversed_chunks(second, out=full[a * c:].view(a, c, b, h, d))
+    return full.permute(1, 2, 0, 3)
 
 
 def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_head`."""
+    """Inverse of :func:`_seq_to_head`: ``[b, n/A, A*s_local, d]`` -> ``[b, n, s_local, d]``, a view of a
+    contiguous ``[s_local, b, n, d]`` buffer (so the model's reshape back to ``[s, b, h]`` is free)."""
     a = dist.get_world_size(group)
-    b, h, _, d = y.shape
-    send = torch.stack([zigzag_split(y, a, j, 2) for j in range(a)]).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(b, a * h, send.shape[3], d)
+    b, h, S, d = y.shape
+    c = S // (2 * a)
+    ys = y.permute(2, 0, 1, 3).reshape(2, a, c, b, h, d)  # free when y has the layout _seq_to_head produces
+    recv = torch.empty(2, a, c, b, h, d, dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(recv[0], ys[0].contiguous(), group=group)  # rank j gets global chunk j
+    dist.all_to_all_single(recv[1], _reversed_chunks(ys[1]), group=group)  # ... and chunk 2A-1-j
+    # recv[p, i]: chunk p of my tokens, heads of source rank i -> [s_local, b, n, d], one copy
+    return recv.permute(0, 2, 3, 1, 4, 5).reshape(2 * c, b, a * h, d).permute(1, 2, 0, 3)
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -455,7 +490,7 @@ class _SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _head_to_seq(g.contiguous(), ctx.group), None
+        return _head_to_seq(g, ctx.group), None
 
 
 class _HeadToSeq(torch.autograd.Function):
@@ -466,7 +501,7 @@ class _HeadToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_head(g.contiguous(), ctx.group), None
+        return _seq_to_head(g, ctx.group), None
 
 
 class _AllGatherSeq(torch.autograd.Function):
