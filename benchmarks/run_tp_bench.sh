@@ -68,6 +68,14 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py $P --profile-json ${OUT:-/tmp}/profile-cp1.json
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
+    cpbf16)  # NCCL transfer probe, then cp=1 / cp=2 (p2p, a2a) with fp32 and with bf16 gradient reduction
+      run torchrun --nproc_per_node=2 benchmarks/probe_nccl_p2p.py
+      C="ours --seq 16384 --mbs 1 --watchdog $WD"
+      run python3 benchmarks/bench_tp.py $C
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --grad-reduce-in-bf16
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --grad-reduce-in-bf16 ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

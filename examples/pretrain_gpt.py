@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="etp (default tp)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on when tp > 1")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce data-parallel gradients in bf16 (half the traffic)")
     g.add_argument("--accelerator", default="cpu")
     g.add_argument("--devices", type=int, default=2, help="processes per node")
     g.add_argument("--num-nodes", type=int, default=1)
@@ -463,6 +465,8 @@ def config_from_args(args: argparse.Namespace) -> RunPlan:
     strategy.update({k: v for k, v in optional if v is not None})
     if cp_comm != "p2p":
         strategy["cp_comm_type"] = cp_comm
+    if args.grad_reduce_in_bf16:
+        strategy["grad_reduce_in_bf16"] = True
     world = args.devices * args.num_nodes
     try:
         probe = MegatronStrategy(**strategy)  # constructor checks (sizes, schedule); starts nothing

@@ -103,6 +103,10 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(pg, tmp_path):
     pg.GPTConfig(**plan.model)
     strategy = pg.MegatronStrategy(**plan.strategy)
     assert strategy.pipeline_schedule == "interleaved_1f1b"
+    assert not strategy.grad_reduce_in_bf16
+    plan = plan_of(pg, argv + ["--grad-reduce-in-bf16"])
+    assert plan.strategy == dict(tp=2, pp=2, vp=2, cp=1, ep=1, sequence_parallel=True, grad_reduce_in_bf16=True)
+    assert pg.MegatronStrategy(**plan.strategy).grad_reduce_in_bf16
 
 
 def test_moe_flags_map_onto_config_and_strategy(pg):
