@@ -127,34 +127,67 @@ class ProfileSteps(pl.Callback):
             self.prof = None
 
 
-def _union_us(intervals) -> float:
-    """Total length of the union of ``(start, end)`` intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            total += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
+def _merged(intervals):
+    """Union of ``(start, end)`` intervals as sorted disjoint intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
         else:
-            cur_e = max(cur_e, e)
-    return total + (0.0 if cur_e is None else cur_e - cur_s)
+            out.append([a, b])
+    return out
+
+
+def _overlap_us(a: float, b: float, merged) -> float:
+    """Length of ``[a, b)`` covered by the disjoint sorted intervals ``merged``."""
+    import bisect
+
+    i = max(bisect.bisect_right([m[0] for m in merged], a) - 1, 0)
+    total = 0.0
+    while i < len(merged) and merged[i][0] < b:
+        total += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+        i += 1
+    return total
 
 
 def profile_summary(prof, key: str, top: int = 80) -> dict:
-    """Ops with the most self device time (us, calls) and the device's busy time: the window from the first to
-    the last kernel, the union of all kernels, and the union of the non-NCCL (compute) kernels; the gap between
-    window and compute is where the GPU computes nothing (idle or communication only)."""
+    """Ops with the most self device time (us, calls) and the device timeline: the window from the first to the
+    last kernel, busy time (union of all kernels) and compute time (union of non-NCCL kernels); per NCCL kernel
+    the time no compute kernel ran beside it ("exposed"); and the idle gaps (no kernel at all) over 20 us, the
+    largest with the kernels around them."""
     from torch.autograd import DeviceType
 
     ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
     events = prof.events()
     host_names = {e.name for e in events if e.device_type == DeviceType.CPU}  # annotations mirrored on the device
-    kern = [(e.time_range.start, e.time_range.end, e.name) for e in events
-            if e.device_type == DeviceType.CUDA and e.name not in host_names and e.name != "Command Buffer Full"]
-    out = {"ops": [[e.key, round(getattr(e, key)), e.count] for e in ops]}
-    if kern:
-        out["window_us"] = max(k[1] for k in kern) - min(k[0] for k in kern)
-        out["busy_us"] = _union_us([(a, b) for a, b, _ in kern])
-        out["compute_busy_us"] = _union_us([(a, b) for a, b, n in kern if "nccl" not in n.lower()])
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == DeviceType.CUDA and e.name not in host_names and e.name != "Command Buffer Full")
+    out: dict = {"ops": [[e.key, round(getattr(e, key)), e.count] for e in ops]}
+    if not kern:
+        return out
+    busy = _merged([(a, b) for a, b, _ in kern])
+    compute = _merged([(a, b) for a, b, n in kern if "nccl" not in n.lower()])
+    out["window_us"] = kern[-1][1] - kern[0][0]
+    out["busy_us"] = sum(b - a for a, b in busy)
+    out["compute_busy_us"] = sum(b - a for a, b in compute)
+    exposed: dict = {}
+    for a, b, n in kern:
+        if "nccl" in n.lower():
+            name = n.split("(")[0]
+            e = exposed.setdefault(name, [0.0, 0.0, 0])
+            e[0] += b - a
+            e[1] += (b - a) - _overlap_us(a, b, compute)
+            e[2] += 1
+    out["nccl_total_exposed_calls"] = {k: [round(v[0]), round(v[1]), v[2]] for k, v in exposed.items()}
+    gaps = [(busy[i + 1][0] - busy[i][1], busy[i][1]) for i in range(len(busy) - 1)]
+    gaps = [g for g in gaps if g[0] > 20]
+    out["idle_gaps_over_20us"] = [len(gaps), round(sum(g for g, _ in gaps))]
+    ends = {b: n for a, b, n in kern}
+    largest = []
+    for g, at in sorted(gaps, reverse=True)[:12]:
+        after = next((n for a, b, n in kern if a >= at + g - 1e-3), "")
+        largest.append([round(g), ends.get(at, "")[:60], after[:60]])
+    out["largest_gaps"] = largest
     return out
 
 

@@ -62,10 +62,10 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --accumulate 4 --watchdog $WD ;;
-    cpprof3)  # attention numerics (fused kernels, NCCL), then cp=1 / cp=2 p2p / cp=2 a2a with profiles in $OUT
+    cpprof3)  # attention numerics (fused kernels, NCCL), then cp=1, and cp=2 p2p / a2a with profiles in $OUT
       run torchrun --nproc_per_node=2 benchmarks/check_cp.py
       P="ours --seq 16384 --mbs 1 --watchdog $WD --profile"
-      run python3 benchmarks/bench_tp.py $P --profile-json ${OUT:-/tmp}/profile-cp1.json
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
     cpbf16)  # NCCL transfer probe, then cp=1 / cp=2 (p2p, a2a) with fp32 and with bf16 gradient reduction

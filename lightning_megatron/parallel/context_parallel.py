@@ -11,9 +11,10 @@ d]`` (GQA when ``n_kv < n_q``) and returns the rows of full (causal) attention o
 belong to the local tokens. Four communication schemes, as ``cp_comm_type`` in Megatron / Transformer Engine:
 
 - ``"p2p"``: ring exchange of the K/V blocks (each step's exchange is started before the current block is
-  computed, so they overlap); partial results are merged with their log-sum-exp. Backward is a second ring
-  in which dK/dV travel with the K/V block they belong to (exact, flash-attention style recomputation from
-  the saved output and log-sum-exp). Causal work that is fully masked is skipped with TE's zigzag rule.
+  computed, so they overlap); partial results are merged with their log-sum-exp. Backward is a second ring,
+  run in the other direction and ending with the own block, in which dK/dV travel with the K/V block they
+  belong to (exact, flash-attention style recomputation from the saved output and log-sum-exp). Causal work
+  that is fully masked is skipped with TE's zigzag rule.
 - ``"all_gather"``: all-gather K/V (reordered to global order), local queries attend at their global
   positions. Not overlapped.
 - ``"a2a"`` (Ulysses): all-to-all from sequence-sharded/all-heads to head-sharded/full-sequence, full
@@ -307,14 +308,16 @@ def _accumulator_dtype(q: torch.Tensor, cp: int, fused: bool) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _ring_shift(send: torch.Tensor, group, tag: int):
-    """Start sending ``send`` to the next rank of ``group`` and receiving the previous rank's; (reqs, recv)."""
+def _ring_shift(send: torch.Tensor, group, tag: int, backwards: bool = False):
+    """Start sending ``send`` to the next rank of ``group`` and receiving the previous rank's (``backwards``:
+    to the previous rank, from the next); returns ``(reqs, recv)``."""
     cp = dist.get_world_size(group)
     r = dist.get_rank(group)
-    nxt = dist.get_global_rank(group, (r + 1) % cp)
-    prv = dist.get_global_rank(group, (r - 1) % cp)
+    step = -1 if backwards else 1
+    to = dist.get_global_rank(group, (r + step) % cp)
+    frm = dist.get_global_rank(group, (r - step) % cp)
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    ops = [dist.P2POp(dist.isend, send, to, group, tag), dist.P2POp(dist.irecv, recv, frm, group, tag)]
     return dist.batch_isend_irecv(ops), recv
 
 
@@ -323,17 +326,17 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-def _step_plan(step: int, rank: int, cp: int, causal: bool, c: int):
-    """Which part of the work at ring ``step`` is visible: (q rows slice, kv cols slice, mask_kind).
+def _block_plan(src: int, rank: int, causal: bool, c: int):
+    """Which part of the attention of my queries against the K/V block of CP rank ``src`` is visible:
+    (q rows slice, kv cols slice, mask_kind).
 
-    TE's zigzag rule: step 0 = local causal; source rank < my rank: all Q against the first half (chunk
-    ``src``) of the received K/V; source rank > my rank: only the second Q chunk against all of it.
+    TE's zigzag rule: my own block is causal; ``src < rank``: all Q against the first half (chunk ``src``) of
+    the block; ``src > rank``: only the second Q chunk against all of it. Every rank does the same work.
     """
     if not causal:
         return slice(None), slice(None), "full"
-    if step == 0:
+    if src == rank:
         return slice(None), slice(None), "causal"
-    src = (rank - step) % cp
     if src < rank:
         return slice(None), slice(0, c), "full"
     return slice(c, None), slice(None), "full"
@@ -345,9 +348,16 @@ _TAG_KV, _TAG_DKV = 0, 1
 class _RingAttention(torch.autograd.Function):
     """Ring attention over ``group`` (``None`` = one rank: plain local attention on the local layout).
 
+    Forward: step ``s`` holds the K/V block of rank ``rank - s`` (own block first) while the next one travels
+    forwards. Backward runs the ring the other way, ending with the own block: it starts from the block the
+    forward held last (rank ``rank + 1``, saved), then blocks ``rank + 2, ...`` travel backwards, and the own
+    block's dK/dV accumulator arrives from the next rank while the own (causal, largest) block is computed, so
+    no transfer is left exposed at the end. Each block's accumulator travels with the block. At cp=2 no K/V
+    moves in backward at all. Memory: one extra K/V block per layer.
+
     Inputs may be strided views (the model passes its ``[s, b, n, d]`` activations as ``[b, n, s, d]``); on the
-    fused path the output and ``dq`` keep ``q``'s layout, so the model's reshape back is free. The K/V pair travels
-    as one contiguous ``[2, b, n_kv, s_local, d]`` buffer, saved for the backward ring.
+    fused path the output and ``dq`` keep ``q``'s layout, so the model's reshape back is free. K/V travel as
+    one contiguous ``[2, b, n_kv, s_local, d]`` buffer.
     """
 
     @staticmethod
@@ -363,14 +373,14 @@ class _RingAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse)
             return out.to(q.dtype)
         kv = torch.stack([k, v])
-        send = kv
+        held = kv
         out = lse = None
         for step in range(cp):
             reqs = None
             if step + 1 < cp:  # start the next exchange before computing this block
-                reqs, nxt_kv = _ring_shift(send, group, _TAG_KV)
-            rows, cols, mask = _step_plan(step, rank, cp, causal, c)
-            blk_out, blk_lse = _attention_block(q[:, :, rows], send[0][:, :, cols], send[1][:, :, cols], mask,
+                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
+            rows, cols, mask = _block_plan((rank - step) % cp, rank, causal, c)
+            blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask,
                                                 scale)
             if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
                 out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
@@ -378,9 +388,9 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out, lse, rows, blk_out, blk_lse)
             if reqs is not None:
                 _wait(reqs)
-                send = nxt_kv
+                held = nxt_kv
         out_q = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out_q if fused else out, lse)
+        ctx.save_for_backward(q, kv, held, out_q if fused else out, lse)
         return out_q
 
     @staticmethod
@@ -390,48 +400,54 @@ class _RingAttention(torch.autograd.Function):
         rank = dist.get_rank(group) if group is not None else 0
         if cp == 1:
             q, k, v, out, lse = ctx.saved_tensors
-            kv = None
+            own = last = None
         else:
-            q, kv, out, lse = ctx.saved_tensors
+            q, own, last, out, lse = ctx.saved_tensors
         c = q.shape[2] // 2
         if fused:  # the fused kernels take out/dout in q's dtype and derive delta themselves
             dout, delta = dout.to(q.dtype), None
         else:
             dout = dout.to(out.dtype)
             delta = (dout * out).sum(-1)
-        mask0 = "causal" if causal else "full"
         if cp == 1:
-            dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, mask0, scale)
+            dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full",
+                                                   scale)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
         acc = _accumulator_dtype(q, cp, fused)
-        dq = None
-        dkv = None  # accumulator of the K/V block held at this step; it travels with the block
-        dkv_reqs, recv_dkv = None, None
-        held = kv
+        dq = dkv = None
+        dkv_reqs = recv_dkv = None
+        held = last  # block of rank + 1; step j holds the block of rank + 1 + j, the last step the own one
         for step in range(cp):
             reqs = None
-            if step + 1 < cp:
-                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
-            rows, cols, mask = _step_plan(step, rank, cp, causal, c)
+            if step + 2 < cp:  # the block after next-but-last travels; the last one is the saved own block
+                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV, backwards=True)
+            rows, cols, mask = _block_plan((rank + 1 + step) % cp, rank, causal, c)
             bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
                                                       dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
                                                       None if delta is None else delta[:, :, rows], mask, scale)
-            if step == 0:  # step 0 covers every row and column
+            if dq is None and rows == slice(None):
                 dq = bdq.to(acc)
+            else:
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+                dq[:, :, rows] += bdq
+            if step == 0 and cols == slice(None):  # this block's accumulator starts here
                 dkv = torch.stack([bdk, bdv]).to(acc)
             else:
-                dq[:, :, rows] += bdq
-                _wait(dkv_reqs)
-                dkv = recv_dkv
+                if step == 0:
+                    dkv = torch.zeros((2,) + tuple(held.shape[1:]), dtype=acc, device=q.device)
+                else:  # ... or arrives from the next rank, which held this block one step earlier
+                    _wait(dkv_reqs)
+                    dkv = recv_dkv
                 dkv[0][:, :, cols] += bdk
                 dkv[1][:, :, cols] += bdv
-            # pass the accumulator on with its block (after the last step it reaches its owner)
-            dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV)
+            if step + 1 < cp:  # pass the accumulator on with its block; the own block's stays here
+                dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV, backwards=True)
             if reqs is not None:
                 _wait(reqs)
                 held = nxt_kv
-        _wait(dkv_reqs)
-        dkv = recv_dkv
+            elif step + 2 == cp:
+                held = own
         return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
 
 
