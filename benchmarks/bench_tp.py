@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.callbacks.flops import flops_per_token
+from lightning_megatron.parallel.context_parallel import _CUDNN_FAILED
 
 PEAK = 989e12
 
@@ -239,7 +240,9 @@ def run_ours(args) -> None:
                               # states: Lightning frees the grads only inside the next step's closure)
                               activation_mem_gib=round((timer.peak_mem - timer.base_mem) / 2**30, 2)
                               if torch.cuda.is_available() else None,
-                              loss=round(timer.losses[-1], 4))), flush=True)
+                              loss=round(timer.losses[-1], 4),
+                              **({"cp_block_kernel": "flash (cuDNN refused)" if _CUDNN_FAILED else "cudnn"}
+                                 if args.cp > 1 and torch.cuda.is_available() else {}))), flush=True)
 
 
 def run_check(args) -> None:

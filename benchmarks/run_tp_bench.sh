@@ -76,6 +76,15 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --grad-reduce-in-bf16
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --grad-reduce-in-bf16 ;;
+    cpfinal)  # attention + model numerics (NCCL, bf16), then cp=1 vs cp=2 p2p / a2a (profiles of the cp=2 runs in $OUT)
+      run torchrun --nproc_per_node=2 benchmarks/check_cp.py
+      run python3 benchmarks/bench_tp.py check --precision bf16-mixed --seq 4096 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --precision bf16-mixed --seq 4096 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --cp-comm-type a2a --precision bf16-mixed --seq 4096 --watchdog $WD
+      P="ours --seq 16384 --mbs 1 --watchdog $WD --profile"
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

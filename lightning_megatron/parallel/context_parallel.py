@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -280,20 +281,43 @@ def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, sc
     return dq, dk, dv
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
-    """Merge a partial result for ``rows`` into ``(out, lse)`` in place with the log-sum-exp rule.
+def _merge_rows(o: torch.Tensor, l: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """``(o, l) <- merge((o, l), (blk_out, blk_lse))`` in place, in ``l``'s precision (float32 for half types).
 
-    The two weights ``exp(lse - new)`` and ``exp(blk_lse - new)`` sum to one, so the merge is a linear
-    interpolation towards the block, done in float32 (``out`` may be float32 or the kernels' half type).
+    The two weights ``exp(l - new)`` and ``exp(blk_lse - new)`` sum to one, so the merge is a linear
+    interpolation towards the block; ``o`` (float32 or the kernels' half type) is rounded once.
     """
-    o, l = out[:, :, rows], lse[:, :, rows]
     new_lse = torch.logaddexp(l, blk_lse.to(l.dtype))
     w = torch.exp(blk_lse - new_lse).unsqueeze(-1)
-    if o.dtype == l.dtype:
-        o.lerp_(blk_out.to(o.dtype), w)
-    else:  # a half-type accumulator: merge in lse's (float32) precision, round once
-        o.copy_(torch.lerp(o.to(l.dtype), blk_out.to(l.dtype), w))
+    o.copy_(torch.lerp(o.to(l.dtype), blk_out.to(l.dtype), w))
     l.copy_(new_lse)
+
+
+#: Environment variable: ``0`` keeps the ring's output merge eager on CUDA (default: one compiled kernel).
+COMPILE_ENV = "LIGHTNING_MEGATRON_CP_COMPILE"
+#: The merge used on CUDA, made on first use: :func:`_merge_rows` compiled into one fused kernel (TE fuses its
+#: output correction the same way), or eager when compiling is off or fails. A capability cache, no comm state.
+_CUDA_MERGE: List = []
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Merge a partial result for ``rows`` into ``(out, lse)`` in place with the log-sum-exp rule. Eager, the
+    merge is four or five passes over the block (casts, lerp, copy back); on CUDA one compiled kernel reads
+    ``out``, the block and the lse's and writes ``out`` once."""
+    o, l = out[:, :, rows], lse[:, :, rows]
+    if not o.is_cuda or os.environ.get(COMPILE_ENV, "1") == "0":
+        return _merge_rows(o, l, blk_out, blk_lse)
+    if not _CUDA_MERGE:
+        _CUDA_MERGE.append(torch.compile(_merge_rows, dynamic=False, fullgraph=True))
+    try:
+        return _CUDA_MERGE[0](o, l, blk_out, blk_lse)
+    except Exception as e:  # noqa: BLE001 - no compiler/triton here: fall back to eager, once, loudly
+        if _CUDA_MERGE[0] is _merge_rows:
+            raise
+        warnings.warn(f"context parallel: compiling the ring's output merge failed ({type(e).__name__}: {e}); "
+                      f"using eager ops (set {COMPILE_ENV}=0 to skip the attempt)")
+        _CUDA_MERGE[0] = _merge_rows
+        return _merge_rows(o, l, blk_out, blk_lse)
 
 
 def _accumulator_dtype(q: torch.Tensor, cp: int, fused: bool) -> torch.dtype:
@@ -456,68 +480,89 @@ class _RingAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _reversed_chunks(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``t [a, ...]`` with dim 0 reversed, written into ``out`` when given (one copy)."""
-    idx = torch.arange(t.shape[0] - 1, -1, -1, device=t.device)
-    return torch.index_select(t, 0, idx) if out is None else torch.index_select(t, 0, idx, out=out)
+def _rank_major_chunks(a: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inverse)``: slot ``k`` of the rank-major layout (rank ``j``'s two chunks in slots ``2j, 2j+1``)
+    holds global chunk ``perm[k]`` (``j`` and ``2a-1-j``); ``inverse`` maps global chunks to slots."""
+    perm = [j if k % 2 == 0 else 2 * a - 1 - j for j in range(a) for k in (0, 1)]
+    inverse = [0] * (2 * a)
+    for k, chunk in enumerate(perm):
+        inverse[chunk] = k
+    return torch.tensor(perm, device=device), torch.tensor(inverse, device=device)
 
 
-def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
-    """``[b, n, s_local, d]`` zigzag shard of all heads -> ``[b, n/A, A*s_local, d]`` (A = group size).
+def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
+    """``[b, n_i, s_local, d]`` zigzag shards of all heads -> ``[b, n_i/A, A*s_local, d]`` (A = group size),
+    for several tensors in one all-to-all over ``group``.
 
-    The result is the group's sequence in "group-zigzag" order: first chunks of ranks 0..A-1 then second
-    chunks of ranks A-1..0 (global order when the group is the whole CP group). It is a view of a contiguous
-    ``[A*s_local, b, n/A, d]`` buffer, the model's ``[s, b, n, d]`` layout. Two all-to-alls over ``group``: the
-    first chunks land in global order straight in the first half of the buffer; the second arrive in reverse and
-    are reordered by one copy of half the data. With the pack, 1.5 copies of ``x`` in all.
+    Each result is the group's sequence in "group-zigzag" order: first chunks of ranks 0..A-1 then second
+    chunks of ranks A-1..0 (global order when the group is the whole CP group); they are head slices of one
+    contiguous ``[A*s_local, b, sum(n_i)/A, d]`` buffer (the model's ``[s, b, n, d]`` layout). Two copies of
+    the data (the pack for the all-to-all, the reorder into sequence order) and one collective for all tensors:
+    the number of collectives, not bytes, bounds this path (each costs CPU time the GPU waits for).
     """
     a = dist.get_world_size(group)
-    b, n, s, d = x.shape
-    c, h = s // 2, n // a
-    # [s, b, n, d] -> [2 (chunk), a (destination rank = head group), c, b, h, d], one copy
-    send = x.permute(2, 0, 1, 3).reshape(2, c, b, a, h, d).permute(0, 3, 1, 2, 4, 5).contiguous()
-    full = torch.empty(2 * a * c, b, h, d, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(full[: a * c], send[0], group=group)
-    second = torch.empty_like(send[1])
-    dist.all_to_all_single(second, send[1], group=group)
-    _reversed_chunks(second, out=full[a * c:].view(a, c, b, h, d))
-    return full.permute(1, 2, 0, 3)
+    b, _, s, d = xs[0].shape
+    c, hs = s // 2, [x.shape[1] // a for x in xs]
+    send = torch.empty(a, s, b, sum(hs), d, dtype=xs[0].dtype, device=xs[0].device)
+    off = 0
+    for x, h in zip(xs, hs):  # destination rank j gets heads [j*h, (j+1)*h) of every tensor
+        send[:, :, :, off:off + h].copy_(x.permute(2, 0, 1, 3).reshape(s, b, a, h, d).permute(2, 0, 1, 3, 4))
+        off += h
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    _, inverse = _rank_major_chunks(a, send.device)
+    full = torch.index_select(recv.view(2 * a, c, b, -1, d), 0, inverse).view(2 * a * c, b, -1, d)
+    outs, off = [], 0
+    for h in hs:
+        outs.append(full[:, :, off:off + h].permute(1, 2, 0, 3))
+        off += h
+    return outs
 
 
-def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_head`: ``[b, n/A, A*s_local, d]`` -> ``[b, n, s_local, d]``, a view of a
-    contiguous ``[s_local, b, n, d]`` buffer (so the model's reshape back to ``[s, b, h]`` is free)."""
+def _head_to_seq(ys: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
+    """Inverse of :func:`_seq_to_head`: ``[b, h_i, A*s_local, d]`` -> ``[b, A*h_i, s_local, d]``, each a view of
+    a contiguous ``[s_local, b, A*h_i, d]`` buffer (so the model's reshape back to ``[s, b, h]`` is free)."""
     a = dist.get_world_size(group)
-    b, h, S, d = y.shape
-    c = S // (2 * a)
-    ys = y.permute(2, 0, 1, 3).reshape(2, a, c, b, h, d)  # free when y has the layout _seq_to_head produces
-    recv = torch.empty(2, a, c, b, h, d, dtype=y.dtype, device=y.device)
-    dist.all_to_all_single(recv[0], ys[0].contiguous(), group=group)  # rank j gets global chunk j
-    dist.all_to_all_single(recv[1], _reversed_chunks(ys[1]), group=group)  # ... and chunk 2A-1-j
-    # recv[p, i]: chunk p of my tokens, heads of source rank i -> [s_local, b, n, d], one copy
-    return recv.permute(0, 2, 3, 1, 4, 5).reshape(2 * c, b, a * h, d).permute(1, 2, 0, 3)
+    b, _, S, d = ys[0].shape
+    c, hs = S // (2 * a), [y.shape[1] for y in ys]
+    seq_major = [y.permute(2, 0, 1, 3) for y in ys]
+    g = seq_major[0] if len(ys) == 1 else torch.cat(seq_major, dim=2)
+    perm, _ = _rank_major_chunks(a, g.device)
+    send = torch.index_select(g.reshape(2 * a, c, b, sum(hs), d), 0, perm)  # rank j's chunks in slots 2j, 2j+1
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    r = recv.view(a, 2 * c, b, sum(hs), d)  # [source rank, my tokens, b, its heads, d]
+    outs, off = [], 0
+    for h in hs:
+        outs.append(r[:, :, :, off:off + h].permute(1, 2, 0, 3, 4).reshape(2 * c, b, a * h, d).permute(1, 2, 0, 3))
+        off += h
+    return outs
 
 
 class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_head(x, group)
+    """:func:`_seq_to_head` of several tensors (one all-to-all); backward is :func:`_head_to_seq`."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _head_to_seq(g, ctx.group), None
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(_seq_to_head(xs, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(_head_to_seq(grads, ctx.group))
 
 
 class _HeadToSeq(torch.autograd.Function):
+    """:func:`_head_to_seq` of one tensor; backward is :func:`_seq_to_head`."""
+
     @staticmethod
-    def forward(ctx, y, group):
+    def forward(ctx, group, y):
         ctx.group = group
-        return _head_to_seq(y, group)
+        return _head_to_seq([y], group)[0]
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_head(g, ctx.group), None
+        return None, _seq_to_head([g], ctx.group)[0]
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -629,6 +674,6 @@ def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
 
 
 def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float) -> torch.Tensor:
-    qh, kh, vh = (_SeqToHead.apply(t, a2a_group) for t in (q, k, v))
+    qh, kh, vh = _SeqToHead.apply(a2a_group, q, k, v)
     out = _RingAttention.apply(qh, kh, vh, ring_group, causal, scale)
-    return _HeadToSeq.apply(out, a2a_group)
+    return _HeadToSeq.apply(a2a_group, out)
