@@ -32,7 +32,8 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py check --precision bf16-mixed --seq 4096 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --precision bf16-mixed --seq 4096 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --cp 2 --cp-comm-type a2a --precision bf16-mixed --seq 4096 --watchdog $WD ;;
-    cp)  # 1.3B model, seq 16384, micro-batch 1: cp=2 (p2p, a2a) vs 1 GPU
+    cp)  # 1.3B model, seq 16384, micro-batch 1: cp=2 (p2p, a2a) vs 1 GPU (with CHECK=1: attention numerics first)
+      [ "${CHECK:-0}" = 1 ] && run torchrun --nproc_per_node=2 benchmarks/check_cp.py
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;

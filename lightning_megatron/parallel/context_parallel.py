@@ -26,6 +26,7 @@ belong to the local tokens. Four communication schemes, as ``cp_comm_type`` in M
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -480,9 +481,11 @@ class _RingAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _rank_major_chunks(a: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=None)
+def _rank_major_chunks(a: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)``: slot ``k`` of the rank-major layout (rank ``j``'s two chunks in slots ``2j, 2j+1``)
-    holds global chunk ``perm[k]`` (``j`` and ``2a-1-j``); ``inverse`` maps global chunks to slots."""
+    holds global chunk ``perm[k]`` (``j`` and ``2a-1-j``); ``inverse`` maps global chunks to slots. Cached: a
+    host list copied to the GPU waits for the stream, and the a2a path calls this twice per layer and pass."""
     perm = [j if k % 2 == 0 else 2 * a - 1 - j for j in range(a) for k in (0, 1)]
     inverse = [0] * (2 * a)
     for k, chunk in enumerate(perm):
