@@ -26,7 +26,6 @@ belong to the local tokens. Four communication schemes, as ``cp_comm_type`` in M
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import warnings
@@ -481,16 +480,18 @@ class _RingAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _rank_major_chunks(a: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(perm, inverse)``: slot ``k`` of the rank-major layout (rank ``j``'s two chunks in slots ``2j, 2j+1``)
-    holds global chunk ``perm[k]`` (``j`` and ``2a-1-j``); ``inverse`` maps global chunks to slots. Cached: a
-    host list copied to the GPU waits for the stream, and the a2a path calls this twice per layer and pass."""
-    perm = [j if k % 2 == 0 else 2 * a - 1 - j for j in range(a) for k in (0, 1)]
-    inverse = [0] * (2 * a)
-    for k, chunk in enumerate(perm):
-        inverse[chunk] = k
-    return torch.tensor(perm, device=device), torch.tensor(inverse, device=device)
+def _rank_major_chunks(a: int) -> List[int]:
+    """Slot ``k`` of the rank-major layout (rank ``j``'s two chunks in slots ``2j, 2j+1``) holds global chunk
+    ``perm[k]``: ``j`` and ``2a-1-j``."""
+    return [j if k % 2 == 0 else 2 * a - 1 - j for j in range(a) for k in (0, 1)]
+
+
+def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``dst[i] = src[order[i]]`` along dim 0 by one contiguous block copy per chunk (host indices: an index
+    tensor would have to be copied to the device, and a block copy is faster than an index_select)."""
+    for i, j in enumerate(order):
+        dst[i].copy_(src[j])
+    return dst
 
 
 def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
@@ -513,8 +514,11 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
         off += h
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    _, inverse = _rank_major_chunks(a, send.device)
-    full = torch.index_select(recv.view(2 * a, c, b, -1, d), 0, inverse).view(2 * a * c, b, -1, d)
+    perm = _rank_major_chunks(a)
+    inverse = sorted(range(2 * a), key=perm.__getitem__)  # global chunk -> slot
+    recv = recv.view(2 * a, c, b, -1, d)
+    full = _permute_chunks(recv, torch.empty(recv.shape, dtype=recv.dtype, device=recv.device), inverse)
+    full = full.view(2 * a * c, b, -1, d)
     outs, off = [], 0
     for h in hs:
         outs.append(full[:, :, off:off + h].permute(1, 2, 0, 3))
@@ -528,10 +532,12 @@ def _head_to_seq(ys: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
     a = dist.get_world_size(group)
     b, _, S, d = ys[0].shape
     c, hs = S // (2 * a), [y.shape[1] for y in ys]
-    seq_major = [y.permute(2, 0, 1, 3) for y in ys]
-    g = seq_major[0] if len(ys) == 1 else torch.cat(seq_major, dim=2)
-    perm, _ = _rank_major_chunks(a, g.device)
-    send = torch.index_select(g.reshape(2 * a, c, b, sum(hs), d), 0, perm)  # rank j's chunks in slots 2j, 2j+1
+    # pack: rank j's chunks in slots 2j, 2j+1 with every tensor's heads side by side (one copy)
+    send = torch.empty(2 * a, c, b, sum(hs), d, dtype=ys[0].dtype, device=ys[0].device)
+    perm, off = _rank_major_chunks(a), 0
+    for y, h in zip(ys, hs):
+        _permute_chunks(y.permute(2, 0, 1, 3).reshape(2 * a, c, b, h, d), send[:, :, :, off:off + h], perm)
+        off += h
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     r = recv.view(a, 2 * c, b, sum(hs), d)  # [source rank, my tokens, b, its heads, d]
