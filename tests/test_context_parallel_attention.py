@@ -9,6 +9,7 @@ the output and of dq, dk, dv per case; the tests compare in the main process.
 """
 from __future__ import annotations
 
+import shutil
 from typing import Dict, List
 
 import pytest
@@ -183,3 +184,57 @@ def test_zigzag_split_positions_and_error():
     with pytest.raises(ValueError, match=r"\(12\) must be divisible by .*2 \* 4 = 8"):
         zigzag_split(t, 4, 0, dim=1)
 
+
+
+def _merge_reference(o, l, blk, blk_l):
+    """The log-sum-exp merge in float64."""
+    o, l, blk, blk_l = (t.double() for t in (o, l, blk, blk_l))
+    new = torch.logaddexp(l, blk_l)
+    return o * torch.exp(l - new).unsqueeze(-1) + blk * torch.exp(blk_l - new).unsqueeze(-1), new
+
+
+def _merge_inputs():
+    """A bf16 output held as the model's ``[s, b, n, d]`` activations viewed as ``[b, n, s, d]`` (strided), its
+    float32 lse, and a bf16 block with its lse for the second half of the rows."""
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(8, 1, 4, 16, generator=g).bfloat16().permute(1, 2, 0, 3)
+    lse = torch.randn(1, 4, 8, generator=g)
+    blk = torch.randn(1, 4, 4, 16, generator=g).bfloat16()
+    blk_lse = torch.randn(1, 4, 4, generator=g)
+    return out, lse, blk, blk_lse
+
+
+def test_merge_into_half_type_output_rounds_once():
+    """At cp=2 the ring keeps its output in the kernels' bf16 (``_accumulator_dtype``): the one merge computes in
+    float32 and rounds once, so it equals the float64 merge rounded to bf16 (up to float32 round-off) and leaves
+    the other rows alone."""
+    from lightning_megatron.parallel.context_parallel import _accumulator_dtype, _merge
+
+    out, lse, blk, blk_lse = _merge_inputs()
+    before = out.clone()
+    want_o, want_l = _merge_reference(out[:, :, 4:], lse[:, :, 4:], blk, blk_lse)
+    _merge(out, lse, slice(4, None), blk, blk_lse)
+    assert torch.equal(out[:, :, :4], before[:, :, :4])
+    assert (out[:, :, 4:].double() - want_o.bfloat16().double()).abs().max() <= 2 ** -8 * want_o.abs().max()
+    assert (lse[:, :, 4:].double() - want_l).abs().max() < 1e-6
+    q = torch.empty(1, dtype=torch.bfloat16)
+    assert _accumulator_dtype(q, 2, fused=True) == torch.bfloat16  # one merge: exact in bf16
+    assert _accumulator_dtype(q, 4, fused=True) == torch.float32  # several: float32 accumulators
+    assert _accumulator_dtype(q, 2, fused=False) == torch.float32  # the math path returns float32 blocks
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler for inductor")
+def test_compiled_merge_writes_strided_views_like_eager():
+    """The fused kernel the ring uses on CUDA is ``torch.compile(_merge_rows)``; compiled here on CPU it must write
+    into a strided row slice exactly as the eager ops do."""
+    from lightning_megatron.parallel.context_parallel import _merge_rows
+
+    out, lse, blk, blk_lse = _merge_inputs()
+    eager_o, eager_l = out.clone(), lse.clone()
+    _merge_rows(eager_o[:, :, 4:], eager_l[:, :, 4:], blk, blk_lse)
+    compiled = torch.compile(_merge_rows, dynamic=False, fullgraph=True)
+    comp_o, comp_l = out.permute(2, 0, 1, 3).clone().permute(1, 2, 0, 3), lse.clone()  # same strided layout
+    compiled(comp_o[:, :, 4:], comp_l[:, :, 4:], blk, blk_lse)
+    assert torch.equal(comp_o[:, :, :4], out[:, :, :4])
+    assert (comp_o.float() - eager_o.float()).abs().max() <= 2 ** -8 * eager_o.float().abs().max()
+    assert (comp_l - eager_l).abs().max() < 1e-6
