@@ -86,6 +86,13 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
+    cpa2a)  # a2a in head chunks (LIGHTNING_MEGATRON_CP_A2A_CHUNKS 1, 2, 4) against 1 GPU, after the numerics
+      run torchrun --nproc_per_node=2 benchmarks/check_cp.py
+      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
+      for n in 1 2 4; do
+        LIGHTNING_MEGATRON_CP_A2A_CHUNKS=$n run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD
+      done ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;

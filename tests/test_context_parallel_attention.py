@@ -9,6 +9,7 @@ the output and of dq, dk, dv per case; the tests compare in the main process.
 """
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Dict, List
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_megatron.parallel.context_parallel import A2A_CHUNKS_ENV
 from tests._dist import init_gloo, run_distributed
 
 WORLD = 4
@@ -37,7 +39,12 @@ CASES = [
     ("cp4-all_gather-noncausal", 4, "all_gather", 4, 2, None, False, torch.float64),
     ("cp4-a2a", 4, "a2a", 8, 4, None, True, torch.float64),
     ("cp4-a2a+p2p-2x2", 4, "a2a+p2p", 4, 2, (2, 2), True, torch.float64),
+    # a2a in head chunks (LIGHTNING_MEGATRON_CP_A2A_CHUNKS): pipelined all-to-alls, same result
+    ("cp2-a2a-chunks2", 2, "a2a", 8, 4, None, True, torch.float64),
+    ("cp4-a2a-chunks2", 4, "a2a", 16, 8, None, True, torch.float64),
+    ("cp4-a2a+p2p-2x2-chunks2", 4, "a2a+p2p", 8, 4, (2, 2), True, torch.float64),
 ]
+A2A_CHUNKS = {"cp2-a2a-chunks2": 2, "cp4-a2a-chunks2": 2, "cp4-a2a+p2p-2x2-chunks2": 2}
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
@@ -76,6 +83,14 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
             (4, (2, 2)): (cp_groups[2], outer_4)}
 
     results: Dict[str, object] = {}
+    a2a_calls: List[int] = []  # counts the all-to-alls (the real collective still runs)
+    real_all_to_all = dist.all_to_all_single
+
+    def counting_all_to_all(*args, **kwargs):
+        a2a_calls.append(1)
+        return real_all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counting_all_to_all
     for i, (name, cp, comm, nq, nkv, sizes, causal, dtype) in enumerate(CASES):
         group, ranks = cp_groups[cp]
         r = ranks.index(rank)
@@ -92,8 +107,12 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
         if sizes is not None:
             inner, outer = hier[(cp, sizes)]
             kw = dict(inner_group=inner[0], outer_group=outer[0])
+        os.environ[A2A_CHUNKS_ENV] = str(A2A_CHUNKS.get(name, 1))
+        calls_before = len(a2a_calls)
         out = context_parallel_attention(ql, kl, vl, group, comm_type=comm, causal=causal, **kw)
         out.backward(_split(dout, cp, r, 2))
+        del os.environ[A2A_CHUNKS_ENV]
+        results.setdefault("a2a_calls", {})[name] = len(a2a_calls) - calls_before
         results[name] = {
             "out": (out - _split(ref.detach(), cp, r, 2)).abs().max().item(),
             "dq": (ql.grad - _split(qf.grad, cp, r, 2)).abs().max().item(),
@@ -122,6 +141,11 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
     _err("hier_missing", lambda: context_parallel_attention(y, y, y, g4, comm_type="a2a+p2p"))
     _err("bad_comm", lambda: context_parallel_attention(y, y, y, g4, comm_type="ring"))
     _err("gqa", lambda: context_parallel_attention(torch.randn(1, 3, 4, D), y2, y2, g4))
+    g2 = cp_groups[2][0]
+    for key, chunks in (("a2a_chunks", "3"), ("a2a_chunks_value", "two")):
+        os.environ[A2A_CHUNKS_ENV] = chunks  # 4 kv heads over a2a size 2: chunks must divide 2
+        _err(key, lambda: context_parallel_attention(y, y, y, g2, comm_type="a2a"))
+        del os.environ[A2A_CHUNKS_ENV]
     results["errors"] = errors
 
     from lightning_megatron.parallel.context_parallel import zigzag_gather, zigzag_split
@@ -157,11 +181,21 @@ def test_matches_full_attention(results, case):
     ("hier_missing", "inner_group"),
     ("bad_comm", "comm_type"),
     ("gqa", "multiple of key/value heads"),
+    ("a2a_chunks", "key/value heads (4) must be divisible by the a2a size times the chunks (2 * 3 = 6)"),
+    ("a2a_chunks_value", "must be a positive integer"),
 ])
 def test_errors(results, key, needle):
     msg = results[0]["errors"][key]
     assert msg is not None, f"{key}: no ValueError raised"
     assert needle in msg, msg
+
+
+def test_a2a_moves_qkv_together_and_chunks_pipeline(results):
+    """One all-to-all each way for q, k and v together (forward: in, out; backward: dout in, grads out); with
+    2 head chunks, two of each."""
+    calls = results[0]["a2a_calls"]
+    assert calls["cp2-a2a"] == 4 and calls["cp4-a2a"] == 4
+    assert calls["cp2-a2a-chunks2"] == 8 and calls["cp4-a2a-chunks2"] == 8 and calls["cp4-a2a+p2p-2x2-chunks2"] == 8
 
 
 def test_zigzag_gather_inverts_split(results):

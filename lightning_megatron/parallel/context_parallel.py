@@ -369,6 +369,92 @@ def _block_plan(src: int, rank: int, causal: bool, c: int):
 _TAG_KV, _TAG_DKV = 0, 1
 
 
+def _ring_forward(q, k, v, group, causal: bool, scale: float):
+    """Ring attention forward over ``group`` (``None``: one rank). Returns ``(out in q's dtype, saved tensors for
+    :func:`_ring_backward`, fused)``. See :class:`_RingAttention` for the schedule."""
+    cp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    c = q.shape[2] // 2
+    fused = use_fused_attention(q, "full", 1, 1)
+    acc = _accumulator_dtype(q, cp, fused)
+    if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
+        out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale)
+        return out.to(q.dtype), (q, k, v, out, lse), fused
+    kv = torch.stack([k, v])
+    held = kv
+    out = lse = None
+    for step in range(cp):
+        reqs = None
+        if step + 1 < cp:  # start the next exchange before computing this block
+            reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
+        rows, cols, mask = _block_plan((rank - step) % cp, rank, causal, c)
+        blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask, scale)
+        if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
+            out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
+        else:
+            _merge(out, lse, rows, blk_out, blk_lse)
+        if reqs is not None:
+            _wait(reqs)
+            held = nxt_kv
+    out_q = out.to(q.dtype)
+    return out_q, (q, kv, held, out_q if fused else out, lse), fused
+
+
+def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout):
+    """Gradients ``(dq, dk, dv)`` of :func:`_ring_forward` from its saved tensors and ``dout``."""
+    cp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    if cp == 1:
+        q, k, v, out, lse = saved
+    else:
+        q, own, last, out, lse = saved
+    c = q.shape[2] // 2
+    if fused:  # the fused kernels take out/dout in q's dtype and derive delta themselves
+        dout, delta = dout.to(q.dtype), None
+    else:
+        dout = dout.to(out.dtype)
+        delta = (dout * out).sum(-1)
+    if cp == 1:
+        dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full", scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    acc = _accumulator_dtype(q, cp, fused)
+    dq = dkv = None
+    dkv_reqs = recv_dkv = None
+    held = last  # block of rank + 1; step j holds the block of rank + 1 + j, the last step the own one
+    for step in range(cp):
+        reqs = None
+        if step + 2 < cp:  # the block after next-but-last travels; the last one is the saved own block
+            reqs, nxt_kv = _ring_shift(held, group, _TAG_KV, backwards=True)
+        rows, cols, mask = _block_plan((rank + 1 + step) % cp, rank, causal, c)
+        bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
+                                                  dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                                  None if delta is None else delta[:, :, rows], mask, scale)
+        if dq is None and rows == slice(None):
+            dq = bdq.to(acc)
+        else:
+            if dq is None:
+                dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            dq[:, :, rows] += bdq
+        if step == 0 and cols == slice(None):  # this block's accumulator starts here
+            dkv = torch.stack([bdk, bdv]).to(acc)
+        else:
+            if step == 0:
+                dkv = torch.zeros((2,) + tuple(held.shape[1:]), dtype=acc, device=q.device)
+            else:  # ... or arrives from the next rank, which held this block one step earlier
+                _wait(dkv_reqs)
+                dkv = recv_dkv
+            dkv[0][:, :, cols] += bdk
+            dkv[1][:, :, cols] += bdv
+        if step + 1 < cp:  # pass the accumulator on with its block; the own block's stays here
+            dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV, backwards=True)
+        if reqs is not None:
+            _wait(reqs)
+            held = nxt_kv
+        elif step + 2 == cp:
+            held = own
+    return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention over ``group`` (``None`` = one rank: plain local attention on the local layout).
 
@@ -386,93 +472,15 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, scale: float):
-        cp = dist.get_world_size(group) if group is not None else 1
-        rank = dist.get_rank(group) if group is not None else 0
-        c = q.shape[2] // 2
-        fused = use_fused_attention(q, "full", 1, 1)
-        acc = _accumulator_dtype(q, cp, fused)
+        out, saved, fused = _ring_forward(q, k, v, group, causal, scale)
+        ctx.save_for_backward(*saved)
         ctx.group, ctx.causal, ctx.scale, ctx.fused = group, causal, scale, fused
-        if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
-            out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out.to(q.dtype)
-        kv = torch.stack([k, v])
-        held = kv
-        out = lse = None
-        for step in range(cp):
-            reqs = None
-            if step + 1 < cp:  # start the next exchange before computing this block
-                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
-            rows, cols, mask = _block_plan((rank - step) % cp, rank, causal, c)
-            blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask,
-                                                scale)
-            if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
-                out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
-            else:
-                _merge(out, lse, rows, blk_out, blk_lse)
-            if reqs is not None:
-                _wait(reqs)
-                held = nxt_kv
-        out_q = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, held, out_q if fused else out, lse)
-        return out_q
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        group, causal, scale, fused = ctx.group, ctx.causal, ctx.scale, ctx.fused
-        cp = dist.get_world_size(group) if group is not None else 1
-        rank = dist.get_rank(group) if group is not None else 0
-        if cp == 1:
-            q, k, v, out, lse = ctx.saved_tensors
-            own = last = None
-        else:
-            q, own, last, out, lse = ctx.saved_tensors
-        c = q.shape[2] // 2
-        if fused:  # the fused kernels take out/dout in q's dtype and derive delta themselves
-            dout, delta = dout.to(q.dtype), None
-        else:
-            dout = dout.to(out.dtype)
-            delta = (dout * out).sum(-1)
-        if cp == 1:
-            dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full",
-                                                   scale)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-        acc = _accumulator_dtype(q, cp, fused)
-        dq = dkv = None
-        dkv_reqs = recv_dkv = None
-        held = last  # block of rank + 1; step j holds the block of rank + 1 + j, the last step the own one
-        for step in range(cp):
-            reqs = None
-            if step + 2 < cp:  # the block after next-but-last travels; the last one is the saved own block
-                reqs, nxt_kv = _ring_shift(held, group, _TAG_KV, backwards=True)
-            rows, cols, mask = _block_plan((rank + 1 + step) % cp, rank, causal, c)
-            bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
-                                                      dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                                      None if delta is None else delta[:, :, rows], mask, scale)
-            if dq is None and rows == slice(None):
-                dq = bdq.to(acc)
-            else:
-                if dq is None:
-                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-                dq[:, :, rows] += bdq
-            if step == 0 and cols == slice(None):  # this block's accumulator starts here
-                dkv = torch.stack([bdk, bdv]).to(acc)
-            else:
-                if step == 0:
-                    dkv = torch.zeros((2,) + tuple(held.shape[1:]), dtype=acc, device=q.device)
-                else:  # ... or arrives from the next rank, which held this block one step earlier
-                    _wait(dkv_reqs)
-                    dkv = recv_dkv
-                dkv[0][:, :, cols] += bdk
-                dkv[1][:, :, cols] += bdv
-            if step + 1 < cp:  # pass the accumulator on with its block; the own block's stays here
-                dkv_reqs, recv_dkv = _ring_shift(dkv, group, _TAG_DKV, backwards=True)
-            if reqs is not None:
-                _wait(reqs)
-                held = nxt_kv
-            elif step + 2 == cp:
-                held = own
-        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
+        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.group, ctx.causal, ctx.scale, dout)
+        return grads + (None, None, None)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -494,31 +502,32 @@ def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, order: Sequence[int]) 
     return dst
 
 
-def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
-    """``[b, n_i, s_local, d]`` zigzag shards of all heads -> ``[b, n_i/A, A*s_local, d]`` (A = group size),
-    for several tensors in one all-to-all over ``group``.
-
-    Each result is the group's sequence in "group-zigzag" order: first chunks of ranks 0..A-1 then second
-    chunks of ranks A-1..0 (global order when the group is the whole CP group); they are head slices of one
-    contiguous ``[A*s_local, b, sum(n_i)/A, d]`` buffer (the model's ``[s, b, n, d]`` layout). Two copies of
-    the data (the pack for the all-to-all, the reorder into sequence order) and one collective for all tensors:
-    the number of collectives, not bytes, bounds this path (each costs CPU time the GPU waits for).
-    """
-    a = dist.get_world_size(group)
+def _pack_seq_to_head(xs: Sequence[torch.Tensor], a: int, chunk: int, chunks: int) -> torch.Tensor:
+    """Send buffer ``[A, s_local, b, H, d]`` of head chunk ``chunk`` (of ``chunks``) of ``xs`` (``[b, n_i, s_local,
+    d]`` zigzag shards): destination rank ``j`` gets its heads ``[j*n_i/A, (j+1)*n_i/A)``, of those the
+    ``chunk``-th ``1/chunks``, of every tensor side by side (``H`` = their sum). One copy."""
     b, _, s, d = xs[0].shape
-    c, hs = s // 2, [x.shape[1] // a for x in xs]
+    hs = [x.shape[1] // (a * chunks) for x in xs]
     send = torch.empty(a, s, b, sum(hs), d, dtype=xs[0].dtype, device=xs[0].device)
     off = 0
-    for x, h in zip(xs, hs):  # destination rank j gets heads [j*h, (j+1)*h) of every tensor
-        send[:, :, :, off:off + h].copy_(x.permute(2, 0, 1, 3).reshape(s, b, a, h, d).permute(2, 0, 1, 3, 4))
+    for x, h in zip(xs, hs):
+        part = x.permute(2, 0, 1, 3).reshape(s, b, a, chunks, h, d)[:, :, :, chunk]
+        send[:, :, :, off:off + h].copy_(part.permute(2, 0, 1, 3, 4))
         off += h
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    return send
+
+
+def _unpack_seq_to_head(recv: torch.Tensor, a: int, hs: Sequence[int]) -> List[torch.Tensor]:
+    """Received ``[A, s_local, b, H, d]`` (source rank ``i``'s zigzag chunks ``i`` and ``2A-1-i``) -> per tensor
+    ``[b, h_i, A*s_local, d]`` in sequence order: head slices of one contiguous ``[A*s_local, b, H, d]`` buffer
+    (the model's ``[s, b, n, d]`` layout). One copy (the reorder)."""
+    _, s, b, H, d = recv.shape
+    c = s // 2
     perm = _rank_major_chunks(a)
     inverse = sorted(range(2 * a), key=perm.__getitem__)  # global chunk -> slot
-    recv = recv.view(2 * a, c, b, -1, d)
-    full = _permute_chunks(recv, torch.empty(recv.shape, dtype=recv.dtype, device=recv.device), inverse)
-    full = full.view(2 * a * c, b, -1, d)
+    slots = recv.view(2 * a, c, b, H, d)
+    full = _permute_chunks(slots, torch.empty(slots.shape, dtype=recv.dtype, device=recv.device), inverse)
+    full = full.view(2 * a * c, b, H, d)
     outs, off = [], 0
     for h in hs:
         outs.append(full[:, :, off:off + h].permute(1, 2, 0, 3))
@@ -526,52 +535,106 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
     return outs
 
 
-def _head_to_seq(ys: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
-    """Inverse of :func:`_seq_to_head`: ``[b, h_i, A*s_local, d]`` -> ``[b, A*h_i, s_local, d]``, each a view of
-    a contiguous ``[s_local, b, A*h_i, d]`` buffer (so the model's reshape back to ``[s, b, h]`` is free)."""
-    a = dist.get_world_size(group)
+def _pack_head_to_seq(ys: Sequence[torch.Tensor], a: int) -> torch.Tensor:
+    """Send buffer ``[2A, c, b, H, d]`` for the way back: ``ys`` (``[b, h_i, A*s_local, d]`` in sequence order)
+    with rank ``j``'s chunks (``j``, ``2A-1-j``) in slots ``2j, 2j+1`` and every tensor's heads side by side."""
     b, _, S, d = ys[0].shape
     c, hs = S // (2 * a), [y.shape[1] for y in ys]
-    # pack: rank j's chunks in slots 2j, 2j+1 with every tensor's heads side by side (one copy)
     send = torch.empty(2 * a, c, b, sum(hs), d, dtype=ys[0].dtype, device=ys[0].device)
     perm, off = _rank_major_chunks(a), 0
     for y, h in zip(ys, hs):
         _permute_chunks(y.permute(2, 0, 1, 3).reshape(2 * a, c, b, h, d), send[:, :, :, off:off + h], perm)
         off += h
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    r = recv.view(a, 2 * c, b, sum(hs), d)  # [source rank, my tokens, b, its heads, d]
-    outs, off = [], 0
-    for h in hs:
-        outs.append(r[:, :, :, off:off + h].permute(1, 2, 0, 3, 4).reshape(2 * c, b, a * h, d).permute(1, 2, 0, 3))
+    return send
+
+
+def _unpack_head_to_seq(recv: torch.Tensor, a: int, hs: Sequence[int], outs: Sequence[torch.Tensor], chunk: int,
+                        chunks: int) -> None:
+    """Write received ``[2A, c, b, H, d]`` (from source rank ``i``: my tokens, its heads of chunk ``chunk``) into
+    ``outs`` (``[s_local, b, n_i, d]`` buffers) at heads ``i*n_i/A + chunk*h_i + [0, h_i)``. One copy."""
+    _, c, b, H, d = recv.shape
+    r = recv.view(a, 2 * c, b, H, d)  # [source rank, my tokens, b, its heads, d]
+    off = 0
+    for out, h in zip(outs, hs):
+        dst = out.view(2 * c, b, a, chunks, h, d)[:, :, :, chunk]
+        dst.copy_(r[:, :, :, off:off + h].permute(1, 2, 0, 3, 4))
         off += h
-    return outs
 
 
-class _SeqToHead(torch.autograd.Function):
-    """:func:`_seq_to_head` of several tensors (one all-to-all); backward is :func:`_head_to_seq`."""
+#: Environment variable: the a2a path's head chunks (default 1). With ``n`` chunks, chunk ``i``'s attention runs
+#: while chunk ``i+1``'s all-to-all arrives and chunk ``i-1``'s output leaves; the number of key/value heads must
+#: divide by ``a2a size * n``.
+A2A_CHUNKS_ENV = "LIGHTNING_MEGATRON_CP_A2A_CHUNKS"
+
+
+def _a2a_chunks(nkv: int, a: int) -> int:
+    raw = os.environ.get(A2A_CHUNKS_ENV, "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{A2A_CHUNKS_ENV}={raw!r} must be a positive integer")
+    chunks = int(raw)
+    if nkv % (a * chunks) != 0:
+        raise ValueError(f"{A2A_CHUNKS_ENV}={chunks}: the key/value heads ({nkv}) must be divisible by the a2a size "
+                         f"times the chunks ({a} * {chunks} = {a * chunks}); use a divisor of {nkv // a}")
+    return chunks
+
+
+def _start_all_to_all(send: torch.Tensor, group):
+    """Start an all-to-all of ``send`` over ``group``; ``(work, recv)`` (wait on ``work`` before reading)."""
+    recv = torch.empty_like(send)
+    return dist.all_to_all_single(recv, send, group=group, async_op=True), recv
+
+
+class _A2AAttention(torch.autograd.Function):
+    """Ulysses attention: all-to-all from sequence- to head-sharding over ``a2a_group``, attention on whole
+    sequences (a ring over ``ring_group`` for ``a2a+p2p``), all-to-all back; q, k and v travel in one all-to-all.
+
+    The heads are processed in ``chunks`` pieces (:data:`A2A_CHUNKS_ENV`): every chunk's all-to-all is started
+    up front, chunk ``i``'s attention waits only for its own, and its output starts back before chunk ``i+1``'s
+    attention, so all transfers but the first and last overlap compute. Backward mirrors it.
+    """
 
     @staticmethod
-    def forward(ctx, group, *xs):
-        ctx.group = group
-        return tuple(_seq_to_head(xs, group))
+    def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float, chunks: int):
+        a = dist.get_world_size(a2a_group)
+        xs = (q, k, v)
+        hs = [x.shape[1] // (a * chunks) for x in xs]
+        started = [_start_all_to_all(_pack_seq_to_head(xs, a, i, chunks), a2a_group) for i in range(chunks)]
+        saved, back, fused = [], [], False
+        for work, recv in started:
+            work.wait()
+            qh, kh, vh = _unpack_seq_to_head(recv, a, hs)
+            out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale)
+            saved += state
+            back.append(_start_all_to_all(_pack_head_to_seq([out_h], a), a2a_group))
+        b, n, s, d = q.shape
+        out = torch.empty(s, b, n, d, dtype=q.dtype, device=q.device)
+        for i, (work, recv) in enumerate(back):
+            work.wait()
+            _unpack_head_to_seq(recv, a, hs[:1], [out], i, chunks)
+        ctx.save_for_backward(*saved)
+        ctx.a2a_group, ctx.ring_group, ctx.causal, ctx.scale = a2a_group, ring_group, causal, scale
+        ctx.chunks, ctx.fused, ctx.shapes = chunks, fused, [x.shape for x in xs]
+        return out.permute(1, 2, 0, 3)
 
     @staticmethod
-    def backward(ctx, *grads):
-        return (None,) + tuple(_head_to_seq(grads, ctx.group))
-
-
-class _HeadToSeq(torch.autograd.Function):
-    """:func:`_head_to_seq` of one tensor; backward is :func:`_seq_to_head`."""
-
-    @staticmethod
-    def forward(ctx, group, y):
-        ctx.group = group
-        return _head_to_seq([y], group)[0]
-
-    @staticmethod
-    def backward(ctx, g):
-        return None, _seq_to_head([g], ctx.group)[0]
+    def backward(ctx, dout):
+        a, chunks = dist.get_world_size(ctx.a2a_group), ctx.chunks
+        per = len(ctx.saved_tensors) // chunks
+        started = [_start_all_to_all(_pack_seq_to_head([dout], a, i, chunks), ctx.a2a_group) for i in range(chunks)]
+        hs = [shape[1] // (a * chunks) for shape in ctx.shapes]
+        back = []
+        for i, (work, recv) in enumerate(started):
+            work.wait()
+            (dout_h,) = _unpack_seq_to_head(recv, a, hs[:1])
+            state = ctx.saved_tensors[i * per:(i + 1) * per]
+            grads = _ring_backward(state, ctx.fused, ctx.ring_group, ctx.causal, ctx.scale, dout_h)
+            back.append(_start_all_to_all(_pack_head_to_seq(grads, a), ctx.a2a_group))
+        outs = [torch.empty(sh[2], sh[0], sh[1], sh[3], dtype=dout.dtype, device=dout.device) for sh in ctx.shapes]
+        for i, (work, recv) in enumerate(back):
+            work.wait()
+            _unpack_head_to_seq(recv, a, hs, outs, i, chunks)
+        dq, dk, dv = (o.permute(1, 2, 0, 3) for o in outs)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -683,6 +746,5 @@ def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
 
 
 def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float) -> torch.Tensor:
-    qh, kh, vh = _SeqToHead.apply(a2a_group, q, k, v)
-    out = _RingAttention.apply(qh, kh, vh, ring_group, causal, scale)
-    return _HeadToSeq.apply(a2a_group, out)
+    chunks = _a2a_chunks(k.shape[1], dist.get_world_size(a2a_group))
+    return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale, chunks)
