@@ -18,18 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_megatron.parallel.context_parallel import _FUSED
 
-
-def timed(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from _timing import cuda_timed  # sibling module (run as a script)
 
 
 def main() -> None:
@@ -49,10 +38,10 @@ def main() -> None:
 
             try:
                 if backend is None:
-                    ms = timed(step)
+                    ms = cuda_timed(step)
                 else:
                     with sdpa_kernel([backend]):
-                        ms = timed(step)
+                        ms = cuda_timed(step)
                 print(json.dumps(dict(case=f"sdpa-{name}", seq=s, ms=round(ms, 3),
                                       tflops=round(causal_flops / ms / 1e9, 1))), flush=True)
             except RuntimeError as e:
@@ -67,7 +56,7 @@ def main() -> None:
                 bwd(ql[:, :, c:], kl, vl, dl[:, :, c:], o1, l1, False, d ** -0.5)
 
             try:
-                ms = timed(ring_step)
+                ms = cuda_timed(ring_step)
                 print(json.dumps(dict(case=f"ring-{kernel}-cp2-rank-blocks", seq=s, ms=round(ms, 3),
                                       tflops=round(causal_flops / 2 / ms / 1e9, 1))), flush=True)
             except RuntimeError as e:

@@ -14,7 +14,19 @@ import json
 
 import torch
 
-from lightning_megatron.parallel.context_parallel import _fold_kv_grad, _repeat_kv
+
+from _timing import cuda_timed  # sibling module (run as a script)
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, n_kv, s, d] -> [b, n_kv*groups, s, d]`` (query head ``i`` uses kv head ``i // groups``)."""
+    return t.repeat_interleave(groups, dim=1)
+
+
+def _fold_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of :func:`_repeat_kv` for gradients: sum over each kv head's query-head group."""
+    b, n, s, d = t.shape
+    return t.reshape(b, n // groups, groups, s, d).sum(2)
 
 
 def rel(a, b) -> float:
@@ -38,19 +50,6 @@ def bwd(kernel, q, k, v, dout, out, lse, causal, scale):
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse.unsqueeze(-1), empty, empty, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
         scale=scale)
-
-
-def timed(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +80,7 @@ def main() -> None:
                 return _fold_kv_grad(gk, 2), _fold_kv_grad(gv, 2)
 
             name = f"{kernel}-{'causal' if causal else 'full'}-{sq}x{sk}"
-            print(json.dumps(dict(case=f"{name}-repeated", ms=round(timed(repeated), 3))), flush=True)
+            print(json.dumps(dict(case=f"{name}-repeated", ms=round(cuda_timed(repeated), 3))), flush=True)
             variants = {
                 "gqa": (q, k, v, dout),
                 "strided": (strided(q), strided(kr), strided(vr), strided(dout)),
@@ -94,7 +93,7 @@ def main() -> None:
                     if gk.shape[1] != nkv:
                         gk, gv = _fold_kv_grad(gk, 2), _fold_kv_grad(gv, 2)
                     errs = {n: rel(a, b) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), (o, l, gq, gk, gv), ref)}
-                    ms = timed(lambda: bwd(kernel, qq, kk, vv, dd, *fwd(kernel, qq, kk, vv, causal, scale), causal,
+                    ms = cuda_timed(lambda: bwd(kernel, qq, kk, vv, dd, *fwd(kernel, qq, kk, vv, causal, scale), causal,
                                            scale))
                     print(json.dumps(dict(case=f"{name}-{vname}", ms=round(ms, 3), errors=errs,
                                           out_strides=list(o.stride()), dq_strides=list(gq.stride()),

@@ -14,18 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+from _timing import cuda_timed  # sibling module (run as a script)
 
 
 def main() -> None:
@@ -49,7 +38,7 @@ def main() -> None:
                  "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(recv, big)}
         for name, fn in cases.items():
-            ms = timed(fn)
+            ms = cuda_timed(fn, iters=20)
             if rank == 0:
                 received = mib * 2**20 * (1 if name == "sendrecv" else world - 1)
                 gbs = received / ms / 1e6
