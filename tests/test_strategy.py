@@ -23,6 +23,7 @@ from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTModel, MegatronStrategy
+from lightning_megatron.parallel.context_parallel import zigzag_split
 from tests._dist import run_distributed
 from tests.parity import (
     SEED,
@@ -48,9 +49,11 @@ def assert_losses_close(got, want, rtol=1e-5):
         assert abs(g - w) <= rtol * abs(w), (got, want)
 
 
-def sample_ids(samples, batch):
-    """Indices into ``samples`` of the rows of ``batch`` (matched by tokens)."""
-    return [next(i for i, s in enumerate(samples) if torch.equal(s["tokens"], t)) for t in batch["tokens"]]
+def sample_ids(samples, batch, cp: int = 1, cp_rank: int = 0):
+    """Indices into ``samples`` of the rows of ``batch`` (matched by tokens; under context parallelism the
+    batch holds this CP rank's zigzag chunks of each sample)."""
+    return [next(i for i, s in enumerate(samples) if torch.equal(zigzag_split(s["tokens"], cp, cp_rank, 0), t))
+            for t in batch["tokens"]]
 
 
 class BatchRecorder(pl.Callback):
@@ -60,7 +63,9 @@ class BatchRecorder(pl.Callback):
         self.samples, self.seen = samples, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen.append((trainer.global_step, trainer.current_epoch, sample_ids(self.samples, batch)))
+        mesh = trainer.strategy.mesh
+        ids = sample_ids(self.samples, batch, mesh.size("cp"), mesh.rank("cp"))
+        self.seen.append((trainer.global_step, trainer.current_epoch, ids))
 
 
 # ---------------------------------------------------------------------------------------------- 1. resharding
@@ -138,11 +143,11 @@ def test_tp2_checkpoint_holds_full_tp1_state(resharding_case):
 
 
 @pytest.mark.parametrize("world,kwargs", [(2, dict(tp=1)), (1, dict(tp=1)), (4, dict(tp=4, sequence_parallel=True)),
-                                          (4, dict(tp=2, pp=2, pipeline_schedule="gpipe"))],
-                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp", "tp2-to-tp2xpp2"])
+                                          (4, dict(tp=2, pp=2, pipeline_schedule="gpipe")), (4, dict(tp=1, cp=2))],
+                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp", "tp2-to-tp2xpp2", "tp2-to-cp2xdp2"])
 def test_resume_under_another_layout(resharding_case, world, kwargs):
     case = resharding_case
-    dp = world // (kwargs["tp"] * kwargs.get("pp", 1))
+    dp = world // (kwargs["tp"] * kwargs.get("pp", 1) * kwargs.get("cp", 1))
     results = run_distributed(resume, world, case["cfg"], case["samples"], kwargs, GLOBAL_BATCH // dp, case["path"])
     order, ref = resume_order(), case["ref"]
     for r in results:
@@ -151,7 +156,8 @@ def test_resume_under_another_layout(resharding_case, world, kwargs):
         assert [(step, epoch) for step, epoch, _ in r["batches"]] == [(2, 1), (3, 1)], r["batches"]
         assert_losses_close(r["losses"], ref["losses"][SAVE_AT:])
         assert r["lr"] == pytest.approx(ref["optimizer"]["param_groups"][0]["lr"], rel=1e-12)
-    tp = kwargs["tp"] * kwargs.get("pp", 1)  # ranks 0..tp*pp-1 hold one model replica (same batches)
+    # one model replica (same batches) = tp x cp consecutive ranks, times pp (tests here use pp only with dp=1)
+    tp = kwargs["tp"] * kwargs.get("pp", 1) * kwargs.get("cp", 1)
     for i, step in enumerate(range(SAVE_AT, RESUME_STEPS)):
         # TP peers see the same batch; one rank per dp rank together see the step's global batch
         assert all(r["batches"][i] == results[k - k % tp]["batches"][i] for k, r in enumerate(results))
@@ -173,14 +179,15 @@ def validate_run(rank, world, cfg, strategy_kwargs, val_samples, micro_batch):
 
 
 @pytest.mark.parametrize("world,kwargs", [(2, dict(tp=2)), (4, dict(tp=2, sequence_parallel=True)), (2, dict(pp=2)),
-                                          (4, dict(tp=2, pp=2, sequence_parallel=True))],
-                         ids=["tp2", "tp2xdp2-sp", "pp2", "tp2xpp2-sp"])
+                                          (4, dict(tp=2, pp=2, sequence_parallel=True)), (2, dict(cp=2)),
+                                          (4, dict(cp=2, cp_comm_type="a2a"))],
+                         ids=["tp2", "tp2xdp2-sp", "pp2", "tp2xpp2-sp", "cp2", "cp2xdp2-a2a"])
 def test_validate_is_global_token_mean(world, kwargs):
     cfg = tiny_config()
     val = make_samples(cfg, N_VAL, seed=11)
     ref = reference_loop(cfg, make_samples(cfg, GLOBAL_BATCH), 1, GLOBAL_BATCH, stop_after=0)
     want = reference_val_loss(ref["module"], val)
-    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+    dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1) * kwargs.get("cp", 1))
     got = run_distributed(validate_run, world, cfg, kwargs, val, GLOBAL_BATCH // dp)
     for g in got:
         assert abs(g - want) <= 1e-5 * abs(want), (got, want)
