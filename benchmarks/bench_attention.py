@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_megatron.parallel.context_parallel import _FUSED
+from lightning_megatron.parallel.context_parallel.kernels import _FUSED
 
 from _timing import cuda_timed  # sibling module (run as a script)
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.callbacks.flops import flops_per_token
-from lightning_megatron.parallel.context_parallel import _CUDNN_FAILED
+from lightning_megatron.parallel.context_parallel.kernels import _CUDNN_FAILED
 
 PEAK = 989e12
 

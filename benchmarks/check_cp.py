@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from lightning_megatron.parallel.context_parallel import (
     A2A_CHUNKS_ENV,
     KERNEL_ENV,
+    context_parallel_attention,
+    zigzag_split,
+)
+from lightning_megatron.parallel.context_parallel.kernels import (
     _attention_block,
     _attention_block_backward,
     _math_attention_block,
-    context_parallel_attention,
-    zigzag_split,
 )
 
 TOL = 3e-2

@@ -242,7 +242,7 @@ def test_merge_into_half_type_output_rounds_once():
     """At cp=2 the ring keeps its output in the kernels' bf16 (``_accumulator_dtype``): the one merge computes in
     float32 and rounds once, so it equals the float64 merge rounded to bf16 (up to float32 round-off) and leaves
     the other rows alone."""
-    from lightning_megatron.parallel.context_parallel import _accumulator_dtype, _merge
+    from lightning_megatron.parallel.context_parallel.ring import _accumulator_dtype, _merge
 
     out, lse, blk, blk_lse = _merge_inputs()
     before = out.clone()
@@ -261,7 +261,7 @@ def test_merge_into_half_type_output_rounds_once():
 def test_compiled_merge_writes_strided_views_like_eager():
     """The fused kernel the ring uses on CUDA is ``torch.compile(_merge_rows)``; compiled here on CPU it must write
     into a strided row slice exactly as the eager ops do."""
-    from lightning_megatron.parallel.context_parallel import _merge_rows
+    from lightning_megatron.parallel.context_parallel.ring import _merge_rows
 
     out, lse, blk, blk_lse = _merge_inputs()
     eager_o, eager_l = out.clone(), lse.clone()

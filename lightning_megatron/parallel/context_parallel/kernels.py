@@ -1,0 +1,193 @@
+"""Attention of one Q block against one K/V block, returning the log-sum-exp: fused cuDNN / flash kernels on
+CUDA half types, a math path elsewhere; and its backward from the merged output and log-sum-exp."""
+from __future__ import annotations
+
+import os
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+_MASK_KINDS = ("full", "causal")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal mask (query i sees keys j <= i + sk - sq); top-left when sq == sk."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return j <= i + (sk - sq)
+
+
+def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
+    b, nq, sq, d = q.shape
+    nkv, sk = k.shape[1], k.shape[2]
+    qg = q.reshape(b, nkv, nq // nkv, sq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale
+    if mask_kind == "causal":
+        s = s.masked_fill(~_causal_mask(sq, sk, q.device), float("-inf"))
+    elif mask_kind != "full":
+        raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
+    return s
+
+
+#: Environment variable choosing the per-block kernel of the ring on CUDA half types: ``auto`` (default: the
+#: fastest measured on H200, see benchmarks/RESULTS.md), ``flash``, ``cudnn`` or ``math``.
+KERNEL_ENV = "LIGHTNING_MEGATRON_CP_ATTENTION"
+_KERNELS = ("auto", "flash", "cudnn", "math")
+
+
+def block_kernel(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> str:
+    """The kernel a ring block uses: ``"flash"`` / ``"cudnn"`` (fused, return the log-sum-exp) on CUDA in
+    fp16/bf16 with head dim <= 256 and a mask the kernels express (none, or a square causal block: their causal
+    mask is top-left aligned), else ``"math"``. :data:`KERNEL_ENV` overrides the fused choice."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in _KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r} must be one of {_KERNELS}")
+    fused_ok = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and (mask_kind == "full" or sq == sk))
+    if not fused_ok or choice == "math":
+        return "math"
+    if choice == "auto":
+        return "flash" if _CUDNN_FAILED else "cudnn"
+    return choice
+
+
+def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bool:
+    """Whether a block goes to a fused CUDA kernel (see :func:`block_kernel`)."""
+    return block_kernel(q, mask_kind, sq, sk) != "math"
+
+
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the fused kernels take it: any strides (the model's ``[s, b, n, d]`` activations viewed as
+    ``[b, n, s, d]`` are fine) as long as the head dim is contiguous. Both kernels take GQA K/V (fewer heads than
+    ``q``) natively (benchmarks/probe_cp_kernels.py), so nothing is repeated or copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):
+    """Fused flash attention of one block: ``(out [b, n_q, sq, d] in q's dtype and layout, lse [b, n_q, sq]
+    float32)``."""
+    q, k, v = (_kernel_input(t) for t in (q, k, v))
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def _flash_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """Fused flash-attention backward of one block given the *final* merged ``out`` and ``lse`` (the kernel
+    derives ``delta = rowsum(dout * out)`` itself). Returns ``(dq, dk, dv)`` with the heads of q, k and v."""
+    q, k, v, dout, out = (_kernel_input(t) for t in (q, k, v, dout, out))
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty,
+        scale=scale)
+    return dq, dk, dv
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    """Fused cuDNN attention of one block: ``(out [b, n_q, sq, d] in q's layout, lse [b, n_q, sq] float32)``."""
+    q, k, v = (_kernel_input(t) for t in (q, k, v))
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    lse = res[1]
+    return res[0], lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN may add a trailing 1
+
+
+def _cudnn_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """cuDNN attention backward of one block given the final merged ``out`` and ``lse``."""
+    q, k, v, dout, out = (_kernel_input(t) for t in (q, k, v, dout, out))
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.contiguous().unsqueeze(-1), empty, empty, None, None, None, q.shape[2], k.shape[2],
+        0.0, causal, scale=scale)
+    return dq, dk, dv
+
+
+_FUSED = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, _cudnn_backward)}
+#: Set once when cuDNN attention is unavailable here (old cuDNN, GPU or shape it rejects): "auto" then uses
+#: flash for the rest of the process. A capability cache, not communication state.
+_CUDNN_FAILED: List[bool] = []
+
+
+def _run_fused(which: int, kernel: str, *args):
+    """Forward (``which=0``) or backward (1) through ``kernel``; under ``auto`` a cuDNN failure falls back to
+    flash (cuDNN is 1.8x faster on H200 at the benchmark model's shapes: benchmarks/RESULTS.md)."""
+    if kernel == "cudnn" and os.environ.get(KERNEL_ENV, "auto") == "auto":
+        try:
+            return _FUSED["cudnn"][which](*args)
+        except RuntimeError:
+            _CUDNN_FAILED.append(True)
+            return _FUSED["flash"][which](*args)
+    return _FUSED[kernel][which](*args)
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
+                     scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
+
+    ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
+    lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 a fused kernel (cuDNN or
+    flash, :func:`block_kernel`) computes it without materialising the attention matrix (out in the input dtype,
+    lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
+    Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
+    """
+    if mask_kind not in _MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
+    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
+    if kernel != "math":
+        return _run_fused(0, kernel, q, k, v, mask_kind == "causal", scale)
+    return _math_attention_block(q, k, v, mask_kind, scale)
+
+
+def _math_attention_block(q, k, v, mask_kind: str, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Math path of :func:`_attention_block`; differentiable by autograd."""
+    cd = _compute_dtype(q.dtype)
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    b, nq, sq, d = q.shape
+    s = _scores(q, k, mask_kind, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
+
+
+def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
+    """Differentiable attention output only (the all_gather path). Fused SDPA on CUDA half types, where a
+    causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        gqa = q.shape[1] != k.shape[1]
+        sq, sk = q.shape[2], k.shape[2]
+        if mask_kind == "causal" and sq != sk:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask_kind == "causal", scale=scale, enable_gqa=gqa)
+    return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
+
+
+def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float):
+    """Exact gradients of one block given the *final* (merged) ``out``, ``lse`` and ``delta = rowsum(dout * out)``.
+
+    Flash-attention backward: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)``: the fused CUDA kernel where
+    :func:`use_fused_attention` allows (``out`` in q's dtype), else the math path in the compute dtype.
+    """
+    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
+    if kernel != "math":
+        return _run_fused(1, kernel, q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
+    cd = _compute_dtype(q.dtype)
+    q, k, v, dout = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
+    b, nq, sq, d = q.shape
+    nkv = k.shape[1]
+    g = nq // nkv
+    s = _scores(q, k, mask_kind, scale)
+    p = torch.exp(s - lse.reshape(b, nkv, g, sq, 1))
+    dog = dout.reshape(b, nkv, g, sq, d)
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v)
+    ds = p * (dp - delta.reshape(b, nkv, g, sq, 1))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k).reshape(b, nq, sq, d) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.reshape(b, nkv, g, sq, d)) * scale
+    return dq, dk, dv
