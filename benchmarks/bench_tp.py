@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.callbacks.flops import flops_per_token
+from lightning_megatron.parallel.context_parallel import A2A_CHUNKS_ENV
 from lightning_megatron.parallel.context_parallel.kernels import _CUDNN_FAILED
 
 PEAK = 989e12
@@ -227,6 +228,8 @@ def run_ours(args) -> None:
         layout = layout_prefix(args)
         layout += f"-{args.schedule}" if args.schedule else ""
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
+        layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
+            A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
         if cfg.num_moe_experts:
@@ -268,6 +271,8 @@ def run_check(args) -> None:
     if trainer.global_rank == 0:
         layout = layout_prefix(args)
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
+        layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
+            A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
