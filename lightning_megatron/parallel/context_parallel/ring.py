@@ -2,6 +2,7 @@
 log-sum-exp; the backward ring runs the other way and ends with the own block."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import List
@@ -15,6 +16,8 @@ from lightning_megatron.parallel.context_parallel.kernels import (
     _compute_dtype,
     use_fused_attention,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _merge_rows(o: torch.Tensor, l: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
@@ -44,6 +47,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Ten
     if not o.is_cuda or os.environ.get(COMPILE_ENV, "1") == "0":
         return _merge_rows(o, l, blk_out, blk_lse)
     if not _CUDA_MERGE:
+        log.info("context parallel: compiling the ring's output merge (first call; %s=0 keeps it eager)", COMPILE_ENV)
         _CUDA_MERGE.append(torch.compile(_merge_rows, dynamic=False, fullgraph=True))
     try:
         return _CUDA_MERGE[0](o, l, blk_out, blk_lse)
