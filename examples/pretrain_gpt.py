@@ -81,7 +81,6 @@ NOT_SUPPORTED = {
     "tp_comm_overlap": ("--tp-comm-overlap", "tensor-parallel communication overlap"),
     "use_custom_fsdp": ("--use-custom-fsdp", "FSDP"),
     "use_torch_fsdp2": ("--use-torch-fsdp2", "FSDP"),
-    "use_distributed_optimizer": ("--use-distributed-optimizer", "the sharded (distributed) optimizer"),
 }
 # Megatron's MoE flags -> GPTConfig fields (parsed values are passed on unchanged; None = not given)
 MOE_FLAGS = {
@@ -123,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="etp (default tp)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on when tp > 1")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer states over dp x cp (ZeRO-1)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce data-parallel gradients in bf16 (half the traffic)")
     g.add_argument("--accelerator", default="cpu")
@@ -212,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-comm-overlap", action="store_true")
     g.add_argument("--use-custom-fsdp", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
     g = p.add_argument_group("mixture of experts (with --expert-model-parallel-size / --expert-tensor-parallel-size)")
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
     g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
@@ -467,6 +467,8 @@ def config_from_args(args: argparse.Namespace) -> RunPlan:
         strategy["cp_comm_type"] = cp_comm
     if args.grad_reduce_in_bf16:
         strategy["grad_reduce_in_bf16"] = True
+    if args.use_distributed_optimizer:
+        strategy["use_distributed_optimizer"] = True
     world = args.devices * args.num_nodes
     try:
         probe = MegatronStrategy(**strategy)  # constructor checks (sizes, schedule); starts nothing

@@ -104,9 +104,11 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(pg, tmp_path):
     strategy = pg.MegatronStrategy(**plan.strategy)
     assert strategy.pipeline_schedule == "interleaved_1f1b"
     assert not strategy.grad_reduce_in_bf16
-    plan = plan_of(pg, argv + ["--grad-reduce-in-bf16"])
-    assert plan.strategy == dict(tp=2, pp=2, vp=2, cp=1, ep=1, sequence_parallel=True, grad_reduce_in_bf16=True)
-    assert pg.MegatronStrategy(**plan.strategy).grad_reduce_in_bf16
+    plan = plan_of(pg, argv + ["--grad-reduce-in-bf16", "--use-distributed-optimizer"])
+    assert plan.strategy == dict(tp=2, pp=2, vp=2, cp=1, ep=1, sequence_parallel=True, grad_reduce_in_bf16=True,
+                                 use_distributed_optimizer=True)
+    strategy = pg.MegatronStrategy(**plan.strategy)
+    assert strategy.grad_reduce_in_bf16 and strategy.use_distributed_optimizer
 
 
 def test_moe_flags_map_onto_config_and_strategy(pg):
@@ -252,7 +254,7 @@ NOT_SUPPORTED = [
     ["--fp8-hybrid"], ["--fp8-format", "hybrid"], ["--recompute-granularity", "full"],
     ["--recompute-granularity", "selective"], ["--recompute-activations"], ["--recompute-method", "uniform"],
     ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"], ["--use-custom-fsdp"],
-    ["--use-torch-fsdp2"], ["--use-distributed-optimizer"],
+    ["--use-torch-fsdp2"],
     ["--context-parallel-size", "2"], ["--expert-model-parallel-size", "2"],
 ]
 
@@ -271,8 +273,8 @@ def test_not_supported_flags_are_refused_by_name(pg, capsys, argv):
 
 
 def test_several_not_supported_flags_are_all_named(pg, capsys):
-    err = exit_message(pg, ["--fp8-hybrid", "--use-distributed-optimizer", "--tp-comm-overlap"], capsys)
-    for flag in ("--fp8-hybrid", "--use-distributed-optimizer", "--tp-comm-overlap"):
+    err = exit_message(pg, ["--fp8-hybrid", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
+    for flag in ("--fp8-hybrid", "--use-torch-fsdp2", "--tp-comm-overlap"):
         assert flag in err
 
 

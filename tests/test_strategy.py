@@ -143,8 +143,10 @@ def test_tp2_checkpoint_holds_full_tp1_state(resharding_case):
 
 
 @pytest.mark.parametrize("world,kwargs", [(2, dict(tp=1)), (1, dict(tp=1)), (4, dict(tp=4, sequence_parallel=True)),
-                                          (4, dict(tp=2, pp=2, pipeline_schedule="gpipe")), (4, dict(tp=1, cp=2))],
-                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp", "tp2-to-tp2xpp2", "tp2-to-cp2xdp2"])
+                                          (4, dict(tp=2, pp=2, pipeline_schedule="gpipe")), (4, dict(tp=1, cp=2)),
+                                          (2, dict(tp=1, use_distributed_optimizer=True))],
+                         ids=["tp2-to-dp2", "tp2-to-single", "tp2-to-tp4-sp", "tp2-to-tp2xpp2", "tp2-to-cp2xdp2",
+                              "tp2-to-dp2-distributed-optimizer"])
 def test_resume_under_another_layout(resharding_case, world, kwargs):
     case = resharding_case
     dp = world // (kwargs["tp"] * kwargs.get("pp", 1) * kwargs.get("cp", 1))

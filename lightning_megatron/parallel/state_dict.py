@@ -89,15 +89,18 @@ def _param_names(module: nn.Module) -> Dict[int, str]:
 
 
 def full_optimizer_state_dict(optimizer: Optimizer, module: nn.Module,
-                              pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+                              pp_group: Optional[dist.ProcessGroup] = None,
+                              raw: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Optimizer state keyed by parameter name, TP shards gathered, pipeline stages merged (collective).
 
     Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters..., "params": [names]}]}``.
-    Parameters not in ``module`` are not supported.
+    Parameters not in ``module`` are not supported. ``raw``: the optimizer's whole state in ``state_dict()``
+    form when ``optimizer.state_dict()`` does not give it (a sharded optimizer: see
+    :func:`lightning_megatron.parallel.distributed_optimizer.gathered_state_dict`).
     """
     owners = tensor_parallel_owners(module)
     names = _param_names(module)
-    raw = optimizer.state_dict()
+    raw = optimizer.state_dict() if raw is None else raw
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state: Dict[str, Any] = {}
     for index, values in raw["state"].items():
