@@ -633,6 +633,10 @@ class MegatronStrategy(DDPStrategy):
         assert self.lightning_module is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(shard_optimizer_state_dict(state, optimizer, self.lightning_module))
+            if is_sharded_optimizer(optimizer):
+                # ZeroRedundancyOptimizer also keeps the loaded states in its own (unused) ``state``: on the
+                # device, a second copy of this rank's share. Its steps and state_dict use the shard's optimizer.
+                optimizer.state.clear()
 
     # ------------------------------------------------------------------ registry
     @classmethod
