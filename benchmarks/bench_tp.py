@@ -34,7 +34,8 @@ def build_strategy(args) -> MegatronStrategy:
     """The layout the command line asks for (same in every arm)."""
     return MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, cp_comm_type=args.cp_comm_type,
                             ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule,
-                            grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+                            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                            use_distributed_optimizer=args.use_distributed_optimizer)
 
 
 def layout_prefix(args) -> str:
@@ -231,6 +232,7 @@ def run_ours(args) -> None:
         layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
             A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
+        layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
         if cfg.num_moe_experts:
             layout = f"moe-ep{args.ep}-{layout}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}"
@@ -274,6 +276,7 @@ def run_check(args) -> None:
         layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
             A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
+        layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
                               losses=[round(x, 6) for x in timer.losses])), flush=True)
@@ -296,6 +299,7 @@ if __name__ == "__main__":
                    help="bench: 1.3B dense; moe: Mixtral-shaped 8x top-2; tiny*: CPU smoke tests of the script")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", help="data-parallel gradient reduction in bf16")
+    p.add_argument("--use-distributed-optimizer", action="store_true", help="optimizer states sharded over dp x cp")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
     p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")

@@ -93,6 +93,11 @@ for arm in $ARMS; do
       for n in 1 2 4; do
         LIGHTNING_MEGATRON_CP_A2A_CHUNKS=$n run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD
       done ;;
+    distopt)  # distributed optimizer on 2 GPUs (dp=2): NCCL numerics against 1 GPU, then speed and memory with and without
+      run python3 benchmarks/bench_tp.py check --watchdog $WD --mbs 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --use-distributed-optimizer --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --watchdog $WD ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;
