@@ -26,6 +26,7 @@ from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy
 from lightning_megatron.callbacks.flops import flops_per_token
 from lightning_megatron.parallel.context_parallel import A2A_CHUNKS_ENV
 from lightning_megatron.parallel.context_parallel.kernels import _CUDNN_FAILED
+from lightning_megatron.parallel.context_parallel.ring import _CUDA_MERGE, _merge_rows
 
 PEAK = 989e12
 
@@ -246,8 +247,13 @@ def run_ours(args) -> None:
                               activation_mem_gib=round((timer.peak_mem - timer.base_mem) / 2**30, 2)
                               if torch.cuda.is_available() else None,
                               loss=round(timer.losses[-1], 4),
-                              **({"cp_block_kernel": "flash (cuDNN refused)" if _CUDNN_FAILED else "cudnn"}
-                                 if args.cp > 1 and torch.cuda.is_available() else {}))), flush=True)
+                              **(cp_kernels_used() if args.cp > 1 and torch.cuda.is_available() else {}))), flush=True)
+
+
+def cp_kernels_used() -> dict:
+    """Which CP block kernel ran (cuDNN, or flash after cuDNN refused) and whether the ring's merge compiled."""
+    merge = "none (no ring merge)" if not _CUDA_MERGE else ("eager" if _CUDA_MERGE[0] is _merge_rows else "compiled")
+    return {"cp_block_kernel": "flash (cuDNN refused)" if _CUDNN_FAILED else "cudnn", "cp_merge": merge}
 
 
 def run_check(args) -> None:
