@@ -1,7 +1,7 @@
 """``GPTConfig``: the model's shape, with Megatron-LM's field names, and published presets."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
 from lightning_megatron.callbacks.flops import moe_layer_pattern
@@ -51,23 +51,23 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128
-    # ---- mixture of experts (Megatron's names)
+    # ---- mixture of experts (Megatron's names; the defaults are MoEConfig's, which moe_config() builds)
     num_moe_experts: Optional[int] = None
     moe_layer_freq: Union[int, List[int]] = 1
-    moe_router_topk: int = 2
+    moe_router_topk: int = MoEConfig.moe_router_topk
     moe_ffn_hidden_size: Optional[int] = None
-    moe_router_score_function: str = "softmax"
-    moe_router_pre_softmax: bool = False
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: Optional[float] = None
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_expert_capacity_factor: Optional[float] = None
-    moe_token_drop_policy: str = "probs"
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_grouped_gemm: bool = False
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_score_function: str = MoEConfig.moe_router_score_function
+    moe_router_pre_softmax: bool = MoEConfig.moe_router_pre_softmax
+    moe_router_load_balancing_type: str = MoEConfig.moe_router_load_balancing_type
+    moe_aux_loss_coeff: float = MoEConfig.moe_aux_loss_coeff
+    moe_z_loss_coeff: Optional[float] = MoEConfig.moe_z_loss_coeff
+    moe_router_enable_expert_bias: bool = MoEConfig.moe_router_enable_expert_bias
+    moe_router_bias_update_rate: float = MoEConfig.moe_router_bias_update_rate
+    moe_expert_capacity_factor: Optional[float] = MoEConfig.moe_expert_capacity_factor
+    moe_token_drop_policy: str = MoEConfig.moe_token_drop_policy
+    moe_shared_expert_intermediate_size: Optional[int] = MoEConfig.moe_shared_expert_intermediate_size
+    moe_grouped_gemm: bool = MoEConfig.moe_grouped_gemm
+    moe_token_dispatcher_type: str = MoEConfig.moe_token_dispatcher_type
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -116,20 +116,8 @@ class GPTConfig:
         """The ``moe_*`` fields as a :class:`MoEConfig` (raises ValueError for a dense config)."""
         if self.num_moe_experts is None:
             raise ValueError("moe_config() needs num_moe_experts (this GPTConfig is dense)")
-        return MoEConfig(
-            num_moe_experts=self.num_moe_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_topk=self.moe_router_topk, moe_router_score_function=self.moe_router_score_function,
-            moe_router_pre_softmax=self.moe_router_pre_softmax,
-            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
-            moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=self.moe_router_bias_update_rate,
-            moe_expert_capacity_factor=self.moe_expert_capacity_factor,
-            moe_token_drop_policy=self.moe_token_drop_policy,
-            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
-            moe_grouped_gemm=self.moe_grouped_gemm, moe_token_dispatcher_type=self.moe_token_dispatcher_type,
-            gated_linear_unit=self.swiglu,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(MoEConfig) if f.name != "gated_linear_unit"}
+        return MoEConfig(**shared, gated_linear_unit=self.swiglu)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
