@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
@@ -68,16 +69,6 @@ def is_sharded_optimizer(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, "_optimizer", optimizer), ZeroRedundancyOptimizer)
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 def gathered_state_dict(optimizer: ZeroRedundancyOptimizer) -> Dict[str, Any]:
     """The whole optimizer state in ``torch.optim.Optimizer.state_dict()`` form (indices over all parameters, on
     CPU), on every rank of the optimizer's group. Collective over that group: gathered on its first rank, then
@@ -85,6 +76,7 @@ def gathered_state_dict(optimizer: ZeroRedundancyOptimizer) -> Dict[str, Any]:
     needs every rank)."""
     group = optimizer.process_group
     optimizer.consolidate_state_dict(to=0)
-    payload: List[Any] = [_to_cpu(optimizer.state_dict()) if dist.get_rank(group) == 0 else None]
+    cpu = torch.device("cpu")
+    payload: List[Any] = [move_data_to_device(optimizer.state_dict(), cpu) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     return payload[0]

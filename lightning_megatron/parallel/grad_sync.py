@@ -68,16 +68,15 @@ def _allreduce_grads(params: List[nn.Parameter], group: Group, average: bool,
     for per_key in buckets.values():
         for bucket in per_key:
             flat = _flatten_dense_tensors(bucket)
-            if reduce_dtype is not None:
+            narrow = reduce_dtype is not None
+            if narrow:
                 flat = flat.to(reduce_dtype)
-            if average:  # before the sum in a narrow dtype (as torch's bf16 DDP hook), after it otherwise
-                if reduce_dtype is not None:
-                    flat.div_(size)
-                dist.all_reduce(flat, group=group)
-                if reduce_dtype is None:
-                    flat.div_(size)
-            else:
-                dist.all_reduce(flat, group=group)
+            # average before the sum in a narrow dtype (as torch's bf16 DDP hook), after it otherwise
+            if average and narrow:
+                flat.div_(size)
+            dist.all_reduce(flat, group=group)
+            if average and not narrow:
+                flat.div_(size)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(reduced)
 
