@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron import ColumnParallelLinear, GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.callbacks.flops import flops_per_token
-from lightning_megatron.parallel.context_parallel import A2A_CHUNKS_ENV
 from lightning_megatron.parallel.context_parallel.kernels import _CUDNN_FAILED
 from lightning_megatron.parallel.context_parallel.ring import _CUDA_MERGE, _merge_rows
 
@@ -230,8 +229,6 @@ def run_ours(args) -> None:
         layout = layout_prefix(args)
         layout += f"-{args.schedule}" if args.schedule else ""
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
-        layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
-            A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
@@ -279,8 +276,6 @@ def run_check(args) -> None:
     if trainer.global_rank == 0:
         layout = layout_prefix(args)
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
-        layout += f"-chunks{os.environ[A2A_CHUNKS_ENV]}" if "a2a" in args.cp_comm_type and os.environ.get(
-            A2A_CHUNKS_ENV, "1") != "1" else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""

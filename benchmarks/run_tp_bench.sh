@@ -86,13 +86,13 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $P --cp 2 --cp-comm-type a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
-    cpa2a)  # a2a in head chunks (LIGHTNING_MEGATRON_CP_A2A_CHUNKS 1, 2, 4) against 1 GPU, after the numerics
+    cpa2a)  # a2a (grouped point-to-point exchanges) against 1 GPU and p2p, after the numerics; a2a profile in $OUT
       run torchrun --nproc_per_node=2 benchmarks/check_cp.py
-      run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
-      for n in 1 2 4; do
-        LIGHTNING_MEGATRON_CP_A2A_CHUNKS=$n run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD
-      done ;;
+      C="ours --seq 16384 --mbs 1 --watchdog $WD"
+      run python3 benchmarks/bench_tp.py $C
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
     distopt)  # distributed optimizer on 2 GPUs (dp=2): NCCL numerics against 1 GPU, then speed and memory with and without
       run python3 benchmarks/bench_tp.py check --watchdog $WD --mbs 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --use-distributed-optimizer --mbs 1 --watchdog $WD

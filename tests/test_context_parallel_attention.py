@@ -9,7 +9,6 @@ the output and of dq, dk, dv per case; the tests compare in the main process.
 """
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Dict, List
 
@@ -18,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_megatron.parallel.context_parallel import A2A_CHUNKS_ENV
 from tests._dist import init_gloo, run_distributed
 
 WORLD = 4
@@ -39,12 +37,8 @@ CASES = [
     ("cp4-all_gather-noncausal", 4, "all_gather", 4, 2, None, False, torch.float64),
     ("cp4-a2a", 4, "a2a", 8, 4, None, True, torch.float64),
     ("cp4-a2a+p2p-2x2", 4, "a2a+p2p", 4, 2, (2, 2), True, torch.float64),
-    # a2a in head chunks (LIGHTNING_MEGATRON_CP_A2A_CHUNKS): pipelined all-to-alls, same result
-    ("cp2-a2a-chunks2", 2, "a2a", 8, 4, None, True, torch.float64),
-    ("cp4-a2a-chunks2", 4, "a2a", 16, 8, None, True, torch.float64),
-    ("cp4-a2a+p2p-2x2-chunks2", 4, "a2a+p2p", 8, 4, (2, 2), True, torch.float64),
+    ("cp4-a2a-mha-fp32", 4, "a2a", 8, 8, None, True, torch.float32),
 ]
-A2A_CHUNKS = {"cp2-a2a-chunks2": 2, "cp4-a2a-chunks2": 2, "cp4-a2a+p2p-2x2-chunks2": 2}
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
@@ -83,14 +77,17 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
             (4, (2, 2)): (cp_groups[2], outer_4)}
 
     results: Dict[str, object] = {}
-    a2a_calls: List[int] = []  # counts the all-to-alls (the real collective still runs)
-    real_all_to_all = dist.all_to_all_single
+    # records every grouped exchange (the real one still runs): elements sent to, and received from, each peer
+    exchanges: List[Dict[str, int]] = []
+    real_batch = dist.batch_isend_irecv
 
-    def counting_all_to_all(*args, **kwargs):
-        a2a_calls.append(1)
-        return real_all_to_all(*args, **kwargs)
+    def recording_batch(ops):
+        sent = sum(op.tensor.numel() for op in ops if op.op is dist.isend)
+        received = sum(op.tensor.numel() for op in ops if op.op is dist.irecv)
+        exchanges.append({"sent": sent, "received": received})
+        return real_batch(ops)
 
-    dist.all_to_all_single = counting_all_to_all
+    dist.batch_isend_irecv = recording_batch
     for i, (name, cp, comm, nq, nkv, sizes, causal, dtype) in enumerate(CASES):
         group, ranks = cp_groups[cp]
         r = ranks.index(rank)
@@ -107,12 +104,11 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
         if sizes is not None:
             inner, outer = hier[(cp, sizes)]
             kw = dict(inner_group=inner[0], outer_group=outer[0])
-        os.environ[A2A_CHUNKS_ENV] = str(A2A_CHUNKS.get(name, 1))
-        calls_before = len(a2a_calls)
+        before = len(exchanges)
         out = context_parallel_attention(ql, kl, vl, group, comm_type=comm, causal=causal, **kw)
         out.backward(_split(dout, cp, r, 2))
-        del os.environ[A2A_CHUNKS_ENV]
-        results.setdefault("a2a_calls", {})[name] = len(a2a_calls) - calls_before
+        results.setdefault("exchanges", {})[name] = exchanges[before:]
+        results.setdefault("numel", {})[name] = [t.numel() for t in (ql, kl, vl)]
         results[name] = {
             "out": (out - _split(ref.detach(), cp, r, 2)).abs().max().item(),
             "dq": (ql.grad - _split(qf.grad, cp, r, 2)).abs().max().item(),
@@ -141,11 +137,6 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
     _err("hier_missing", lambda: context_parallel_attention(y, y, y, g4, comm_type="a2a+p2p"))
     _err("bad_comm", lambda: context_parallel_attention(y, y, y, g4, comm_type="ring"))
     _err("gqa", lambda: context_parallel_attention(torch.randn(1, 3, 4, D), y2, y2, g4))
-    g2 = cp_groups[2][0]
-    for key, chunks in (("a2a_chunks", "3"), ("a2a_chunks_value", "two")):
-        os.environ[A2A_CHUNKS_ENV] = chunks  # 4 kv heads over a2a size 2: chunks must divide 2
-        _err(key, lambda: context_parallel_attention(y, y, y, g2, comm_type="a2a"))
-        del os.environ[A2A_CHUNKS_ENV]
     results["errors"] = errors
 
     from lightning_megatron.parallel.context_parallel import zigzag_gather, zigzag_split
@@ -181,8 +172,6 @@ def test_matches_full_attention(results, case):
     ("hier_missing", "inner_group"),
     ("bad_comm", "comm_type"),
     ("gqa", "multiple of key/value heads"),
-    ("a2a_chunks", "key/value heads (4) must be divisible by the a2a size times the chunks (2 * 3 = 6)"),
-    ("a2a_chunks_value", "must be a positive integer"),
 ])
 def test_errors(results, key, needle):
     msg = results[0]["errors"][key]
@@ -190,12 +179,18 @@ def test_errors(results, key, needle):
     assert needle in msg, msg
 
 
-def test_a2a_moves_qkv_together_and_chunks_pipeline(results):
-    """One all-to-all each way for q, k and v together (forward: in, out; backward: dout in, grads out); with
-    2 head chunks, two of each."""
-    calls = results[0]["a2a_calls"]
-    assert calls["cp2-a2a"] == 4 and calls["cp4-a2a"] == 4
-    assert calls["cp2-a2a-chunks2"] == 8 and calls["cp4-a2a-chunks2"] == 8 and calls["cp4-a2a+p2p-2x2-chunks2"] == 8
+@pytest.mark.parametrize("name", ["cp2-a2a", "cp4-a2a", "cp4-a2a-mha-fp32"])
+def test_a2a_exchanges_qkv_together_and_keeps_own_share(results, name):
+    """One grouped exchange each way for q, k and v together (forward: q/k/v in, out back; backward: dout in,
+    dq/dk/dv back), and only the peers' share travels: (cp-1)/cp of every tensor, the own share stays local."""
+    for res in results:
+        ex = res["exchanges"][name]
+        assert len(ex) == 4, ex
+        cp = 2 if name.startswith("cp2") else 4
+        nq, nk, nv = res["numel"][name]
+        peers = lambda n: n * (cp - 1) // cp  # noqa: E731
+        assert [e["sent"] for e in ex] == [peers(nq + nk + nv), peers(nq), peers(nq), peers(nq + nk + nv)], ex
+        assert [e["received"] for e in ex] == [e["sent"] for e in ex], ex
 
 
 def test_zigzag_gather_inverts_split(results):

@@ -36,7 +36,7 @@ from lightning_megatron.parallel.context_parallel.all_gather import _all_gather_
 from lightning_megatron.parallel.context_parallel.kernels import KERNEL_ENV, block_kernel, use_fused_attention
 from lightning_megatron.parallel.context_parallel.layout import zigzag_gather, zigzag_positions, zigzag_split
 from lightning_megatron.parallel.context_parallel.ring import COMPILE_ENV, _RingAttention
-from lightning_megatron.parallel.context_parallel.ulysses import A2A_CHUNKS_ENV, _a2a_attention, _check_heads
+from lightning_megatron.parallel.context_parallel.ulysses import _a2a_attention, _check_heads
 
 __all__ = [
     "zigzag_split",
@@ -48,7 +48,6 @@ __all__ = [
     "use_fused_attention",
     "KERNEL_ENV",
     "COMPILE_ENV",
-    "A2A_CHUNKS_ENV",
 ]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
