@@ -191,6 +191,14 @@ def profile_summary(prof, key: str, top: int = 80) -> dict:
         after = next((n for a, b, n in kern if a >= at + g - 1e-3), "")
         largest.append([round(g), ends.get(at, "")[:60], after[:60]])
     out["largest_gaps"] = largest
+    api: dict = {}  # host-side CUDA runtime calls: a synchronising one stalls the host and starves the device
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+            t = api.setdefault(e.name, [0.0, 0, 0.0])
+            dur = e.time_range.end - e.time_range.start
+            t[0], t[1], t[2] = t[0] + dur, t[1] + 1, max(t[2], dur)
+    out["host_cuda_api_total_calls_max"] = {k: [round(v[0]), v[1], round(v[2])] for k, v in
+                                            sorted(api.items(), key=lambda kv: -kv[1][0])[:10]}
     return out
 
 
