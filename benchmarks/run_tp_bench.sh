@@ -99,6 +99,11 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a ;;
+    cpdelay)  # 1 GPU, then cp=2 a2a with and without delay_wgrad_compute (wgrad GEMMs during the backward a2a)
+      C="ours --seq 16384 --mbs 1 --watchdog $WD"
+      run python3 benchmarks/bench_tp.py $C
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a ;;
     cpwait)  # does an NCCL wait block the host? then one profiled cp=2 a2a step (host CUDA API calls in $OUT)
       run torchrun --nproc_per_node=2 benchmarks/probe_nccl_wait.py
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;

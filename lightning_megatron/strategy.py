@@ -70,6 +70,8 @@ from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 1234  # Megatron's --seed default, used when seed_everything was not called
+#: cp_comm_type values whose attention runs delayed weight-gradient GEMMs during its exchanges
+_A2A_TYPES = ("a2a", "a2a+p2p")
 
 
 class MegatronStrategy(DDPStrategy):
@@ -93,6 +95,10 @@ class MegatronStrategy(DDPStrategy):
         use_distributed_optimizer: Megatron's distributed optimizer (ZeRO-1): optimizer states sharded over dp x cp
             (torch's ``ZeroRedundancyOptimizer``); each rank steps its share of the parameters and broadcasts
             them. Checkpoints stay full and layout-independent. Not with ``ep > 1`` yet.
+        delay_wgrad_compute: Megatron's ``--delay-wgrad-compute`` for the a2a context-parallel layers (cp > 1,
+            ``cp_comm_type`` "a2a" / "a2a+p2p", tp=1): ``linear_proj`` and the dense MLP's linears leave their
+            weight-gradient GEMMs to the attention's backward, which runs them while its all-to-alls travel
+            (the exchanges would otherwise be exposed). Gradients are unchanged.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks).
         ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel`` (used when pp == 1).
@@ -118,6 +124,7 @@ class MegatronStrategy(DDPStrategy):
         pipeline_schedule: Optional[str] = None,
         grad_reduce_in_bf16: bool = False,
         use_distributed_optimizer: bool = False,
+        delay_wgrad_compute: bool = False,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -151,6 +158,14 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(f"use_distributed_optimizer=True with ep={ep} is not supported yet: expert weights differ "
                              "between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
                              "plain optimizer")
+        self.delay_wgrad_compute = delay_wgrad_compute
+        if delay_wgrad_compute:
+            types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+            if cp == 1 or not any(t in _A2A_TYPES for t in types) or tp > 1:
+                raise ValueError(
+                    "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
+                    f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={cp}, "
+                    f"cp_comm_type={cp_comm_type!r}, tp={tp}")
         if grad_reduce_in_bf16 and ddp_kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
                              f"{ddp_kwargs['ddp_comm_hook']!r} or grad_reduce_in_bf16")
@@ -325,14 +340,24 @@ class MegatronStrategy(DDPStrategy):
                 "(as lightning_megatron.GPTModel)"
             )
         for target in targets:
-            target.set_context_parallel(self._context_parallel_attention_for)
+            if self.delay_wgrad_compute:
+                target.set_context_parallel(self._context_parallel_attention_for, self._delays_wgrad)
+            else:
+                target.set_context_parallel(self._context_parallel_attention_for)
+
+    def _comm_type(self, layer: int) -> str:
+        types = self.parallel_config.cp_comm_type
+        return types if isinstance(types, str) else types[layer]
+
+    def _delays_wgrad(self, layer: int) -> bool:
+        """Whether ``layer`` delays its weight gradients into its CP attention (a2a comm types only)."""
+        return self.delay_wgrad_compute and self._comm_type(layer) in _A2A_TYPES
 
     def _context_parallel_attention_for(self, layer: int) -> Callable[..., torch.Tensor]:
         from lightning_megatron.parallel.context_parallel import context_parallel_attention
 
         assert self.mesh is not None
-        types = self.parallel_config.cp_comm_type
-        comm_type = types if isinstance(types, str) else types[layer]
+        comm_type = self._comm_type(layer)
         inner = self.mesh.group("cp_inner") if comm_type == "a2a+p2p" else None
         outer = self.mesh.group("cp_outer") if comm_type == "a2a+p2p" else None
         return functools.partial(context_parallel_attention, group=self.mesh.group("cp"), comm_type=comm_type,

@@ -111,6 +111,15 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(pg, tmp_path):
     assert strategy.grad_reduce_in_bf16 and strategy.use_distributed_optimizer
 
 
+def test_delay_wgrad_compute_maps_onto_the_strategy(pg):
+    plan = plan_of(pg, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--delay-wgrad-compute",
+                        "--tensor-model-parallel-size", "1"])
+    assert plan.strategy["delay_wgrad_compute"] is True and plan.strategy["cp_comm_type"] == "a2a"
+    assert pg.MegatronStrategy(**plan.strategy).delay_wgrad_compute
+    assert "delay_wgrad_compute" not in plan_of(pg, ["--context-parallel-size", "2", "--tensor-model-parallel-size",
+                                                     "1"]).strategy
+
+
 def test_moe_flags_map_onto_config_and_strategy(pg):
     argv = ("--devices 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
             "--expert-tensor-parallel-size 1 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
@@ -238,6 +247,7 @@ def test_pipeline_needs_enough_microbatches(pg, capsys):
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt"),
     (["--min-lr", "1.0"], "--min-lr"),
+    (["--delay-wgrad-compute"], "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a"),
 ])
 def test_bad_combinations_exit_before_launch(pg, capsys, argv, needle):
     assert needle in exit_message(pg, argv, capsys)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
+from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from lightning_megatron.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_rows, pad_vocab_size
 from lightning_megatron.parallel.tensor_parallel.mappings import (
@@ -111,10 +112,15 @@ class SelfAttention(nn.Module):
         self.tp_fork: RngFork = _null_fork
         # Context parallel (set by the strategy): ``(q, k, v) -> out`` over the CP group, inputs
         # ``[b, n, s/cp, d]`` holding the load-balanced (zigzag) chunks of the sequence.
-        self.context_parallel_attention: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
+        self.context_parallel_attention: Optional[Callable[..., Tensor]] = None
+        # Set by the strategy (delay_wgrad_compute): the CP attention runs the layer's delayed weight-gradient
+        # GEMMs during its backward exchanges (it takes ``wgrad=``).
+        self.delay_wgrad_compute = False
 
-    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
-        """``x``: ``[s(/tp under SP), b, h]`` -> same shape."""
+    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
+                wgrad: Optional[DeferredWgrad] = None) -> Tensor:
+        """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
+        into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[0], qkv.shape[1]
         d, hpg = self.kv_channels, self.heads_per_group
@@ -130,11 +136,11 @@ class SelfAttention(nn.Module):
             if self.context_parallel_attention is not None:
                 if dropout > 0.0:
                     raise NotImplementedError("attention_dropout > 0 is not supported with context parallelism yet")
-                out = self.context_parallel_attention(q, k, v)
+                out = self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
             else:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.linear_proj(out)
+        return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
 
 
 class MLP(nn.Module):
@@ -147,14 +153,16 @@ class MLP(nn.Module):
         self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.linear_fc1(x)
+    def forward(self, x: Tensor, wgrad: Optional[DeferredWgrad] = None) -> Tensor:
+        """``wgrad``: delay both linears' weight gradients into it (see :class:`DeferredWgrad`)."""
+        linear = wgrad.linear if wgrad is not None else (lambda module, t: module(t))
+        h = linear(self.linear_fc1, x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return self.linear_fc2(h)
+        return linear(self.linear_fc2, h)
 
 
 class TransformerLayer(nn.Module):
@@ -181,9 +189,22 @@ class TransformerLayer(nn.Module):
         with self.hidden_fork():
             return F.dropout(x, self.hidden_dropout, True)
 
+    def _deferred_wgrad(self) -> Optional[DeferredWgrad]:
+        """With ``self_attention.delay_wgrad_compute`` and gradients on: a fresh :class:`DeferredWgrad` for
+        ``linear_proj`` and the dense MLP's two linears (the CP attention's backward runs them)."""
+        if not (self.self_attention.delay_wgrad_compute and torch.is_grad_enabled()):
+            return None
+        linears = [self.self_attention.linear_proj]
+        if isinstance(self.mlp, MLP):
+            linears += [self.mlp.linear_fc1, self.mlp.linear_fc2]
+        return DeferredWgrad(linears)
+
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        wgrad = self._deferred_wgrad()
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, wgrad))
+        h = self.pre_mlp_layernorm(x)
+        h = self.mlp(h, wgrad) if wgrad is not None and isinstance(self.mlp, MLP) else self.mlp(h)
+        return x + self._dropout(h)
 
 
 class Embedding(nn.Module):
@@ -297,10 +318,14 @@ class GPTModel(nn.Module):
             })
         return plan
 
-    def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[[Tensor, Tensor, Tensor], Tensor]]) -> None:
-        """Route every layer's core attention through ``attention_for_layer(global layer index)`` (CP)."""
+    def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[..., Tensor]],
+                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None) -> None:
+        """Route every layer's core attention through ``attention_for_layer(global layer index)`` (CP). Layers
+        where ``delay_wgrad_for_layer(index)`` is true delay their ``linear_proj`` / MLP weight gradients into that
+        attention's backward (its callable must take ``wgrad=``: the a2a comm types)."""
         for key, layer in self.decoder.layers.items():
             layer.self_attention.context_parallel_attention = attention_for_layer(int(key))
+            layer.self_attention.delay_wgrad_compute = bool(delay_wgrad_for_layer and delay_wgrad_for_layer(int(key)))
 
     def set_tensor_parallel(self, group: Group, sequence_parallel: bool,
                             tp_fork: Optional[RngFork] = None) -> None:

@@ -59,7 +59,7 @@ def _group_size(group) -> int:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                                comm_type: str = "p2p", causal: bool = True, scale: Optional[float] = None,
-                               inner_group=None, outer_group=None) -> torch.Tensor:
+                               inner_group=None, outer_group=None, wgrad=None) -> torch.Tensor:
     """Attention of the local zigzag tokens against the whole (CP-sharded) sequence.
 
     ``q [b, n_q, s_local, d]``, ``k, v [b, n_kv, s_local, d]``, every rank of ``group`` holding chunks
@@ -68,6 +68,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sequence. Differentiable with exact gradients for q, k and v. ``group=None`` or a group of size 1 is plain
     local attention. ``comm_type``: ``"p2p"``, ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"`` (the latter needs
     ``inner_group`` (a2a) and ``outer_group`` (ring) with ``inner_size * outer_size == cp``).
+
+    ``wgrad``: the layer's delayed weight-gradient GEMMs
+    (:class:`~lightning_megatron.parallel.deferred_wgrad.DeferredWgrad`), run during the backward all-to-alls so
+    the transfers overlap compute; a2a and a2a+p2p only (the ring already overlaps its transfers).
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
@@ -91,6 +95,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         )
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    if wgrad is not None and (cp == 1 or comm_type not in ("a2a", "a2a+p2p")):
+        raise ValueError(f"delayed weight gradients (wgrad=...) are run by the a2a exchanges: comm_type must be "
+                         f"'a2a' or 'a2a+p2p' with cp > 1, got comm_type={comm_type!r}, cp={cp}")
 
     if cp == 1:
         return _RingAttention.apply(q, k, v, None, causal, scale)
@@ -100,7 +107,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _all_gather_attention(q, k, v, group, causal, scale)
     if comm_type == "a2a":
         _check_heads(nq, nkv, cp, "context-parallel size")
-        return _a2a_attention(q, k, v, group, None, causal, scale)
+        return _a2a_attention(q, k, v, group, None, causal, scale, wgrad)
     # a2a+p2p
     if inner_group is None or outer_group is None:
         raise ValueError("comm_type 'a2a+p2p' needs both inner_group (a2a) and outer_group (p2p ring)")
@@ -116,4 +123,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "(a2a) groups must be consecutive CP ranks and the outer (ring) groups strided by inner_size"
         )
     _check_heads(nq, nkv, inner, "inner (a2a) context-parallel size")
-    return _a2a_attention(q, k, v, inner_group, outer_group if outer > 1 else None, causal, scale)
+    return _a2a_attention(q, k, v, inner_group, outer_group if outer > 1 else None, causal, scale, wgrad)

@@ -9,7 +9,7 @@ rank's own share never travels: it is copied locally while the transfers run.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,16 @@ def _exchange(ops: List[dist.P2POp]):
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
+def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None
+                 ) -> List[torch.Tensor]:
     """All-to-all from sequence- to head-sharding over ``group`` (size ``A``, my rank ``r``).
 
     ``xs``: ``[b, n_i, s_local, d]`` zigzag shards (chunks ``r`` and ``2A-1-r``; any strides, e.g. the model's
     ``[s, b, n, d]`` activations). Returns per tensor ``[b, n_i/A, A*s_local, d]``: heads ``[r*n_i/A,
     (r+1)*n_i/A)`` over the whole sequence in order, head slices of one ``[S, b, sum n_i/A, d]`` buffer into
     which the peers' chunks are received directly. Per peer the heads it owns are gathered into one send buffer
-    (one copy per tensor); my own heads are copied into place while the transfers run.
+    (one copy per tensor); my own heads are copied into place while the transfers run, then
+    ``while_in_flight()`` (independent work to overlap, if given).
     """
     a, r = dist.get_world_size(group), dist.get_rank(group)
     b, _, s, d = xs[0].shape
@@ -77,6 +79,8 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
     for x, h in zip(by_head, hs):
         _copy(mine[:, :, :, off:off + h], x[:, :, r].unflatten(0, (2, c)))
         off += h
+    if while_in_flight is not None:
+        while_in_flight()
     _wait(reqs)
     full = full.view(2 * a * c, b, H, d)
     outs, off = [], 0
@@ -86,13 +90,15 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
     return outs
 
 
-def _head_to_seq(ys: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
+def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None
+                 ) -> List[torch.Tensor]:
     """All-to-all back from head- to sequence-sharding over ``group``: the inverse of :func:`_seq_to_head`.
 
     ``ys``: ``[b, h_i, S, d]`` (my heads over the whole sequence in order). Returns per tensor ``[b, A*h_i,
     s_local, d]`` for my zigzag chunks, a view of a ``[s_local, b, A*h_i, d]`` buffer (the model's layout).
     Each peer's two chunks are sent straight from ``ys`` (no copy when ``ys`` is sequence-major, as the fused
-    kernels' outputs are); received heads are scattered into place (one copy), my own copied while they travel.
+    kernels' outputs are); received heads are scattered into place (one copy), my own copied while they travel,
+    then ``while_in_flight()`` runs (if given).
     """
     a, r = dist.get_world_size(group), dist.get_rank(group)
     b, _, S, d = ys[0].shape
@@ -113,6 +119,8 @@ def _head_to_seq(ys: Sequence[torch.Tensor], group) -> List[torch.Tensor]:
     reqs = _exchange(ops)
     for out, sl in zip(outs, slots):
         _copy(out[:, :, :, r], _own_slots(sl, r, a))
+    if while_in_flight is not None:
+        while_in_flight()
     _wait(reqs)
     for out, rv in zip(outs, recvs):
         for p, j in enumerate(peers):
@@ -124,23 +132,32 @@ class _A2AAttention(torch.autograd.Function):
     """Ulysses attention: all-to-all from sequence- to head-sharding over ``a2a_group`` (q, k and v in one
     exchange), attention on whole sequences (a ring over ``ring_group`` for ``a2a+p2p``), all-to-all back.
     Backward mirrors it: ``dout`` in, ``dq, dk, dv`` back in one exchange. Communicates over ``a2a_group``
-    (and ``ring_group``)."""
+    (and ``ring_group``).
+
+    ``wgrad`` (a :class:`~lightning_megatron.parallel.deferred_wgrad.DeferredWgrad`, or ``None``): the layer's
+    delayed weight-gradient GEMMs, whose weights follow as extra inputs. Backward runs the smallest while ``dout``
+    travels and the rest while ``dq, dk, dv`` travel, and returns them as those inputs' gradients.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float):
+    def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float, wgrad, *weights):
         qh, kh, vh = _seq_to_head((q, k, v), a2a_group)
         out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale)
         (out,) = _head_to_seq([out_h], a2a_group)
         ctx.save_for_backward(*state)
         ctx.a2a_group, ctx.ring_group, ctx.causal, ctx.scale, ctx.fused = a2a_group, ring_group, causal, scale, fused
+        ctx.wgrad = wgrad
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        (dout_h,) = _seq_to_head([dout], ctx.a2a_group)
+        wgrad = ctx.wgrad
+        smallest = (lambda: wgrad.run(max_gemms=1)) if wgrad is not None else None
+        (dout_h,) = _seq_to_head([dout], ctx.a2a_group, smallest)
         grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.ring_group, ctx.causal, ctx.scale, dout_h)
-        dq, dk, dv = _head_to_seq(grads, ctx.a2a_group)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _head_to_seq(grads, ctx.a2a_group, wgrad.run if wgrad is not None else None)
+        weight_grads = wgrad.grads() if wgrad is not None else ()
+        return (dq, dk, dv, None, None, None, None, None) + weight_grads
 
 
 def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
@@ -149,5 +166,6 @@ def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
                          f"({nkv}) to be divisible by the {what} ({size})")
 
 
-def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float) -> torch.Tensor:
-    return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale)
+def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, wgrad=None) -> torch.Tensor:
+    weights = wgrad.weights if wgrad is not None else ()
+    return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale, wgrad, *weights)

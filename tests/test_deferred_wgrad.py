@@ -1,0 +1,159 @@
+"""Delayed weight-gradient GEMMs (``MegatronStrategy(delay_wgrad_compute=True)``): the linear wrapper against
+``nn.Linear``, and in a real 2-process gloo cp=2 a2a run of the GPT model, the same gradients as without delay,
+with the delayed GEMMs run while the backward exchanges are in flight. End-to-end training parity under the
+strategy is in ``tests/test_parity_cp.py`` (the ``*-delay-wgrad`` cases)."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
+from tests._dist import init_gloo, run_distributed
+from tests.parity import tiny_config
+
+
+def _grads(module: nn.Module, x: torch.Tensor, deferred: bool):
+    x = x.clone().requires_grad_()
+    wgrad = DeferredWgrad([module]) if deferred else None
+    out = wgrad.linear(module, x) if deferred else module(x)
+    (out.float() ** 2).sum().backward()
+    return out, x.grad, wgrad
+
+
+def test_delayed_linear_matches_nn_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 5, dtype=torch.float64)
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    out, gx, _ = _grads(lin, x, deferred=False)
+    want_w, want_b = lin.weight.grad.clone(), lin.bias.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    out2, gx2, wgrad = _grads(lin, x, deferred=True)
+    assert torch.equal(out, out2) and torch.allclose(gx, gx2, rtol=0, atol=1e-12)
+    assert torch.allclose(lin.bias.grad, want_b, rtol=0, atol=1e-12)  # the bias gradient is not delayed
+    assert lin.weight.grad is None and wgrad.pending_flops() == 2 * 4 * 3 * 5 * 6
+    (gw,) = wgrad.grads()
+    assert torch.allclose(gw, want_w, rtol=0, atol=1e-12) and wgrad.pending_flops() == 0
+    assert wgrad.grads() == (None,)  # handed out once
+
+
+def test_delayed_linear_under_autocast_matches_nn_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _, _ = _grads(lin, x, deferred=False)
+        want = lin.weight.grad.clone()
+        lin.zero_grad(set_to_none=True)
+        out2, _, wgrad = _grads(lin, x, deferred=True)
+    assert out2.dtype == torch.bfloat16 and torch.equal(out, out2)
+    (gw,) = wgrad.grads()
+    assert gw.dtype == torch.float32 and torch.allclose(gw, want, rtol=1e-2, atol=1e-2)
+
+
+def test_only_plain_trainable_linears_are_delayed():
+    frozen, plain = nn.Linear(4, 4), nn.Linear(4, 4)
+    frozen.weight.requires_grad_(False)
+
+    class Sub(nn.Linear):
+        pass
+
+    wgrad = DeferredWgrad([frozen, plain, Sub(4, 4)])
+    assert wgrad.weights == [plain.weight]
+    x = torch.randn(2, 4, requires_grad=True)
+    wgrad.linear(frozen, x).sum().backward()  # runs as usual: nothing pending
+    assert wgrad.pending_flops() == 0 and frozen.bias.grad is not None
+    with torch.no_grad():
+        wgrad.linear(plain, x)
+    assert wgrad.pending_flops() == 0
+
+
+def _worker(rank: int, world: int) -> Dict[str, object]:
+    import torch.distributed as dist
+
+    from lightning_megatron import GPTModel
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention, ulysses, zigzag_split
+    from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad as DW
+
+    init_gloo(rank, world)
+    cfg = tiny_config(num_attention_heads=4, num_query_groups=4)
+    events: List[str] = []
+    real_exchange, real_run = ulysses._exchange, DW.run
+
+    def exchange(ops):
+        events.append("exchange")
+        return real_exchange(ops)
+
+    def run(self, max_gemms=None):
+        events.append(f"run:{max_gemms}:{len(self._pending)}")
+        return real_run(self, max_gemms)
+
+    ulysses._exchange, DW.run = exchange, run
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    pos = torch.arange(cfg.seq_length).expand(2, -1)
+    shard = [zigzag_split(t, world, rank, dim=1) for t in (tokens, labels, pos)]
+    attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
+    grads = {}
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(cfg)
+        model.init_weights(seed=5)
+        model.set_context_parallel(lambda layer: attention, (lambda layer: True) if delay else None)
+        events.clear()
+        loss = model(shard[0], position_ids=shard[2], labels=shard[1]).sum()
+        loss.backward()
+        grads[delay] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    worst = max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[False])
+    delayed = [n for n in grads[True] if any(k in n for k in ("linear_proj.weight", "linear_fc1.weight",
+                                                               "linear_fc2.weight"))]
+    return {"worst": worst, "events": list(events), "delayed": delayed,
+            "all_grads": all(v is not None for v in grads[True].values())}
+
+
+@pytest.fixture(scope="module")
+def cp2_run():
+    return run_distributed(_worker, 2, timeout=300)
+
+
+def test_model_gradients_unchanged_by_delay(cp2_run):
+    for r in cp2_run:
+        assert r["all_grads"] and len(r["delayed"]) == 3 * 2  # proj, fc1, fc2 of both layers
+        assert r["worst"] < 1e-6, r["worst"]
+
+
+def test_delayed_gemms_run_while_backward_exchanges_are_in_flight(cp2_run):
+    """Forward: two exchanges per layer and no GEMM. Backward, per layer (last layer first): the ``dout``
+    exchange, then the smallest pending GEMM (linear_proj's) while it travels; the ``dq, dk, dv`` exchange, then
+    the other two (the MLP's). Finally :meth:`grads` finds nothing left."""
+    per_layer_backward = ["exchange", "run:1:3", "exchange", "run:None:2", "run:None:0"]
+    for r in cp2_run:
+        assert r["events"] == ["exchange"] * 4 + per_layer_backward * 2, r["events"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(cp=2), dict(cp=1, cp_comm_type="a2a"), dict(cp=2, tp=2, cp_comm_type="a2a"),
+                                    dict(cp=2, cp_comm_type=["p2p", "all_gather"])])
+def test_strategy_refuses_delay_without_an_a2a_layer_at_tp1(kwargs):
+    from lightning_megatron import MegatronStrategy
+
+    with pytest.raises(ValueError, match=r"needs cp > 1 with cp_comm_type 'a2a' or 'a2a\+p2p' and tp=1; got cp="):
+        MegatronStrategy(delay_wgrad_compute=True, **kwargs)
+
+
+def test_strategy_delays_only_the_a2a_layers():
+    from lightning_megatron import MegatronStrategy
+
+    s = MegatronStrategy(cp=2, cp_comm_type=["p2p", "a2a", "a2a"], delay_wgrad_compute=True)
+    assert [s._delays_wgrad(i) for i in range(3)] == [False, True, True]
+
+
+def test_attention_refuses_wgrad_without_a2a():
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="comm_type must be 'a2a' or 'a2a\\+p2p' with cp > 1, got comm_type='p2p', cp=1"):
+        context_parallel_attention(q, q, q, None, wgrad=DeferredWgrad([]))
