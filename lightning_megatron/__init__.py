@@ -5,6 +5,7 @@ from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -28,6 +29,7 @@ __all__ = [
     "GroupedMLPExperts",
     "ParallelConfig",
     "ParallelMesh",
+    "DeferredWgrad",
     "MegatronStrategy",
     "ColumnParallelLinear",
     "RowParallelLinear",
