@@ -2,7 +2,7 @@
 (the reference) and under MegatronStrategy in several gloo processes."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -159,14 +159,31 @@ def assert_state_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torc
 
 
 class StepLossRecorder(pl.Callback):
-    """``train_loss`` at the last micro-batch of each optimizer step (where a pipeline step runs)."""
+    """Per optimizer step, each logged metric of ``keys`` as the mean over the step's micro-batches, the quantity
+    the single-process reference reports. Under pp > 1 the strategy logs the step's mean once, at its last
+    micro-batch; otherwise every micro-batch logs its own value."""
 
-    def __init__(self, accumulate: int) -> None:
-        self.accumulate, self.losses = accumulate, []
+    def __init__(self, accumulate: int, keys: Sequence[str] = ("train_loss",)) -> None:
+        self.accumulate = accumulate
+        self.values: Dict[str, List[float]] = {k: [] for k in keys}
+        self._sums = dict.fromkeys(keys, 0.0)
+
+    @property
+    def losses(self) -> List[float]:
+        return self.values["train_loss"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % self.accumulate == 0:
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        metrics, last = trainer.callback_metrics, (batch_idx + 1) % self.accumulate == 0
+        pipeline = trainer.strategy.parallel_config.pp > 1
+        for k in self.values:
+            if pipeline:
+                if last:
+                    self.values[k].append(float(metrics[k]))
+                continue
+            self._sums[k] += float(metrics[k]) / self.accumulate
+            if last:
+                self.values[k].append(self._sums[k])
+                self._sums[k] = 0.0
 
 
 def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,

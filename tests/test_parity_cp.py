@@ -18,7 +18,7 @@ CASES = {
     "cp2xdp2": (4, dict(cp=2), {}, 1, 0.05),
     # delayed weight gradients (run during the a2a exchanges; DDP over dp x cp still reduces them)
     "cp2-a2a-delay-wgrad": (2, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 1, 0.05),
-    "cp2xdp2-a2a-delay-wgrad": (4, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 1, 0.05),
+    "cp2xdp2-a2a-delay-wgrad": (4, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 2, 0.05),
     "cp4-a2a+p2p-delay-wgrad": (4, dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
                                         delay_wgrad_compute=True), {}, 1, None),
     "cp2xpp2-a2a-delay-wgrad": (4, dict(cp=2, pp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 2, None),

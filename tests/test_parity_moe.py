@@ -18,6 +18,7 @@ from tests._dist import init_gloo, run_distributed
 from tests.parity import (
     SEED,
     ListDataset,
+    StepLossRecorder,
     assert_state_close,
     collate,
     lightning_train_order,
@@ -74,41 +75,17 @@ def moe_reference(cfg: GPTConfig, samples, global_batch: int, accumulate: int, c
     return losses, aux, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-class StepRecorder(pl.Callback):
-    """``train_loss`` and ``moe_aux_loss`` per optimizer step (mean over its micro-batches)."""
-
-    def __init__(self, accumulate: int) -> None:
-        self.accumulate, self.losses, self.aux = accumulate, [], []
-        self._loss = self._aux = 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        m = trainer.callback_metrics
-        pipeline = trainer.strategy.parallel_config.pp > 1
-        last = (batch_idx + 1) % self.accumulate == 0
-        if pipeline:  # the step's values are logged at its last micro-batch
-            if last:
-                self.losses.append(float(m["train_loss"]))
-                self.aux.append(float(m["moe_aux_loss"]))
-            return
-        self._loss += float(m["train_loss"]) / self.accumulate
-        self._aux += float(m["moe_aux_loss"]) / self.accumulate
-        if last:
-            self.losses.append(self._loss)
-            self.aux.append(self._aux)
-            self._loss = self._aux = 0.0
-
-
 def moe_layout_run(rank, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, clip, path=None):
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, STEPS)
-    recorder = StepRecorder(accumulate)
+    recorder = StepLossRecorder(accumulate, keys=("train_loss", "moe_aux_loss"))
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), STEPS, callbacks=[recorder],
                           gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
     if path is not None:
         trainer.save_checkpoint(path)
     state = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "aux": recorder.aux, "state": state if rank == 0 else None}
+    return {"losses": recorder.losses, "aux": recorder.values["moe_aux_loss"], "state": state if rank == 0 else None}
 
 
 CASES = {

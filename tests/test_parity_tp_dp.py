@@ -2,7 +2,14 @@
 import pytest
 
 from tests._dist import run_distributed
-from tests.parity import assert_state_close, make_samples, parallel_run, reference_run, tiny_config
+from tests.parity import (
+    assert_state_close,
+    check_layout_matches_single_process,
+    make_samples,
+    parallel_run,
+    reference_run,
+    tiny_config,
+)
 
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -32,3 +39,10 @@ def test_matches_single_process(world, kwargs, clip):
         for got, want in zip(r["losses"], ref_losses):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_losses)
     assert_state_close(results[0]["state"], ref_state)
+
+
+@pytest.mark.parametrize("world,kwargs", [(2, dict()), (4, dict(tp=2, sequence_parallel=True))], ids=["dp2", "tp2xdp2-sp"])
+def test_gradient_accumulation_matches_single_process(world, kwargs):
+    """``accumulate_grad_batches=2`` (DDP skips the reduction of the first micro-batch) against the reference:
+    the mean loss of every optimizer step and the final weights."""
+    check_layout_matches_single_process(world, kwargs, tiny_config(num_query_groups=4), accumulate=2, clip=0.05)
