@@ -104,6 +104,20 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py $C
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a ;;
+    cpoverlap)  # (CHECK=1: 5 bf16 model steps of both options against 1 GPU first) then 1 GPU, cp=2 a2a with
+                # overlap_cp_a2a, plain, with delay_wgrad_compute, and p2p last
+      if [ "${CHECK:-0}" = 1 ]; then
+        K="check --precision bf16-mixed --seq 4096 --watchdog $WD"
+        run python3 benchmarks/bench_tp.py $K
+        run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a --overlap-cp-a2a
+        run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a --delay-wgrad-compute
+      fi
+      C="ours --seq 16384 --mbs 1 --watchdog $WD"
+      run python3 benchmarks/bench_tp.py $C
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 ;;
     cpwait)  # does an NCCL wait block the host? then one profiled cp=2 a2a step (host CUDA API calls in $OUT)
       run torchrun --nproc_per_node=2 benchmarks/probe_nccl_wait.py
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;

@@ -116,11 +116,16 @@ class SelfAttention(nn.Module):
         # Set by the strategy (delay_wgrad_compute): the CP attention runs the layer's delayed weight-gradient
         # GEMMs during its backward exchanges (it takes ``wgrad=``).
         self.delay_wgrad_compute = False
+        # Set by the strategy (overlap_cp_a2a): the a2a group; the layer then runs projections, exchanges and
+        # attention itself, computing its own heads while the peers' travel (:meth:`_forward_a2a_overlapped`).
+        self.a2a_overlap_group: Optional[Group] = None
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
                 wgrad: Optional[DeferredWgrad] = None) -> Tensor:
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
         into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
+        if self.a2a_overlap_group is not None:
+            return self._forward_a2a_overlapped(x, rotary)
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[0], qkv.shape[1]
         d, hpg = self.kv_channels, self.heads_per_group
@@ -141,6 +146,64 @@ class SelfAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
+
+
+    def _project_heads(self, x: Tensor, w: Tensor, b: Optional[Tensor], rotary) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` (``[s, b, heads, d]``, RoPE applied) of the query groups whose rows of ``linear_qkv`` are
+        ``w`` / ``b``."""
+        d, hpg = self.kv_channels, self.heads_per_group
+        y = F.linear(x, w, b)
+        s, bs = y.shape[0], y.shape[1]
+        y = y.view(s, bs, -1, hpg + 2, d)
+        q = y[:, :, :, :hpg].reshape(s, bs, -1, d)
+        k, v = y[:, :, :, hpg], y[:, :, :, hpg + 1]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q, k, v
+
+    def _forward_a2a_overlapped(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+        """a2a (Ulysses) context-parallel attention with its exchanges overlapped by this layer's own GEMMs
+        (tp=1; communicates over :attr:`a2a_overlap_group`, size ``A``).
+
+        ``linear_qkv``'s rows are split by the rank owning their query groups: the peers' heads are projected
+        (with RoPE) and start travelling, then my own heads are projected while they do. After attention on my
+        heads over the whole sequence, the peers' tokens leave, and the output projection of my own heads at my
+        tokens runs (a split-K part of ``linear_proj``) while the peers' heads at my tokens arrive; their parts
+        are added on arrival. Backward mirrors both overlaps. The same sums as the plain path, split in ``A``.
+        """
+        from lightning_megatron.parallel.context_parallel.a2a_overlap import (
+            Exchange,
+            finish_head_to_seq,
+            finish_seq_to_head,
+            start_head_to_seq,
+            start_seq_to_head,
+        )
+        from lightning_megatron.parallel.context_parallel.ring import _RingAttention
+
+        ex_in, ex_out = Exchange(self.a2a_overlap_group), Exchange(self.a2a_overlap_group)
+        a, r = ex_in.a, ex_in.r
+        groups = self.linear_qkv.out_features // ((self.heads_per_group + 2) * self.kv_channels)
+        if groups % a != 0:
+            raise ValueError(f"a2a context parallelism needs the query groups ({groups}) to be divisible by the "
+                             f"context-parallel size ({a})")
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            x = x.to(dtype)
+            w_rows = self.linear_qkv.weight.to(dtype).chunk(a)
+            b_rows = self.linear_qkv.bias.to(dtype).chunk(a) if self.linear_qkv.bias is not None else [None] * a
+            link = start_seq_to_head(ex_in, [self._project_heads(x, w_rows[j], b_rows[j], rotary) for j in ex_in.peers])
+            q, k, v = finish_seq_to_head(ex_in, link, self._project_heads(x, w_rows[r], b_rows[r], rotary))
+            out = _RingAttention.apply(q, k, v, None, True, 1.0 / math.sqrt(self.kv_channels))
+            own, link = start_head_to_seq(ex_out, out)
+            w_cols = self.linear_proj.weight.to(dtype).chunk(a, dim=1)
+            bias = self.linear_proj.bias.to(dtype) if self.linear_proj.bias is not None else None
+            s, bs = own.shape[0], own.shape[1]
+            y = F.linear(own.reshape(s, bs, -1), w_cols[r], bias)
+            recv = finish_head_to_seq(ex_out, link)
+            for p, j in enumerate(ex_out.peers):
+                y = y + F.linear(recv[p].reshape(s, bs, -1), w_cols[j])
+        return y
 
 
 class MLP(nn.Module):
@@ -192,7 +255,8 @@ class TransformerLayer(nn.Module):
     def _deferred_wgrad(self) -> Optional[DeferredWgrad]:
         """With ``self_attention.delay_wgrad_compute`` and gradients on: a fresh :class:`DeferredWgrad` for
         ``linear_proj`` and the dense MLP's two linears (the CP attention's backward runs them)."""
-        if not (self.self_attention.delay_wgrad_compute and torch.is_grad_enabled()):
+        attention = self.self_attention
+        if not (attention.delay_wgrad_compute and attention.a2a_overlap_group is None and torch.is_grad_enabled()):
             return None
         linears = [self.self_attention.linear_proj]
         if isinstance(self.mlp, MLP):
@@ -319,13 +383,18 @@ class GPTModel(nn.Module):
         return plan
 
     def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[..., Tensor]],
-                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None) -> None:
+                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None,
+                             a2a_overlap_group_for_layer: Optional[Callable[[int], Optional[Group]]] = None) -> None:
         """Route every layer's core attention through ``attention_for_layer(global layer index)`` (CP). Layers
         where ``delay_wgrad_for_layer(index)`` is true delay their ``linear_proj`` / MLP weight gradients into that
-        attention's backward (its callable must take ``wgrad=``: the a2a comm types)."""
+        attention's backward (its callable must take ``wgrad=``: the a2a comm types). Layers for which
+        ``a2a_overlap_group_for_layer(index)`` gives a group run a2a attention with overlapped exchanges over it
+        (tp=1)."""
         for key, layer in self.decoder.layers.items():
-            layer.self_attention.context_parallel_attention = attention_for_layer(int(key))
-            layer.self_attention.delay_wgrad_compute = bool(delay_wgrad_for_layer and delay_wgrad_for_layer(int(key)))
+            attention = layer.self_attention
+            attention.context_parallel_attention = attention_for_layer(int(key))
+            attention.delay_wgrad_compute = bool(delay_wgrad_for_layer and delay_wgrad_for_layer(int(key)))
+            attention.a2a_overlap_group = a2a_overlap_group_for_layer(int(key)) if a2a_overlap_group_for_layer else None
 
     def set_tensor_parallel(self, group: Group, sequence_parallel: bool,
                             tp_fork: Optional[RngFork] = None) -> None:

@@ -1,0 +1,104 @@
+"""a2a context parallelism with overlapped exchanges (``MegatronStrategy(overlap_cp_a2a=True)``): in real gloo runs
+of the GPT model the loss and every gradient equal the plain a2a path's, at cp=2 and cp=4 (GQA), and the own
+heads' projection backward runs while the reverse exchange is in flight. End-to-end training parity under
+the strategy is in ``tests/test_parity_cp.py`` (the ``*-overlap`` cases)."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests._dist import init_gloo, run_distributed
+from tests.parity import tiny_config
+
+
+def _worker(rank: int, world: int) -> Dict[str, object]:
+    import torch.distributed as dist
+
+    from lightning_megatron import GPTModel
+    from lightning_megatron.models.gpt import SelfAttention
+    from lightning_megatron.parallel.context_parallel import a2a_overlap, context_parallel_attention, zigzag_split
+
+    init_gloo(rank, world)
+    cfg = tiny_config(num_attention_heads=8, num_query_groups=4, seq_length=16)
+    events: List[str] = []
+    real_launch, real_wait, real_project = a2a_overlap.Exchange.launch, a2a_overlap.Exchange.wait, \
+        SelfAttention._project_heads
+    calls = [0]
+
+    def launch(self, ops, buffers):
+        events.append("launch")
+        return real_launch(self, ops, buffers)
+
+    def wait(self):
+        events.append("wait")
+        return real_wait(self)
+
+    def project(self, x, w, b, rotary):  # peers' heads first, then my own: the world-th call of a layer is mine
+        calls[0] += 1
+        mine = calls[0] % world == 0
+        events.append("project:" + ("own" if mine else "peer"))
+        x = x.view_as(x)  # this projection's own input node: its hook fires right after the projection's backward
+        x.register_hook(lambda g: events.append("grad:" + ("own" if mine else "peer")))
+        return real_project(self, x, w, b, rotary)
+
+    a2a_overlap.Exchange.launch, a2a_overlap.Exchange.wait, SelfAttention._project_heads = launch, wait, project
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    pos = torch.arange(cfg.seq_length).expand(2, -1)
+    shard = [zigzag_split(t, world, rank, dim=1) for t in (tokens, labels, pos)]
+    attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
+    out = {}
+    for overlap in (False, True):
+        model = GPTModel(cfg)
+        model.init_weights(seed=5)
+        model.set_context_parallel(lambda layer: attention, None,
+                                   (lambda layer: dist.group.WORLD) if overlap else None)
+        events.clear()
+        loss = model(shard[0], position_ids=shard[2], labels=shard[1]).sum()
+        loss.backward()
+        out[overlap] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(events))
+    grads_plain, grads_overlap = out[False][1], out[True][1]
+    worst = max((grads_overlap[n] - grads_plain[n]).abs().max().item() for n in grads_plain)
+    return {"loss": (out[False][0], out[True][0]), "worst": worst, "events": out[True][2],
+            "events_plain": out[False][2]}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def run(request):
+    return request.param, run_distributed(_worker, request.param, timeout=300)
+
+
+def test_loss_and_gradients_equal_the_plain_a2a_path(run):
+    _, results = run
+    for r in results:
+        plain, overlapped = r["loss"]
+        assert abs(plain - overlapped) <= 1e-6 * abs(plain), r["loss"]
+        assert r["worst"] < 1e-6, r["worst"]
+
+
+def test_own_heads_are_computed_while_the_peers_travel(run):
+    """Forward, per layer: the peers' heads are projected and launched, my own projected while they travel, then
+    waited for; then the output exchange. Backward, per layer (last first): the output's reverse exchange; then
+    the q/k/v reverse exchange, during which my own heads' projection backward runs (``grad:own``), the peers'
+    after it arrives."""
+    world, results = run
+    layer_forward = ["project:peer"] * (world - 1) + ["launch", "project:own", "wait", "launch", "wait"]
+    layer_backward = ["launch", "wait", "launch", "grad:own", "wait"] + ["grad:peer"] * (world - 1)
+    for r in results:
+        assert r["events_plain"] == []
+        assert r["events"] == layer_forward * 2 + layer_backward * 2, " ".join(r["events"])
+
+
+@pytest.mark.parametrize("kwargs", [dict(cp=2), dict(cp=1, cp_comm_type="a2a"), dict(cp=2, tp=2, cp_comm_type="a2a"),
+                                    dict(cp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 1]),
+                                    dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True)])
+def test_strategy_refuses_overlap_without_a_plain_a2a_layer_at_tp1(kwargs):
+    from lightning_megatron import MegatronStrategy
+
+    with pytest.raises(ValueError, match=r"overlap_cp_a2a=True .* needs cp > 1 with cp_comm_type 'a2a' .*; got cp="):
+        MegatronStrategy(overlap_cp_a2a=True, **kwargs)
+
