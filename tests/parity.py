@@ -220,3 +220,27 @@ def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, A
         for got, want in zip(r["losses"], ref_steps):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
     assert_state_close(results[0]["state"], ref["state"])
+
+
+def zigzag_batch(cfg: GPTConfig, cp: int, rank: int, seed: int = 3) -> List[torch.Tensor]:
+    """A fixed ``[2, seq_length]`` batch (tokens, labels, position ids) cut to CP rank ``rank``'s zigzag shard."""
+    from lightning_megatron.parallel.context_parallel import zigzag_split
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    pos = torch.arange(cfg.seq_length).expand(2, -1)
+    return [zigzag_split(t, cp, rank, dim=1) for t in (tokens, labels, pos)]
+
+
+def model_loss_and_grads(cfg: GPTConfig, batch: Sequence[torch.Tensor], configure: Callable[[Any], None]):
+    """One forward/backward of a freshly initialised ``GPTModel`` on ``batch`` (:func:`zigzag_batch`) after
+    ``configure(model)``: ``(summed loss, {parameter name: grad})``."""
+    from lightning_megatron import GPTModel
+
+    model = GPTModel(cfg)
+    model.init_weights(seed=5)
+    configure(model)
+    loss = model(batch[0], position_ids=batch[2], labels=batch[1]).sum()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}

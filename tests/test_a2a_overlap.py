@@ -8,18 +8,16 @@ import functools
 from typing import Dict, List
 
 import pytest
-import torch
 
 from tests._dist import init_gloo, run_distributed
-from tests.parity import tiny_config
+from tests.parity import model_loss_and_grads, tiny_config, zigzag_batch
 
 
 def _worker(rank: int, world: int) -> Dict[str, object]:
     import torch.distributed as dist
 
-    from lightning_megatron import GPTModel
     from lightning_megatron.models.gpt import SelfAttention
-    from lightning_megatron.parallel.context_parallel import a2a_overlap, context_parallel_attention, zigzag_split
+    from lightning_megatron.parallel.context_parallel import a2a_overlap, context_parallel_attention
 
     init_gloo(rank, world)
     cfg = tiny_config(num_attention_heads=8, num_query_groups=4, seq_length=16)
@@ -45,22 +43,15 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
         return real_project(self, x, w, b, rotary)
 
     a2a_overlap.Exchange.launch, a2a_overlap.Exchange.wait, SelfAttention._project_heads = launch, wait, project
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    pos = torch.arange(cfg.seq_length).expand(2, -1)
-    shard = [zigzag_split(t, world, rank, dim=1) for t in (tokens, labels, pos)]
+    batch = zigzag_batch(cfg, world, rank)
     attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
     out = {}
     for overlap in (False, True):
-        model = GPTModel(cfg)
-        model.init_weights(seed=5)
-        model.set_context_parallel(lambda layer: attention, None,
-                                   (lambda layer: dist.group.WORLD) if overlap else None)
         events.clear()
-        loss = model(shard[0], position_ids=shard[2], labels=shard[1]).sum()
-        loss.backward()
-        out[overlap] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(events))
+        overlap_group = (lambda layer: dist.group.WORLD) if overlap else None
+        loss, grads = model_loss_and_grads(
+            cfg, batch, lambda model: model.set_context_parallel(lambda layer: attention, None, overlap_group))
+        out[overlap] = (loss, grads, list(events))
     grads_plain, grads_overlap = out[False][1], out[True][1]
     worst = max((grads_overlap[n] - grads_plain[n]).abs().max().item() for n in grads_plain)
     return {"loss": (out[False][0], out[True][0]), "worst": worst, "events": out[True][2],

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from tests._dist import init_gloo, run_distributed
-from tests.parity import tiny_config
+from tests.parity import model_loss_and_grads, tiny_config, zigzag_batch
 
 
 def _grads(module: nn.Module, x: torch.Tensor, deferred: bool):
@@ -74,8 +74,7 @@ def test_only_plain_trainable_linears_are_delayed():
 def _worker(rank: int, world: int) -> Dict[str, object]:
     import torch.distributed as dist
 
-    from lightning_megatron import GPTModel
-    from lightning_megatron.parallel.context_parallel import context_parallel_attention, ulysses, zigzag_split
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention, ulysses
     from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad as DW
 
     init_gloo(rank, world)
@@ -92,22 +91,14 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
         return real_run(self, max_gemms)
 
     ulysses._exchange, DW.run = exchange, run
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    pos = torch.arange(cfg.seq_length).expand(2, -1)
-    shard = [zigzag_split(t, world, rank, dim=1) for t in (tokens, labels, pos)]
+    batch = zigzag_batch(cfg, world, rank)
     attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
     grads = {}
     for delay in (False, True):
-        torch.manual_seed(0)
-        model = GPTModel(cfg)
-        model.init_weights(seed=5)
-        model.set_context_parallel(lambda layer: attention, (lambda layer: True) if delay else None)
         events.clear()
-        loss = model(shard[0], position_ids=shard[2], labels=shard[1]).sum()
-        loss.backward()
-        grads[delay] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        delay_for = (lambda layer: True) if delay else None
+        _, grads[delay] = model_loss_and_grads(
+            cfg, batch, lambda model: model.set_context_parallel(lambda layer: attention, delay_for))
     worst = max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[False])
     delayed = [n for n in grads[True] if any(k in n for k in ("linear_proj.weight", "linear_fc1.weight",
                                                                "linear_fc2.weight"))]
