@@ -54,6 +54,8 @@ def _link(like: torch.Tensor) -> torch.Tensor:
 
 
 class _SeqToHeadStart(torch.autograd.Function):
+    """Forward: send the peers their heads at my tokens. Backward: wait for my tokens' gradients of them."""
+
     @staticmethod
     def forward(ctx, ex: Exchange, n: int, *peer_parts):
         # peer_parts: for each peer (ex.peers order) n tensors [s_local, b, h_i, d] (its heads at my tokens)
@@ -77,6 +79,8 @@ class _SeqToHeadStart(torch.autograd.Function):
 
 
 class _SeqToHeadFinish(torch.autograd.Function):
+    """Forward: place my own heads and wait for the peers'. Backward: send the peers' tokens' gradients back."""
+
     @staticmethod
     def forward(ctx, ex: Exchange, link, *own):
         # own: n tensors [s_local, b, h_i, d] (my heads at my tokens); returns [b, h_i, S, d] per tensor
@@ -124,6 +128,8 @@ def finish_seq_to_head(ex: Exchange, link: torch.Tensor, own: Sequence[torch.Ten
 
 
 class _HeadToSeqStart(torch.autograd.Function):
+    """Forward: send the peers my heads at their tokens, keep mine. Backward: wait, then place my own part."""
+
     @staticmethod
     def forward(ctx, ex: Exchange, y):
         # y [b, h, S, d] (my heads over the sequence) -> (my heads at my tokens [s_local, b, h, d], link)
@@ -153,6 +159,8 @@ class _HeadToSeqStart(torch.autograd.Function):
 
 
 class _HeadToSeqFinish(torch.autograd.Function):
+    """Forward: wait for the peers' heads at my tokens. Backward: send their gradients back."""
+
     @staticmethod
     def forward(ctx, ex: Exchange, link):
         (recv,) = ex.wait()
