@@ -41,9 +41,9 @@ from lightning_megatron.parallel.distributed_optimizer import (
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
     allreduce_data_parallel_grads,
-    bf16_allreduce_hook,
     allreduce_expert_parallel_grads,
     allreduce_sequence_parallel_grads,
+    bf16_allreduce_hook,
     defer_sequence_parallel_grad_reduce,
     owned_parameters,
 )
@@ -165,8 +165,8 @@ class MegatronStrategy(DDPStrategy):
                              "between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
                              "plain optimizer")
         self.delay_wgrad_compute = delay_wgrad_compute
+        types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
         if delay_wgrad_compute:
-            types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
             if cp == 1 or not any(t in _A2A_TYPES for t in types) or tp > 1:
                 raise ValueError(
                     "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
@@ -174,7 +174,6 @@ class MegatronStrategy(DDPStrategy):
                     f"cp_comm_type={cp_comm_type!r}, tp={tp}")
         self.overlap_cp_a2a = overlap_cp_a2a
         if overlap_cp_a2a:
-            types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
             if cp == 1 or "a2a" not in types or tp > 1 or delay_wgrad_compute:
                 raise ValueError(
                     "overlap_cp_a2a=True splits the a2a layers' projections around their exchanges: it needs cp > 1 "

@@ -126,15 +126,8 @@ class SelfAttention(nn.Module):
         into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
         if self.a2a_overlap_group is not None:
             return self._forward_a2a_overlapped(x, rotary)
-        qkv = self.linear_qkv(x)
-        s, b = qkv.shape[0], qkv.shape[1]
-        d, hpg = self.kv_channels, self.heads_per_group
-        qkv = qkv.view(s, b, -1, hpg + 2, d)
-        q = qkv[:, :, :, :hpg].reshape(s, b, -1, d)
-        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]
-        if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._split_heads(self.linear_qkv(x), rotary)
+        s, b, hpg = q.shape[0], q.shape[1], self.heads_per_group
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         with self.tp_fork():
@@ -147,19 +140,22 @@ class SelfAttention(nn.Module):
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
 
+    def _split_heads(self, qkv: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """``linear_qkv``'s output ``[s, b, groups * (heads_per_group + 2) * d]`` (Megatron's per-group layout)
+        -> ``q, k, v`` ``[s, b, heads, d]`` with RoPE applied to ``q`` and ``k``."""
+        d, hpg = self.kv_channels, self.heads_per_group
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, -1, hpg + 2, d)
+        q = qkv[:, :, :, :hpg].reshape(s, b, -1, d)
+        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q, k, v
 
     def _project_heads(self, x: Tensor, w: Tensor, b: Optional[Tensor], rotary) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` (``[s, b, heads, d]``, RoPE applied) of the query groups whose rows of ``linear_qkv`` are
         ``w`` / ``b``."""
-        d, hpg = self.kv_channels, self.heads_per_group
-        y = F.linear(x, w, b)
-        s, bs = y.shape[0], y.shape[1]
-        y = y.view(s, bs, -1, hpg + 2, d)
-        q = y[:, :, :, :hpg].reshape(s, bs, -1, d)
-        k, v = y[:, :, :, hpg], y[:, :, :, hpg + 1]
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        return q, k, v
+        return self._split_heads(F.linear(x, w, b), rotary)
 
     def _forward_a2a_overlapped(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
         """a2a (Ulysses) context-parallel attention with its exchanges overlapped by this layer's own GEMMs
@@ -179,13 +175,12 @@ class SelfAttention(nn.Module):
             start_seq_to_head,
         )
         from lightning_megatron.parallel.context_parallel.ring import _RingAttention
+        from lightning_megatron.parallel.context_parallel.ulysses import _check_heads
 
         ex_in, ex_out = Exchange(self.a2a_overlap_group), Exchange(self.a2a_overlap_group)
         a, r = ex_in.a, ex_in.r
         groups = self.linear_qkv.out_features // ((self.heads_per_group + 2) * self.kv_channels)
-        if groups % a != 0:
-            raise ValueError(f"a2a context parallelism needs the query groups ({groups}) to be divisible by the "
-                             f"context-parallel size ({a})")
+        _check_heads(groups * self.heads_per_group, groups, a, "context-parallel size")
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         with torch.autocast(dev, enabled=False):

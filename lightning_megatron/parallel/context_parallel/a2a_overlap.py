@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel.context_parallel.ring import _wait
-from lightning_megatron.parallel.context_parallel.ulysses import _TAG_A2A, _copy, _exchange, _own_slots
+from lightning_megatron.parallel.context_parallel.ulysses import _TAG_A2A, _copy, _exchange, _own_slots, _peer_ops
 
 
 class Exchange:
@@ -35,10 +35,8 @@ class Exchange:
         self.buffers: List[torch.Tensor] = []
 
     def chunk_ops(self, p: int, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], tag: int) -> list:
-        """Send ``send[i]`` to peer ``p`` and receive ``recv[i]`` from it (matched in order)."""
-        peer = self.peer_ranks[p]
-        return ([dist.P2POp(dist.isend, t.contiguous(), peer, self.group, tag + i) for i, t in enumerate(send)]
-                + [dist.P2POp(dist.irecv, t, peer, self.group, tag + i) for i, t in enumerate(recv)])
+        """Send ``send[i]`` to peer ``p`` (index into :attr:`peers`) and receive ``recv[i]`` from it."""
+        return _peer_ops(self.group, self.peer_ranks[p], send, recv, tag)
 
     def launch(self, ops: list, buffers: List[torch.Tensor]) -> None:
         self.reqs, self.buffers = _exchange(ops), buffers
@@ -106,7 +104,7 @@ class _SeqToHeadFinish(torch.autograd.Function):
         ops = []
         for p, j in enumerate(ex.peers):
             send = [sl[k] for sl in slots for k in (j, 2 * a - 1 - j)]
-            back = [rv[p, :c] if k == 0 else rv[p, c:] for rv in recv for k in (0, 1)]
+            back = [half for rv in recv for half in (rv[p, :c], rv[p, c:])]
             ops += ex.chunk_ops(p, send, back, _TAG_A2A)
         ex.launch(ops, recv)
         own = tuple(_own_slots(sl, r, a).reshape(2 * c, b, sl.shape[3], d) for sl in slots)

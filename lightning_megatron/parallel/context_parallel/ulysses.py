@@ -43,6 +43,14 @@ def _exchange(ops: List[dist.P2POp]):
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _peer_ops(group, peer: int, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
+              tag: int) -> List[dist.P2POp]:
+    """Send ``send[i]`` to global rank ``peer`` and receive ``recv[i]`` from it, for one grouped exchange; the
+    peer builds the mirror list, so the i-th transfers match (in order for NCCL, by tag ``tag + i`` for gloo)."""
+    return ([dist.P2POp(dist.isend, t.contiguous(), peer, group, tag + i) for i, t in enumerate(send)]
+            + [dist.P2POp(dist.irecv, t, peer, group, tag + i) for i, t in enumerate(recv)])
+
+
 def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None
                  ) -> List[torch.Tensor]:
     """All-to-all from sequence- to head-sharding over ``group`` (size ``A``, my rank ``r``).
@@ -69,11 +77,8 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
         for x, h in zip(by_head, hs):
             _copy(send[p, :, :, off:off + h], x[:, :, j])
             off += h
-        peer = dist.get_global_rank(group, j)
-        ops += [dist.P2POp(dist.isend, send[p, :c], peer, group, _TAG_A2A),
-                dist.P2POp(dist.isend, send[p, c:], peer, group, _TAG_A2A + 1),
-                dist.P2POp(dist.irecv, full[j], peer, group, _TAG_A2A),
-                dist.P2POp(dist.irecv, full[2 * a - 1 - j], peer, group, _TAG_A2A + 1)]
+        ops += _peer_ops(group, dist.get_global_rank(group, j), [send[p, :c], send[p, c:]],
+                         [full[j], full[2 * a - 1 - j]], _TAG_A2A)
     reqs = _exchange(ops)
     mine, off = _own_slots(full, r, a), 0
     for x, h in zip(by_head, hs):
@@ -109,13 +114,9 @@ def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
     recvs = [torch.empty(len(peers), 2, c, b, y.shape[1], d, dtype=y.dtype, device=y.device) for y in ys]
     ops = []
     for p, j in enumerate(peers):
-        peer = dist.get_global_rank(group, j)
-        for t, (sl, rv) in enumerate(zip(slots, recvs)):
-            tag = _TAG_A2A + 2 + 2 * t
-            ops += [dist.P2POp(dist.isend, sl[j].contiguous(), peer, group, tag),
-                    dist.P2POp(dist.isend, sl[2 * a - 1 - j].contiguous(), peer, group, tag + 1),
-                    dist.P2POp(dist.irecv, rv[p, 0], peer, group, tag),
-                    dist.P2POp(dist.irecv, rv[p, 1], peer, group, tag + 1)]
+        send = [sl[k] for sl in slots for k in (j, 2 * a - 1 - j)]
+        recv = [rv[p, k] for rv in recvs for k in (0, 1)]
+        ops += _peer_ops(group, dist.get_global_rank(group, j), send, recv, _TAG_A2A + 2)
     reqs = _exchange(ops)
     for out, sl in zip(outs, slots):
         _copy(out[:, :, :, r], _own_slots(sl, r, a))
