@@ -143,6 +143,14 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run python3 benchmarks/bench_tp.py $C ;;
+    cpcarve)  # 1 GPU, cp=2 plain a2a, a2a overlap, then overlap and delay_wgrad_compute with cuBLAS kept off 16 SMs
+              # while an exchange is in flight
+      C="ours --seq 16384 --mbs 1 --watchdog $WD"
+      run python3 benchmarks/bench_tp.py $C
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
+      run env LIGHTNING_MEGATRON_CP_SM_CARVEOUT=16 torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
+      run env LIGHTNING_MEGATRON_CP_SM_CARVEOUT=16 torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute ;;
     cpwait)  # does an NCCL wait block the host? then one profiled cp=2 a2a step (host CUDA API calls in $OUT)
       run torchrun --nproc_per_node=2 benchmarks/probe_nccl_wait.py
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;

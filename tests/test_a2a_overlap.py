@@ -93,3 +93,60 @@ def test_strategy_refuses_overlap_without_a_plain_a2a_layer_at_tp1(kwargs):
     with pytest.raises(ValueError, match=r"overlap_cp_a2a=True .* needs cp > 1 with cp_comm_type 'a2a' .*; got cp="):
         MegatronStrategy(overlap_cp_a2a=True, **kwargs)
 
+
+
+def _carveout_worker(rank: int, world: int) -> Dict[str, object]:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_megatron.models.gpt import SelfAttention
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention
+    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV
+
+    init_gloo(rank, world)
+    os.environ[SM_CARVEOUT_ENV] = "4"
+    cfg = tiny_config(num_attention_heads=8, num_query_groups=4, seq_length=16)
+    seen: List[tuple] = []
+    real_project = SelfAttention._project_heads
+    calls = [0]
+
+    def project(self, x, w, b, rotary):  # records the carveout when each projection and its backward are launched
+        calls[0] += 1
+        who = "own" if calls[0] % world == 0 else "peer"
+        seen.append(("forward", who, torch._C._get_sm_carveout_experimental()))
+        x = x.view_as(x)
+        x.register_hook(lambda g: seen.append(("backward", who, torch._C._get_sm_carveout_experimental())))
+        return real_project(self, x, w, b, rotary)
+
+    SelfAttention._project_heads = project
+    attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
+    model_loss_and_grads(cfg, zigzag_batch(cfg, world, rank),
+                         lambda model: model.set_context_parallel(lambda layer: attention, None,
+                                                                  lambda layer: dist.group.WORLD))
+    return {"seen": seen, "after": torch._C._get_sm_carveout_experimental()}
+
+
+def test_sm_carveout_covers_exactly_the_overlapped_gemms():
+    """With ``LIGHTNING_MEGATRON_CP_SM_CARVEOUT`` the own heads' projections (forward and backward, launched while
+    an exchange is in flight) run under the carveout; the peers' projections (before the launch / after the wait)
+    and everything after the step run without it."""
+    for result in run_distributed(_carveout_worker, 2, timeout=300):
+        seen = result["seen"]
+        assert {who for _, who, _ in seen} == {"own", "peer"} and {d for d, _, _ in seen} == {"forward", "backward"}
+        for direction, who, carveout in seen:
+            assert carveout == (4 if who == "own" else None), (direction, who, carveout)
+        assert result["after"] is None
+
+
+def test_sm_carveout_env_is_checked(monkeypatch):
+    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV, sm_carveout_from_env
+
+    monkeypatch.setenv(SM_CARVEOUT_ENV, "lots")
+    with pytest.raises(ValueError, match="LIGHTNING_MEGATRON_CP_SM_CARVEOUT='lots': expected a number of SMs"):
+        sm_carveout_from_env()
+    monkeypatch.setenv(SM_CARVEOUT_ENV, "16")
+    assert sm_carveout_from_env() == 16
+    monkeypatch.delenv(SM_CARVEOUT_ENV)
+    assert sm_carveout_from_env() is None

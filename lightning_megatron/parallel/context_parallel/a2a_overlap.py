@@ -8,6 +8,8 @@ tokens (whose output-projection GEMM runs meanwhile); ``finish_head_to_seq`` ret
 tokens. Backward mirrors each pair: the reverse exchange starts in the finish's backward and is waited for in the
 start's backward, with the own-head work in between. A small empty tensor links a start to its finish in the
 autograd graph; the buffers travel in an :class:`Exchange` object. Communicates over the a2a group.
+With ``LIGHTNING_MEGATRON_CP_SM_CARVEOUT`` the GEMMs launched between an exchange's launch and its wait leave SMs
+to it (:mod:`.sm_carveout`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel.context_parallel.ring import _wait
+from lightning_megatron.parallel.context_parallel.sm_carveout import CarveoutWindow, sm_carveout_from_env
 from lightning_megatron.parallel.context_parallel.ulysses import _TAG_A2A, _copy, _exchange, _own_slots, _peer_ops
 
 
@@ -33,6 +36,7 @@ class Exchange:
         self.peer_ranks = [dist.get_global_rank(group, j) for j in self.peers]
         self.reqs: list = []
         self.buffers: List[torch.Tensor] = []
+        self.window = CarveoutWindow(sm_carveout_from_env())
 
     def chunk_ops(self, p: int, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], tag: int) -> list:
         """Send ``send[i]`` to peer ``p`` (index into :attr:`peers`) and receive ``recv[i]`` from it."""
@@ -40,8 +44,10 @@ class Exchange:
 
     def launch(self, ops: list, buffers: List[torch.Tensor]) -> None:
         self.reqs, self.buffers = _exchange(ops), buffers
+        self.window.open()  # the GEMMs launched until wait() leave SMs to the exchange
 
     def wait(self) -> List[torch.Tensor]:
+        self.window.close()
         _wait(self.reqs)
         buffers, self.reqs, self.buffers = self.buffers, [], []
         return buffers
