@@ -240,7 +240,7 @@ def run_ours(args) -> None:
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
-        layout += "-delaywgrad" if args.delay_wgrad_compute else ""
+        layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
         layout += "-overlap" if args.overlap_cp_a2a else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
         if cfg.num_moe_experts:
@@ -289,7 +289,7 @@ def run_check(args) -> None:
         layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
-        layout += "-delaywgrad" if args.delay_wgrad_compute else ""
+        layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
         layout += "-overlap" if args.overlap_cp_a2a else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
@@ -314,8 +314,9 @@ if __name__ == "__main__":
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", help="data-parallel gradient reduction in bf16")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="optimizer states sharded over dp x cp")
-    p.add_argument("--delay-wgrad-compute", action="store_true",
-                   help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls")
+    p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
+                   help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
+                        "on where it applies; --no-delay-wgrad-compute: the plain backward)")
     p.add_argument("--overlap-cp-a2a", action="store_true",
                    help="a2a CP: own heads' projections computed while the peers' heads travel")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")

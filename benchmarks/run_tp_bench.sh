@@ -99,11 +99,15 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a ;;
-    cpdelay)  # 1 GPU, then cp=2 a2a with and without delay_wgrad_compute (wgrad GEMMs during the backward a2a)
+    cpdelay)  # the a2a default (delayed weight-gradient GEMMs, 16 SMs left to NCCL) against the plain backward,
+              # p2p, and 1 GPU measured first and last
       C="ours --seq 16384 --mbs 1 --watchdog $WD"
       run python3 benchmarks/bench_tp.py $C
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a ;;
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --no-delay-wgrad-compute
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
+      run python3 benchmarks/bench_tp.py $C ;;
     cpoverlap)  # (CHECK=1: 5 bf16 model steps of both options against 1 GPU first) then 1 GPU, cp=2 a2a with
                 # overlap_cp_a2a, plain, with delay_wgrad_compute, and p2p last
       if [ "${CHECK:-0}" = 1 ]; then

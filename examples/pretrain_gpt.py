@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: on when tp > 1")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer states over dp x cp (ZeRO-1)")
-    g.add_argument("--delay-wgrad-compute", action="store_true",
-                   help="a2a context parallel (tp=1): run the weight-gradient GEMMs during the backward all-to-alls")
+    g.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
+                   help="a2a context parallel (tp=1): run the weight-gradient GEMMs during the backward all-to-alls "
+                        "(default: on wherever it applies; --no-delay-wgrad-compute keeps them in place)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce data-parallel gradients in bf16 (half the traffic)")
     g.add_argument("--accelerator", default="cpu")
@@ -471,8 +472,8 @@ def config_from_args(args: argparse.Namespace) -> RunPlan:
         strategy["grad_reduce_in_bf16"] = True
     if args.use_distributed_optimizer:
         strategy["use_distributed_optimizer"] = True
-    if args.delay_wgrad_compute:
-        strategy["delay_wgrad_compute"] = True
+    if args.delay_wgrad_compute is not None:
+        strategy["delay_wgrad_compute"] = args.delay_wgrad_compute
     world = args.devices * args.num_nodes
     try:
         probe = MegatronStrategy(**strategy)  # constructor checks (sizes, schedule); starts nothing

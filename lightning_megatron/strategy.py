@@ -12,6 +12,7 @@ tensors, so they load under any tp/dp layout.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from datetime import timedelta
@@ -99,7 +100,9 @@ class MegatronStrategy(DDPStrategy):
         delay_wgrad_compute: Megatron's ``--delay-wgrad-compute`` for the a2a context-parallel layers (cp > 1,
             ``cp_comm_type`` "a2a" / "a2a+p2p", tp=1): ``linear_proj`` and the dense MLP's linears leave their
             weight-gradient GEMMs to the attention's backward, which runs them while its all-to-alls travel
-            (the exchanges would otherwise be exposed). Gradients are unchanged.
+            (the exchanges would otherwise be exposed). Gradients are unchanged. ``None`` (default): on wherever
+            it applies (those layouts, without ``overlap_cp_a2a``, with a model whose ``set_context_parallel``
+            takes the delay, as ``GPTModel``'s); measured 0.7-0.9% faster at cp=2 on 2xH200. ``False``: off.
         overlap_cp_a2a: for the "a2a" layers (cp > 1, tp=1, not with ``delay_wgrad_compute``), split
             ``linear_qkv`` by the rank owning each query group and ``linear_proj`` by the rank owning each head:
             the peers' heads are projected and sent first and the own heads computed while they travel, and the
@@ -130,7 +133,7 @@ class MegatronStrategy(DDPStrategy):
         pipeline_schedule: Optional[str] = None,
         grad_reduce_in_bf16: bool = False,
         use_distributed_optimizer: bool = False,
-        delay_wgrad_compute: bool = False,
+        delay_wgrad_compute: Optional[bool] = None,
         overlap_cp_a2a: bool = False,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
@@ -165,8 +168,10 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(f"use_distributed_optimizer=True with ep={ep} is not supported yet: expert weights differ "
                              "between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
                              "plain optimizer")
-        self.delay_wgrad_compute = delay_wgrad_compute
         types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+        delay_applies = cp > 1 and any(t in _A2A_TYPES for t in types) and tp == 1 and not overlap_cp_a2a
+        self._delay_wgrad_auto = delay_wgrad_compute is None
+        self.delay_wgrad_compute = delay_applies if delay_wgrad_compute is None else delay_wgrad_compute
         if delay_wgrad_compute:
             if cp == 1 or not any(t in _A2A_TYPES for t in types) or tp > 1:
                 raise ValueError(
@@ -359,7 +364,7 @@ class MegatronStrategy(DDPStrategy):
         for target in targets:
             if self.overlap_cp_a2a:
                 target.set_context_parallel(self._context_parallel_attention_for, None, self._a2a_overlap_group)
-            elif self.delay_wgrad_compute:
+            elif self.delay_wgrad_compute and (not self._delay_wgrad_auto or _takes_wgrad_delay(target)):
                 target.set_context_parallel(self._context_parallel_attention_for, self._delays_wgrad)
             else:
                 target.set_context_parallel(self._context_parallel_attention_for)
@@ -696,6 +701,18 @@ class MegatronStrategy(DDPStrategy):
         if "megatron_spawn" not in strategy_registry:
             strategy_registry.register("megatron_spawn", cls, description="MegatronStrategy, spawn launch",
                                        start_method="spawn")
+
+
+def _takes_wgrad_delay(model: nn.Module) -> bool:
+    """Whether ``model.set_context_parallel`` accepts the per-layer delay (a second positional parameter, as
+    ``GPTModel``'s ``delay_wgrad_for_layer``); the automatic ``delay_wgrad_compute`` skips models that do not."""
+    method = getattr(model, "set_context_parallel", None)
+    try:
+        params = list(inspect.signature(method).parameters.values()) if callable(method) else []
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def _expert_parameters(module: nn.Module) -> List[nn.Parameter]:

@@ -72,12 +72,16 @@ def test_only_plain_trainable_linears_are_delayed():
 
 
 def _worker(rank: int, world: int) -> Dict[str, object]:
+    import os
+
     import torch.distributed as dist
 
     from lightning_megatron.parallel.context_parallel import context_parallel_attention, ulysses
+    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV
     from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad as DW
 
     init_gloo(rank, world)
+    os.environ[SM_CARVEOUT_ENV] = "4"  # the GEMMs run while an exchange is in flight leave 4 SMs to it
     cfg = tiny_config(num_attention_heads=4, num_query_groups=4)
     events: List[str] = []
     real_exchange, real_run = ulysses._exchange, DW.run
@@ -87,7 +91,7 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
         return real_exchange(ops)
 
     def run(self, max_gemms=None):
-        events.append(f"run:{max_gemms}:{len(self._pending)}")
+        events.append(f"run:{max_gemms}:{len(self._pending)}:{torch._C._get_sm_carveout_experimental()}")
         return real_run(self, max_gemms)
 
     ulysses._exchange, DW.run = exchange, run
@@ -120,8 +124,9 @@ def test_model_gradients_unchanged_by_delay(cp2_run):
 def test_delayed_gemms_run_while_backward_exchanges_are_in_flight(cp2_run):
     """Forward: two exchanges per layer and no GEMM. Backward, per layer (last layer first): the ``dout``
     exchange, then the smallest pending GEMM (linear_proj's) while it travels; the ``dq, dk, dv`` exchange, then
-    the other two (the MLP's). Finally :meth:`grads` finds nothing left."""
-    per_layer_backward = ["exchange", "run:1:3", "exchange", "run:None:2", "run:None:0"]
+    the other two (the MLP's), both under the SM carveout. Finally :meth:`grads` finds nothing left (after the
+    wait: no carveout)."""
+    per_layer_backward = ["exchange", "run:1:3:4", "exchange", "run:None:2:4", "run:None:0:None"]
     for r in cp2_run:
         assert r["events"] == ["exchange"] * 4 + per_layer_backward * 2, r["events"]
 
@@ -148,3 +153,35 @@ def test_attention_refuses_wgrad_without_a2a():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="comm_type must be 'a2a' or 'a2a\\+p2p' with cp > 1, got comm_type='p2p', cp=1"):
         context_parallel_attention(q, q, q, None, wgrad=DeferredWgrad([]))
+
+
+@pytest.mark.parametrize("kwargs, on", [
+    (dict(cp=2, cp_comm_type="a2a"), True),
+    (dict(cp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 1]), True),
+    (dict(cp=2, cp_comm_type=["p2p", "a2a"]), True),
+    (dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=False), False),
+    (dict(cp=2, cp_comm_type="a2a", overlap_cp_a2a=True), False),
+    (dict(cp=2, tp=2, cp_comm_type="a2a"), False),
+    (dict(cp=2), False),
+    (dict(cp=1), False),
+])
+def test_delay_is_on_by_default_where_it_applies(kwargs, on):
+    from lightning_megatron import MegatronStrategy
+
+    assert MegatronStrategy(**kwargs).delay_wgrad_compute is on
+
+
+def test_automatic_delay_only_reaches_models_that_take_it():
+    from lightning_megatron import GPTModel
+    from lightning_megatron.strategy import _takes_wgrad_delay
+
+    class OwnModel(nn.Module):
+        def set_context_parallel(self, attention_for_layer):
+            pass
+
+    class Flexible(nn.Module):
+        def set_context_parallel(self, *args):
+            pass
+
+    assert _takes_wgrad_delay(GPTModel(tiny_config())) and _takes_wgrad_delay(Flexible())
+    assert not _takes_wgrad_delay(OwnModel()) and not _takes_wgrad_delay(nn.Linear(2, 2))

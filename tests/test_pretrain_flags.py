@@ -116,8 +116,12 @@ def test_delay_wgrad_compute_maps_onto_the_strategy(pg):
                         "--tensor-model-parallel-size", "1"])
     assert plan.strategy["delay_wgrad_compute"] is True and plan.strategy["cp_comm_type"] == "a2a"
     assert pg.MegatronStrategy(**plan.strategy).delay_wgrad_compute
-    assert "delay_wgrad_compute" not in plan_of(pg, ["--context-parallel-size", "2", "--tensor-model-parallel-size",
-                                                     "1"]).strategy
+    default = plan_of(pg, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size",
+                           "1"]).strategy
+    assert "delay_wgrad_compute" not in default and pg.MegatronStrategy(**default).delay_wgrad_compute  # on: applies
+    off = plan_of(pg, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--no-delay-wgrad-compute",
+                       "--tensor-model-parallel-size", "1"]).strategy
+    assert off["delay_wgrad_compute"] is False and not pg.MegatronStrategy(**off).delay_wgrad_compute
 
 
 def test_moe_flags_map_onto_config_and_strategy(pg):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel.context_parallel.ring import _ring_backward, _ring_forward, _wait
-from lightning_megatron.parallel.context_parallel.sm_carveout import carveout_window
+from lightning_megatron.parallel.context_parallel.sm_carveout import DELAYED_WGRAD_SM_CARVEOUT, carveout_window
 
 _TAG_A2A = 2  # the ring uses tags 0 and 1; NCCL ignores tags, gloo matches on them
 
@@ -86,7 +86,7 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
         _copy(mine[:, :, :, off:off + h], x[:, :, r].unflatten(0, (2, c)))
         off += h
     if while_in_flight is not None:
-        with carveout_window():  # its GEMMs leave SMs to the exchange (LIGHTNING_MEGATRON_CP_SM_CARVEOUT)
+        with carveout_window(DELAYED_WGRAD_SM_CARVEOUT):  # its GEMMs leave SMs to the exchange
             while_in_flight()
     _wait(reqs)
     full = full.view(2 * a * c, b, H, d)
@@ -123,7 +123,7 @@ def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
     for out, sl in zip(outs, slots):
         _copy(out[:, :, :, r], _own_slots(sl, r, a))
     if while_in_flight is not None:
-        with carveout_window():  # its GEMMs leave SMs to the exchange (LIGHTNING_MEGATRON_CP_SM_CARVEOUT)
+        with carveout_window(DELAYED_WGRAD_SM_CARVEOUT):  # its GEMMs leave SMs to the exchange
             while_in_flight()
     _wait(reqs)
     for out, rv in zip(outs, recvs):
