@@ -254,7 +254,8 @@ class MegatronStrategy(DDPStrategy):
             self._exclude_experts_from_ddp()
             self.configure_ddp()
             # Lightning registers ddp_comm_hook on CUDA only: ours are registered here, on every device. Without
-            # a hook DDP divides each gradient by the group size in a kernel of its own (~1% of a 1.3B step).
+            # a hook DDP divides each gradient by the group size in a kernel of its own (2.9 ms of a 280 ms cp=2
+            # step of the 1.3B model on H200).
             if self._ddp_comm_hook is None:
                 assert isinstance(self.model, DistributedDataParallel)
                 hook = bf16_allreduce_hook if self.grad_reduce_in_bf16 else mean_allreduce_hook

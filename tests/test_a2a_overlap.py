@@ -94,7 +94,6 @@ def test_strategy_refuses_overlap_without_a_plain_a2a_layer_at_tp1(kwargs):
         MegatronStrategy(overlap_cp_a2a=True, **kwargs)
 
 
-
 def _carveout_worker(rank: int, world: int) -> Dict[str, object]:
     import os
 
@@ -149,4 +148,17 @@ def test_sm_carveout_env_is_checked(monkeypatch):
     monkeypatch.setenv(SM_CARVEOUT_ENV, "16")
     assert sm_carveout_from_env() == 16
     monkeypatch.delenv(SM_CARVEOUT_ENV)
-    assert sm_carveout_from_env() is None
+    assert sm_carveout_from_env() is None and sm_carveout_from_env(16) == 16
+
+
+def test_a_zero_carveout_window_leaves_the_setting_alone():
+    import torch
+
+    from lightning_megatron.parallel.context_parallel.sm_carveout import CarveoutWindow
+
+    for sm, inside in ((0, None), (8, 8)):
+        window = CarveoutWindow(sm)
+        window.open()
+        assert torch._C._get_sm_carveout_experimental() == inside
+        window.close()
+        assert torch._C._get_sm_carveout_experimental() is None

@@ -8,6 +8,7 @@ tokens (whose output-projection GEMM runs meanwhile); ``finish_head_to_seq`` ret
 tokens. Backward mirrors each pair: the reverse exchange starts in the finish's backward and is waited for in the
 start's backward, with the own-head work in between. A small empty tensor links a start to its finish in the
 autograd graph; the buffers travel in an :class:`Exchange` object. Communicates over the a2a group.
+
 With ``LIGHTNING_MEGATRON_CP_SM_CARVEOUT`` the GEMMs launched between an exchange's launch and its wait leave SMs
 to it (:mod:`.sm_carveout`).
 """
