@@ -36,7 +36,7 @@ def build_strategy(args) -> MegatronStrategy:
                             ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule,
                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                             use_distributed_optimizer=args.use_distributed_optimizer,
-                            delay_wgrad_compute=args.delay_wgrad_compute, overlap_cp_a2a=args.overlap_cp_a2a)
+                            delay_wgrad_compute=args.delay_wgrad_compute)
 
 
 def layout_prefix(args) -> str:
@@ -241,7 +241,6 @@ def run_ours(args) -> None:
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
-        layout += "-overlap" if args.overlap_cp_a2a else ""
         layout += f"-s{cfg.seq_length}" if args.seq else ""
         if cfg.num_moe_experts:
             layout = f"moe-ep{args.ep}-{layout}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}"
@@ -290,7 +289,6 @@ def run_check(args) -> None:
         layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
         layout += "-distopt" if args.use_distributed_optimizer else ""
         layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
-        layout += "-overlap" if args.overlap_cp_a2a else ""
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
                               losses=[round(x, 6) for x in timer.losses])), flush=True)
@@ -317,8 +315,6 @@ if __name__ == "__main__":
     p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
                    help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
                         "on where it applies; --no-delay-wgrad-compute: the plain backward)")
-    p.add_argument("--overlap-cp-a2a", action="store_true",
-                   help="a2a CP: own heads' projections computed while the peers' heads travel")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
     p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")

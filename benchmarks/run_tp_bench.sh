@@ -108,38 +108,18 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run python3 benchmarks/bench_tp.py $C ;;
-    cpoverlap)  # (CHECK=1: 5 bf16 model steps of both options against 1 GPU first) then 1 GPU, cp=2 a2a with
-                # overlap_cp_a2a, plain, with delay_wgrad_compute, and p2p last
-      if [ "${CHECK:-0}" = 1 ]; then
-        K="check --precision bf16-mixed --seq 4096 --watchdog $WD"
-        run python3 benchmarks/bench_tp.py $K
-        run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a --overlap-cp-a2a
-        run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a --delay-wgrad-compute
-      fi
-      C="ours --seq 16384 --mbs 1 --watchdog $WD"
-      run python3 benchmarks/bench_tp.py $C
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 ;;
-    cpovprof)  # one profiled step each: 1 GPU, cp=2 a2a with overlap_cp_a2a, cp=2 p2p (summaries in $OUT)
-      C="ours --seq 16384 --mbs 1 --watchdog $WD --profile"
-      run python3 benchmarks/bench_tp.py $C --profile-json ${OUT:-/tmp}/profile-1gpu.json
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a --profile-json ${OUT:-/tmp}/profile-cp2-a2a-overlap.json
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --profile-json ${OUT:-/tmp}/profile-cp2-p2p.json ;;
-    cphook)  # DDP's averaging hook: NCCL numerics (dp=2 fp32, cp=2 a2a-overlap bf16) against 1 GPU, then 1 GPU,
-             # cp=2 a2a with overlap_cp_a2a, plain a2a and p2p, and a profiled overlap step ($OUT)
+    cphook)  # DDP's averaging hook: NCCL numerics (dp=2 fp32, cp=2 a2a bf16) against 1 GPU, then 1 GPU, cp=2 a2a
+             # and p2p, and a profiled a2a step ($OUT)
       run python3 benchmarks/bench_tp.py check --watchdog $WD --mbs 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --mbs 1 --watchdog $WD
       K="check --precision bf16-mixed --seq 4096 --watchdog $WD"
       run python3 benchmarks/bench_tp.py $K
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a --overlap-cp-a2a
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $K --cp 2 --cp-comm-type a2a
       C="ours --seq 16384 --mbs 1 --watchdog $WD"
       run python3 benchmarks/bench_tp.py $C
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a-overlap.json ;;
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;
     cpbracket)  # 1 GPU, cp=2 a2a, p2p, a2a again, then 1 GPU again (the baseline measured before and after)
       C="ours --seq 16384 --mbs 1 --watchdog $WD"
       run python3 benchmarks/bench_tp.py $C
@@ -147,14 +127,6 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
       run python3 benchmarks/bench_tp.py $C ;;
-    cpcarve)  # 1 GPU, cp=2 plain a2a, a2a overlap, then overlap and delay_wgrad_compute with cuBLAS kept off 16 SMs
-              # while an exchange is in flight
-      C="ours --seq 16384 --mbs 1 --watchdog $WD"
-      run python3 benchmarks/bench_tp.py $C
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a
-      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
-      run env LIGHTNING_MEGATRON_CP_SM_CARVEOUT=16 torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --overlap-cp-a2a
-      run env LIGHTNING_MEGATRON_CP_SM_CARVEOUT=16 torchrun --nproc_per_node=2 benchmarks/bench_tp.py $C --cp 2 --cp-comm-type a2a --delay-wgrad-compute ;;
     cpwait)  # does an NCCL wait block the host? then one profiled cp=2 a2a step (host CUDA API calls in $OUT)
       run torchrun --nproc_per_node=2 benchmarks/probe_nccl_wait.py
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD --cp 2 --cp-comm-type a2a --profile --profile-json ${OUT:-/tmp}/profile-cp2-a2a.json ;;

@@ -101,13 +101,8 @@ class MegatronStrategy(DDPStrategy):
             ``cp_comm_type`` "a2a" / "a2a+p2p", tp=1): ``linear_proj`` and the dense MLP's linears leave their
             weight-gradient GEMMs to the attention's backward, which runs them while its all-to-alls travel
             (the exchanges would otherwise be exposed). Gradients are unchanged. ``None`` (default): on wherever
-            it applies (those layouts, without ``overlap_cp_a2a``, with a model whose ``set_context_parallel``
-            takes the delay, as ``GPTModel``'s); measured 0.7-0.9% faster at cp=2 on 2xH200. ``False``: off.
-        overlap_cp_a2a: for the "a2a" layers (cp > 1, tp=1, not with ``delay_wgrad_compute``), split
-            ``linear_qkv`` by the rank owning each query group and ``linear_proj`` by the rank owning each head:
-            the peers' heads are projected and sent first and the own heads computed while they travel, and the
-            output projection of the own heads runs while the peers' outputs arrive; backward mirrors both.
-            Results equal the plain a2a path (sums split in cp parts).
+            it applies (those layouts, with a model whose ``set_context_parallel`` takes the delay, as
+            ``GPTModel``'s); measured 0.7-0.9% faster at cp=2 on 2xH200. ``False``: off.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks).
         ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel`` (used when pp == 1).
@@ -134,7 +129,6 @@ class MegatronStrategy(DDPStrategy):
         grad_reduce_in_bf16: bool = False,
         use_distributed_optimizer: bool = False,
         delay_wgrad_compute: Optional[bool] = None,
-        overlap_cp_a2a: bool = False,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -169,7 +163,7 @@ class MegatronStrategy(DDPStrategy):
                              "between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
                              "plain optimizer")
         types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-        delay_applies = cp > 1 and any(t in _A2A_TYPES for t in types) and tp == 1 and not overlap_cp_a2a
+        delay_applies = cp > 1 and any(t in _A2A_TYPES for t in types) and tp == 1
         self._delay_wgrad_auto = delay_wgrad_compute is None
         self.delay_wgrad_compute = delay_applies if delay_wgrad_compute is None else delay_wgrad_compute
         if delay_wgrad_compute:
@@ -178,13 +172,10 @@ class MegatronStrategy(DDPStrategy):
                     "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
                     f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={cp}, "
                     f"cp_comm_type={cp_comm_type!r}, tp={tp}")
-        self.overlap_cp_a2a = overlap_cp_a2a
-        if overlap_cp_a2a:
-            if cp == 1 or "a2a" not in types or tp > 1 or delay_wgrad_compute:
-                raise ValueError(
-                    "overlap_cp_a2a=True splits the a2a layers' projections around their exchanges: it needs cp > 1 "
-                    "with cp_comm_type 'a2a' (for at least one layer), tp=1 and delay_wgrad_compute=False; got "
-                    f"cp={cp}, cp_comm_type={cp_comm_type!r}, tp={tp}, delay_wgrad_compute={delay_wgrad_compute}")
+        if "overlap_cp_a2a" in ddp_kwargs:
+            raise ValueError("overlap_cp_a2a was removed: splitting the a2a layers' projections around their "
+                             "exchanges measured no gain on 2xH200 (benchmarks/RESULTS.md). The a2a layers overlap "
+                             "their backward exchanges by default (delay_wgrad_compute); drop overlap_cp_a2a")
         if grad_reduce_in_bf16 and ddp_kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
                              f"{ddp_kwargs['ddp_comm_hook']!r} or grad_reduce_in_bf16")
@@ -363,9 +354,7 @@ class MegatronStrategy(DDPStrategy):
                 "(as lightning_megatron.GPTModel)"
             )
         for target in targets:
-            if self.overlap_cp_a2a:
-                target.set_context_parallel(self._context_parallel_attention_for, None, self._a2a_overlap_group)
-            elif self.delay_wgrad_compute and (not self._delay_wgrad_auto or _takes_wgrad_delay(target)):
+            if self.delay_wgrad_compute and (not self._delay_wgrad_auto or _takes_wgrad_delay(target)):
                 target.set_context_parallel(self._context_parallel_attention_for, self._delays_wgrad)
             else:
                 target.set_context_parallel(self._context_parallel_attention_for)
@@ -373,11 +362,6 @@ class MegatronStrategy(DDPStrategy):
     def _comm_type(self, layer: int) -> str:
         types = self.parallel_config.cp_comm_type
         return types if isinstance(types, str) else types[layer]
-
-    def _a2a_overlap_group(self, layer: int):
-        """The CP group for ``layer`` if it runs a2a attention with overlapped exchanges (``overlap_cp_a2a``)."""
-        assert self.mesh is not None
-        return self.mesh.group("cp") if self.overlap_cp_a2a and self._comm_type(layer) == "a2a" else None
 
     def _delays_wgrad(self, layer: int) -> bool:
         """Whether ``layer`` delays its weight gradients into its CP attention (a2a comm types only)."""

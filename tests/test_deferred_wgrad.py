@@ -160,7 +160,6 @@ def test_attention_refuses_wgrad_without_a2a():
     (dict(cp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 1]), True),
     (dict(cp=2, cp_comm_type=["p2p", "a2a"]), True),
     (dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=False), False),
-    (dict(cp=2, cp_comm_type="a2a", overlap_cp_a2a=True), False),
     (dict(cp=2, tp=2, cp_comm_type="a2a"), False),
     (dict(cp=2), False),
     (dict(cp=1), False),
@@ -185,3 +184,33 @@ def test_automatic_delay_only_reaches_models_that_take_it():
 
     assert _takes_wgrad_delay(GPTModel(tiny_config())) and _takes_wgrad_delay(Flexible())
     assert not _takes_wgrad_delay(OwnModel()) and not _takes_wgrad_delay(nn.Linear(2, 2))
+
+
+def test_sm_carveout_env_is_checked(monkeypatch):
+    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV, sm_carveout_from_env
+
+    monkeypatch.setenv(SM_CARVEOUT_ENV, "lots")
+    with pytest.raises(ValueError, match="LIGHTNING_MEGATRON_CP_SM_CARVEOUT='lots': expected a number of SMs"):
+        sm_carveout_from_env()
+    monkeypatch.setenv(SM_CARVEOUT_ENV, "16")
+    assert sm_carveout_from_env() == 16
+    monkeypatch.delenv(SM_CARVEOUT_ENV)
+    assert sm_carveout_from_env() is None and sm_carveout_from_env(16) == 16
+
+
+def test_a_zero_carveout_window_leaves_the_setting_alone():
+    from lightning_megatron.parallel.context_parallel.sm_carveout import CarveoutWindow
+
+    for sm, inside in ((0, None), (8, 8)):
+        window = CarveoutWindow(sm)
+        window.open()
+        assert torch._C._get_sm_carveout_experimental() == inside
+        window.close()
+        assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_strategy_names_the_removed_overlap_option():
+    from lightning_megatron import MegatronStrategy
+
+    with pytest.raises(ValueError, match="overlap_cp_a2a was removed: .* measured no gain"):
+        MegatronStrategy(cp=2, cp_comm_type="a2a", overlap_cp_a2a=True)

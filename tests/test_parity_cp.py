@@ -17,17 +17,13 @@ CASES = {
     "cp2xpp2": (4, dict(cp=2, pp=2), {}, 2, None),
     "cp2xdp2": (4, dict(cp=2), {}, 1, 0.05),
     # delayed weight gradients (run during the a2a exchanges; DDP over dp x cp still reduces them): the default
-    # for the a2a layers at tp=1, so "cp4-a2a+p2p" and "cp2-per-layer-types" above run them too
+    # for the a2a layers at tp=1, so "cp4-a2a+p2p", "cp2-per-layer-types" and the last case run them too
     "cp2-a2a-delay-wgrad": (2, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 1, 0.05),
     "cp2xdp2-a2a-delay-wgrad": (4, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 2, 0.05),
     "cp4-a2a+p2p-no-delay": (4, dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
                                      delay_wgrad_compute=False), {}, 1, None),
     "cp2xpp2-a2a-delay-wgrad": (4, dict(cp=2, pp=2, cp_comm_type="a2a", delay_wgrad_compute=True), {}, 2, None),
-    # a2a with the projections split around the exchanges (own heads computed while the peers' travel)
-    "cp2-a2a-overlap": (2, dict(cp=2, cp_comm_type="a2a", overlap_cp_a2a=True), {}, 1, 0.05),
-    "cp4-a2a-overlap": (4, dict(cp=4, cp_comm_type="a2a", overlap_cp_a2a=True), dict(num_query_groups=4), 1, None),
-    "cp2xdp2-a2a-overlap": (4, dict(cp=2, cp_comm_type="a2a", overlap_cp_a2a=True), {}, 2, 0.05),
-    "cp2xpp2-per-layer-overlap": (4, dict(cp=2, pp=2, cp_comm_type=["a2a", "p2p"], overlap_cp_a2a=True), {}, 2, None),
+    "cp2xpp2-per-layer-types": (4, dict(cp=2, pp=2, cp_comm_type=["a2a", "p2p"]), {}, 2, None),
 }
 
 

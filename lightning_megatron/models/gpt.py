@@ -116,16 +116,11 @@ class SelfAttention(nn.Module):
         # Set by the strategy (delay_wgrad_compute): the CP attention runs the layer's delayed weight-gradient
         # GEMMs during its backward exchanges (it takes ``wgrad=``).
         self.delay_wgrad_compute = False
-        # Set by the strategy (overlap_cp_a2a): the a2a group; the layer then runs projections, exchanges and
-        # attention itself, computing its own heads while the peers' travel (:meth:`_forward_a2a_overlapped`).
-        self.a2a_overlap_group: Optional[Group] = None
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
                 wgrad: Optional[DeferredWgrad] = None) -> Tensor:
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
         into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
-        if self.a2a_overlap_group is not None:
-            return self._forward_a2a_overlapped(x, rotary)
         q, k, v = self._split_heads(self.linear_qkv(x), rotary)
         s, b, hpg = q.shape[0], q.shape[1], self.heads_per_group
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
@@ -151,54 +146,6 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return q, k, v
-
-    def _project_heads(self, x: Tensor, w: Tensor, b: Optional[Tensor], rotary) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v`` (``[s, b, heads, d]``, RoPE applied) of the query groups whose rows of ``linear_qkv`` are
-        ``w`` / ``b``."""
-        return self._split_heads(F.linear(x, w, b), rotary)
-
-    def _forward_a2a_overlapped(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
-        """a2a (Ulysses) context-parallel attention with its exchanges overlapped by this layer's own GEMMs
-        (tp=1; communicates over :attr:`a2a_overlap_group`, size ``A``).
-
-        ``linear_qkv``'s rows are split by the rank owning their query groups: the peers' heads are projected
-        (with RoPE) and start travelling, then my own heads are projected while they do. After attention on my
-        heads over the whole sequence, the peers' tokens leave, and the output projection of my own heads at my
-        tokens runs (a split-K part of ``linear_proj``) while the peers' heads at my tokens arrive; their parts
-        are added on arrival. Backward mirrors both overlaps. The same sums as the plain path, split in ``A``.
-        """
-        from lightning_megatron.parallel.context_parallel.a2a_overlap import (
-            Exchange,
-            finish_head_to_seq,
-            finish_seq_to_head,
-            start_head_to_seq,
-            start_seq_to_head,
-        )
-        from lightning_megatron.parallel.context_parallel.ring import _RingAttention
-        from lightning_megatron.parallel.context_parallel.ulysses import _check_heads
-
-        ex_in, ex_out = Exchange(self.a2a_overlap_group), Exchange(self.a2a_overlap_group)
-        a, r = ex_in.a, ex_in.r
-        groups = self.linear_qkv.out_features // ((self.heads_per_group + 2) * self.kv_channels)
-        _check_heads(groups * self.heads_per_group, groups, a, "context-parallel size")
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
-            x = x.to(dtype)
-            w_rows = self.linear_qkv.weight.to(dtype).chunk(a)
-            b_rows = self.linear_qkv.bias.to(dtype).chunk(a) if self.linear_qkv.bias is not None else [None] * a
-            link = start_seq_to_head(ex_in, [self._project_heads(x, w_rows[j], b_rows[j], rotary) for j in ex_in.peers])
-            q, k, v = finish_seq_to_head(ex_in, link, self._project_heads(x, w_rows[r], b_rows[r], rotary))
-            out = _RingAttention.apply(q, k, v, None, True, 1.0 / math.sqrt(self.kv_channels))
-            own, link = start_head_to_seq(ex_out, out)
-            w_cols = self.linear_proj.weight.to(dtype).chunk(a, dim=1)
-            bias = self.linear_proj.bias.to(dtype) if self.linear_proj.bias is not None else None
-            s, bs = own.shape[0], own.shape[1]
-            y = F.linear(own.reshape(s, bs, -1), w_cols[r], bias)
-            recv = finish_head_to_seq(ex_out, link)
-            for p, j in enumerate(ex_out.peers):
-                y = y + F.linear(recv[p].reshape(s, bs, -1), w_cols[j])
-        return y
 
 
 class MLP(nn.Module):
@@ -251,7 +198,7 @@ class TransformerLayer(nn.Module):
         """With ``self_attention.delay_wgrad_compute`` and gradients on: a fresh :class:`DeferredWgrad` for
         ``linear_proj`` and the dense MLP's two linears (the CP attention's backward runs them)."""
         attention = self.self_attention
-        if not (attention.delay_wgrad_compute and attention.a2a_overlap_group is None and torch.is_grad_enabled()):
+        if not (attention.delay_wgrad_compute and torch.is_grad_enabled()):
             return None
         linears = [self.self_attention.linear_proj]
         if isinstance(self.mlp, MLP):
@@ -378,18 +325,14 @@ class GPTModel(nn.Module):
         return plan
 
     def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[..., Tensor]],
-                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None,
-                             a2a_overlap_group_for_layer: Optional[Callable[[int], Optional[Group]]] = None) -> None:
+                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None) -> None:
         """Route every layer's core attention through ``attention_for_layer(global layer index)`` (CP). Layers
         where ``delay_wgrad_for_layer(index)`` is true delay their ``linear_proj`` / MLP weight gradients into that
-        attention's backward (its callable must take ``wgrad=``: the a2a comm types). Layers for which
-        ``a2a_overlap_group_for_layer(index)`` gives a group run a2a attention with overlapped exchanges over it
-        (tp=1)."""
+        attention's backward (its callable must take ``wgrad=``: the a2a comm types)."""
         for key, layer in self.decoder.layers.items():
             attention = layer.self_attention
             attention.context_parallel_attention = attention_for_layer(int(key))
             attention.delay_wgrad_compute = bool(delay_wgrad_for_layer and delay_wgrad_for_layer(int(key)))
-            attention.a2a_overlap_group = a2a_overlap_group_for_layer(int(key)) if a2a_overlap_group_for_layer else None
 
     def set_tensor_parallel(self, group: Group, sequence_parallel: bool,
                             tp_fork: Optional[RngFork] = None) -> None:

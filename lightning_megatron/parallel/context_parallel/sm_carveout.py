@@ -1,12 +1,11 @@
-"""Keeping cuBLAS's GEMMs off some SMs while an a2a exchange is in flight (experimental, CUDA).
+"""Keeping cuBLAS's GEMMs off some SMs while an a2a exchange is in flight (experimental torch API, CUDA).
 
 A GEMM launched next to a running NCCL kernel is sized for every SM; the SMs NCCL holds make its last wave
 wait, so the two serialise instead of overlapping. Inside a window the GEMMs target ``n`` SMs fewer (torch's
 ``_set_sm_carveout_experimental``; no effect on non-cuBLAS kernels). ``delay_wgrad_compute``'s weight-gradient
-GEMMs run with ``n`` = :data:`DELAYED_WGRAD_SM_CARVEOUT` on CUDA (measured on 2xH200: with it the option gained
-0.7-0.9% over plain a2a, without it 0.3-0.7%); ``overlap_cp_a2a``'s own-head projections with none (16 measured
-0.8% slower there). ``LIGHTNING_MEGATRON_CP_SM_CARVEOUT=n`` sets ``n`` for both (0: no carveout). No
-communication happens here.
+GEMMs run in one, with ``n`` = :data:`DELAYED_WGRAD_SM_CARVEOUT` on CUDA (measured on 2xH200: with it the option
+gained 0.7-0.9% over the plain a2a backward, without it 0.3-0.7%); ``LIGHTNING_MEGATRON_CP_SM_CARVEOUT=n`` sets
+another ``n`` (0: no carveout). No communication happens here.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ def sm_carveout_from_env(default: Optional[int] = None) -> Optional[int]:
 
 
 class CarveoutWindow:
-    """Opened when an exchange is launched and closed before it is waited for: GEMMs launched in between
-    leave :attr:`sm` SMs free (None: the window does nothing). Restores the setting found at opening."""
+    """Opened after an exchange is launched and closed before it is waited for: GEMMs launched in between
+    leave :attr:`sm` SMs free (None or 0: the window does nothing). Restores the setting found at opening."""
 
     def __init__(self, sm: Optional[int]) -> None:
         self.sm, self._saved, self._open = sm or None, None, False  # 0: no carveout
