@@ -35,6 +35,8 @@ class CarveoutWindow:
 
     def __init__(self, sm: Optional[int]) -> None:
         self.sm, self._saved, self._open = sm or None, None, False  # 0: no carveout
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):  # a torch without the experimental API
+            self.sm = None
 
     def open(self) -> None:
         if self.sm is not None and not self._open:
