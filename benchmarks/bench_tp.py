@@ -44,6 +44,13 @@ def layout_prefix(args) -> str:
     return f"tp{args.tp}" + (f"-pp{args.pp}" if args.pp > 1 else "") + (f"-vp{args.vp}" if args.vp else "")
 
 
+def option_suffix(args) -> str:
+    """``[-cp<N>-<comm>][-gradbf16][-distopt][-delaywgrad|-nodelay]``: the options in every result's name."""
+    return ((f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else "")
+            + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
+            + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute])
+
+
 class RandomTokens(Dataset):
     """Deterministic random token samples (sample i from seed i)."""
 
@@ -237,10 +244,7 @@ def run_ours(args) -> None:
         tflops = tok_per_gpu * flops_per_token(cfg, causal=False)
         layout = layout_prefix(args)
         layout += f"-{args.schedule}" if args.schedule else ""
-        layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
-        layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
-        layout += "-distopt" if args.use_distributed_optimizer else ""
-        layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
+        layout += option_suffix(args)
         layout += f"-s{cfg.seq_length}" if args.seq else ""
         if cfg.num_moe_experts:
             layout = f"moe-ep{args.ep}-{layout}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}"
@@ -284,11 +288,7 @@ def run_check(args) -> None:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(module, DataLoader(RandomTokens(cfg, 64 * acc), batch_size=args.mbs, shuffle=False))
     if trainer.global_rank == 0:
-        layout = layout_prefix(args)
-        layout += f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else ""
-        layout += "-gradbf16" if args.grad_reduce_in_bf16 else ""
-        layout += "-distopt" if args.use_distributed_optimizer else ""
-        layout += {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
+        layout = layout_prefix(args) + option_suffix(args)
         layout += f"-moe-ep{args.ep}-{'loop' if args.moe_loop else 'grouped'}-{args.dispatcher}" if "moe" in args.model else ""
         print(json.dumps(dict(name=f"check-{layout}{'-sp' if args.sp else ''}-m{acc}-{args.precision}",
                               losses=[round(x, 6) for x in timer.losses])), flush=True)

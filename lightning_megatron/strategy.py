@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.config import A2A_COMM_TYPES, ParallelConfig
 from lightning_megatron.parallel.distributed_optimizer import (
     gathered_state_dict,
     is_sharded_optimizer,
@@ -72,8 +72,6 @@ from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 1234  # Megatron's --seed default, used when seed_everything was not called
-#: cp_comm_type values whose attention runs delayed weight-gradient GEMMs during its exchanges
-_A2A_TYPES = ("a2a", "a2a+p2p")
 
 
 class MegatronStrategy(DDPStrategy):
@@ -163,15 +161,14 @@ class MegatronStrategy(DDPStrategy):
                              "between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
                              "plain optimizer")
         types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-        delay_applies = cp > 1 and any(t in _A2A_TYPES for t in types) and tp == 1
+        delay_applies = cp > 1 and any(t in A2A_COMM_TYPES for t in types) and tp == 1
         self._delay_wgrad_auto = delay_wgrad_compute is None
         self.delay_wgrad_compute = delay_applies if delay_wgrad_compute is None else delay_wgrad_compute
-        if delay_wgrad_compute:
-            if cp == 1 or not any(t in _A2A_TYPES for t in types) or tp > 1:
-                raise ValueError(
-                    "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
-                    f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={cp}, "
-                    f"cp_comm_type={cp_comm_type!r}, tp={tp}")
+        if delay_wgrad_compute and not delay_applies:
+            raise ValueError(
+                "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
+                f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={cp}, "
+                f"cp_comm_type={cp_comm_type!r}, tp={tp}")
         if "overlap_cp_a2a" in ddp_kwargs:
             raise ValueError("overlap_cp_a2a was removed: splitting the a2a layers' projections around their "
                              "exchanges measured no gain on 2xH200 (benchmarks/RESULTS.md). The a2a layers overlap "
@@ -365,7 +362,7 @@ class MegatronStrategy(DDPStrategy):
 
     def _delays_wgrad(self, layer: int) -> bool:
         """Whether ``layer`` delays its weight gradients into its CP attention (a2a comm types only)."""
-        return self.delay_wgrad_compute and self._comm_type(layer) in _A2A_TYPES
+        return self.delay_wgrad_compute and self._comm_type(layer) in A2A_COMM_TYPES
 
     def _context_parallel_attention_for(self, layer: int) -> Callable[..., torch.Tensor]:
         from lightning_megatron.parallel.context_parallel import context_parallel_attention

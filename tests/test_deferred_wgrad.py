@@ -198,14 +198,13 @@ def test_sm_carveout_env_is_checked(monkeypatch):
     assert sm_carveout_from_env() is None and sm_carveout_from_env(16) == 16
 
 
-def test_a_zero_carveout_window_leaves_the_setting_alone():
-    from lightning_megatron.parallel.context_parallel.sm_carveout import CarveoutWindow
+def test_a_zero_carveout_window_leaves_the_setting_alone(monkeypatch):
+    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV, carveout_window
 
-    for sm, inside in ((0, None), (8, 8)):
-        window = CarveoutWindow(sm)
-        window.open()
-        assert torch._C._get_sm_carveout_experimental() == inside
-        window.close()
+    for sm, inside in (("0", None), ("8", 8)):
+        monkeypatch.setenv(SM_CARVEOUT_ENV, sm)
+        with carveout_window(16):
+            assert torch._C._get_sm_carveout_experimental() == inside
         assert torch._C._get_sm_carveout_experimental() is None
 
 

@@ -209,7 +209,7 @@ class TransformerLayer(nn.Module):
         wgrad = self._deferred_wgrad()
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, wgrad))
         h = self.pre_mlp_layernorm(x)
-        h = self.mlp(h, wgrad) if wgrad is not None and isinstance(self.mlp, MLP) else self.mlp(h)
+        h = self.mlp(h, wgrad) if isinstance(self.mlp, MLP) else self.mlp(h)
         return x + self._dropout(h)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+#: the comm types whose attention exchanges all-to-all and can run delayed weight-gradient GEMMs meanwhile
+A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.parallel.config import A2A_COMM_TYPES, CP_COMM_TYPES
 from lightning_megatron.parallel.context_parallel.all_gather import _all_gather_attention
 from lightning_megatron.parallel.context_parallel.kernels import KERNEL_ENV, block_kernel, use_fused_attention
 from lightning_megatron.parallel.context_parallel.layout import zigzag_gather, zigzag_positions, zigzag_split
@@ -50,7 +51,7 @@ __all__ = [
     "COMPILE_ENV",
 ]
 
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+COMM_TYPES = CP_COMM_TYPES
 
 
 def _group_size(group) -> int:
@@ -95,7 +96,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         )
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if wgrad is not None and (cp == 1 or comm_type not in ("a2a", "a2a+p2p")):
+    if wgrad is not None and (cp == 1 or comm_type not in A2A_COMM_TYPES):
         raise ValueError(f"delayed weight gradients (wgrad=...) are run by the a2a exchanges: comm_type must be "
                          f"'a2a' or 'a2a+p2p' with cp > 1, got comm_type={comm_type!r}, cp={cp}")
 

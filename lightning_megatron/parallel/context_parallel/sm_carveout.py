@@ -29,33 +29,18 @@ def sm_carveout_from_env(default: Optional[int] = None) -> Optional[int]:
     return int(raw)
 
 
-class CarveoutWindow:
-    """Opened after an exchange is launched and closed before it is waited for: GEMMs launched in between
-    leave :attr:`sm` SMs free (None or 0: the window does nothing). Restores the setting found at opening."""
-
-    def __init__(self, sm: Optional[int]) -> None:
-        self.sm, self._saved, self._open = sm or None, None, False  # 0: no carveout
-        if not hasattr(torch._C, "_set_sm_carveout_experimental"):  # a torch without the experimental API
-            self.sm = None
-
-    def open(self) -> None:
-        if self.sm is not None and not self._open:
-            self._saved, self._open = torch._C._get_sm_carveout_experimental(), True
-            torch._C._set_sm_carveout_experimental(self.sm)
-
-    def close(self) -> None:
-        if self._open:
-            torch._C._set_sm_carveout_experimental(self._saved)
-            self._open = False
-
-
 @contextlib.contextmanager
 def carveout_window(default: Optional[int] = None) -> Iterator[None]:
-    """A :class:`CarveoutWindow` open for the ``with`` block: the environment's setting, else ``default`` where
-    CUDA is available (on CPU there is no cuBLAS to configure)."""
-    window = CarveoutWindow(sm_carveout_from_env(default if torch.cuda.is_available() else None))
-    window.open()
+    """GEMMs launched inside the ``with`` block leave SMs free: the environment's number, else ``default`` where
+    CUDA is available (on CPU there is no cuBLAS to configure); None or 0, or a torch without the experimental
+    API, changes nothing. Restores the setting found on entry."""
+    sm = sm_carveout_from_env(default if torch.cuda.is_available() else None)
+    if not sm or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    saved = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sm)
     try:
         yield
     finally:
-        window.close()
+        torch._C._set_sm_carveout_experimental(saved)
