@@ -159,31 +159,22 @@ def assert_state_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torc
 
 
 class StepLossRecorder(pl.Callback):
-    """Per optimizer step, each logged metric of ``keys`` as the mean over the step's micro-batches, the quantity
-    the single-process reference reports. Under pp > 1 the strategy logs the step's mean once, at its last
-    micro-batch; otherwise every micro-batch logs its own value."""
+    """Per optimizer step, each logged metric of ``keys``: MegatronStrategy logs the step's value (the mean over
+    its micro-batches, the quantity the single-process reference reports) once, at the step's last micro-batch,
+    under every layout."""
 
     def __init__(self, accumulate: int, keys: Sequence[str] = ("train_loss",)) -> None:
         self.accumulate = accumulate
         self.values: Dict[str, List[float]] = {k: [] for k in keys}
-        self._sums = dict.fromkeys(keys, 0.0)
 
     @property
     def losses(self) -> List[float]:
         return self.values["train_loss"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics, last = trainer.callback_metrics, (batch_idx + 1) % self.accumulate == 0
-        pipeline = trainer.strategy.parallel_config.pp > 1
-        for k in self.values:
-            if pipeline:
-                if last:
-                    self.values[k].append(float(metrics[k]))
-                continue
-            self._sums[k] += float(metrics[k]) / self.accumulate
-            if last:
-                self.values[k].append(self._sums[k])
-                self._sums[k] = 0.0
+        if (batch_idx + 1) % self.accumulate == 0:
+            for k in self.values:
+                self.values[k].append(float(trainer.callback_metrics[k]))
 
 
 def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,

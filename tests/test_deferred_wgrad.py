@@ -140,11 +140,20 @@ def test_strategy_refuses_delay_without_an_a2a_layer_at_tp1(kwargs):
         MegatronStrategy(delay_wgrad_compute=True, **kwargs)
 
 
-def test_strategy_delays_only_the_a2a_layers():
-    from lightning_megatron import MegatronStrategy
+def test_apply_cp_delays_only_the_a2a_layers():
+    from lightning_megatron import ParallelConfig
+    from lightning_megatron.parallel.context_parallel.apply import apply_cp
 
-    s = MegatronStrategy(cp=2, cp_comm_type=["p2p", "a2a", "a2a"], delay_wgrad_compute=True)
-    assert [s._delays_wgrad(i) for i in range(3)] == [False, True, True]
+    class Recorder(nn.Module):
+        supports_delayed_wgrad = True
+
+        def set_context_parallel(self, attention_for_layer, delay_wgrad_for_layer=None):
+            self.delays = [delay_wgrad_for_layer(i) for i in range(3)]
+
+    model = Recorder()
+    config = ParallelConfig(cp=2, cp_comm_type=["p2p", "a2a", "a2a"], delay_wgrad_compute=True)
+    assert apply_cp([model], None, config) is True   # the mesh is only read when an attention is built
+    assert model.delays == [False, True, True]
 
 
 def test_attention_refuses_wgrad_without_a2a():
@@ -170,20 +179,27 @@ def test_delay_is_on_by_default_where_it_applies(kwargs, on):
     assert MegatronStrategy(**kwargs).delay_wgrad_compute is on
 
 
-def test_automatic_delay_only_reaches_models_that_take_it():
-    from lightning_megatron import GPTModel
-    from lightning_megatron.strategy import _takes_wgrad_delay
+def test_automatic_delay_only_reaches_models_that_declare_it():
+    """The automatic delay_wgrad_compute applies to models declaring ``supports_delayed_wgrad`` (the
+    ContextParallelModel contract); an explicit True applies to every context-parallel model."""
+    from lightning_megatron import GPTModel, ParallelConfig
+    from lightning_megatron.contract import ContextParallelModel
+    from lightning_megatron.parallel.context_parallel.apply import resolve_delay_wgrad
 
     class OwnModel(nn.Module):
-        def set_context_parallel(self, attention_for_layer):
+        supports_delayed_wgrad = False
+
+        def set_context_parallel(self, attention_for_layer, delay_wgrad_for_layer=None):
             pass
 
-    class Flexible(nn.Module):
-        def set_context_parallel(self, *args):
-            pass
-
-    assert _takes_wgrad_delay(GPTModel(tiny_config())) and _takes_wgrad_delay(Flexible())
-    assert not _takes_wgrad_delay(OwnModel()) and not _takes_wgrad_delay(nn.Linear(2, 2))
+    gpt, own = GPTModel(tiny_config()), OwnModel()
+    assert isinstance(gpt, ContextParallelModel) and isinstance(own, ContextParallelModel)
+    assert not isinstance(nn.Linear(2, 2), ContextParallelModel)
+    auto = ParallelConfig(cp=2, cp_comm_type="a2a")
+    assert resolve_delay_wgrad(auto, [gpt]) and not resolve_delay_wgrad(auto, [own])
+    assert not resolve_delay_wgrad(auto, [gpt, own])
+    assert resolve_delay_wgrad(ParallelConfig(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True), [own])
+    assert not resolve_delay_wgrad(ParallelConfig(cp=2, cp_comm_type="p2p"), [gpt])
 
 
 def test_sm_carveout_env_is_checked(monkeypatch):

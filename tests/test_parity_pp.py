@@ -130,3 +130,47 @@ def test_pipeline_errors(overrides, kwargs, accumulate, pattern):
 def test_unsupported_schedule_combinations(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         MegatronStrategy(**kwargs)
+
+
+class TrainLossTrace(pl.Callback):
+    """``(global_step, train_loss or None)`` after every Lightning batch (micro-batch)."""
+
+    def __init__(self) -> None:
+        self.trace = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train_loss")
+        self.trace.append((trainer.global_step, None if value is None else float(value)))
+
+
+def _train_loss_trace(rank, world, cfg, samples, strategy_kwargs, accumulate, steps):
+    pl.seed_everything(SEED, verbose=False)
+    trace = TrainLossTrace()
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, callbacks=[trace],
+                          accumulate_grad_batches=accumulate)
+    trainer.fit(new_module(cfg, steps), DataLoader(ListDataset(samples), batch_size=1, shuffle=False))
+    return trace.trace
+
+
+def test_train_loss_means_the_same_under_pp1_and_pp2():
+    """``train_loss`` is the optimizer step's global token-mean, logged once per step at its last micro-batch, under
+    every layout: pp=2 (the pipeline schedule) and pp=1 (the plain loop) log the same value at the same micro-batch
+    (None before the first step ends, then the last finished step's value), and it equals the reference's step mean."""
+    cfg, accumulate, steps = tiny_config(), 4, 2
+    samples = make_samples(cfg, steps * accumulate)
+    plain = run_distributed(_train_loss_trace, 1, cfg, samples, dict(), accumulate, steps)[0]
+    piped = run_distributed(_train_loss_trace, 2, cfg, samples, dict(pp=2), accumulate, steps)
+    ref = reference_loop(cfg, samples, steps, 1, accumulate=accumulate)["losses"]
+    ref_steps = [sum(ref[i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(steps)]
+    assert len(plain) == steps * accumulate
+    for i, (step, value) in enumerate(plain):
+        finished = (i + 1) // accumulate
+        assert step == finished
+        if finished == 0:
+            assert value is None, plain
+        else:
+            assert abs(value - ref_steps[finished - 1]) <= 1e-5 * ref_steps[finished - 1], (plain, ref_steps)
+    for trace in piped:
+        assert [s for s, _ in trace] == [s for s, _ in plain]
+        for (_, got), (_, want) in zip(trace, plain):
+            assert (got is None) == (want is None) and (got is None or abs(got - want) <= 1e-6 * want), (trace, plain)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+from lightning_megatron.moe.config import moe_layer_pattern
 from lightning_megatron.parallel.tensor_parallel import pad_vocab_size
 
 __all__ = ["num_floating_point_operations", "flops_per_token", "padded_vocab_size", "moe_layer_pattern"]
@@ -52,24 +53,6 @@ def padded_vocab_size(config: Any) -> int:
     if padded is not None:
         return int(padded)
     return pad_vocab_size(config.vocab_size, 1, getattr(config, "make_vocab_size_divisible_by", 128))
-
-
-def moe_layer_pattern(config: Any) -> List[int]:
-    """1 for each layer whose MLP is a MoE layer, 0 for a dense one (all 0 without ``num_moe_experts``)."""
-    num_layers = config.num_layers
-    if getattr(config, "num_moe_experts", None) is None:
-        return [0] * num_layers
-    freq = getattr(config, "moe_layer_freq", 1)
-    if freq is None:
-        freq = 1
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
-        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
-    pattern = [int(x) for x in freq]
-    if len(pattern) != num_layers or any(x not in (0, 1) for x in pattern):
-        raise ValueError(f"moe_layer_freq={freq!r} must be an int or a 0/1 list of length num_layers={num_layers}")
-    return pattern
 
 
 def _shape(config: Any):

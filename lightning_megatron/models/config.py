@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
-from lightning_megatron.callbacks.flops import moe_layer_pattern
-from lightning_megatron.moe.config import MoEConfig
+from lightning_megatron.moe.config import MoEConfig, moe_layer_pattern
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")

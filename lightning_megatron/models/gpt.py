@@ -279,6 +279,9 @@ class GPTModel(nn.Module):
     :meth:`init_weights` after materialising (the strategy does).
     """
 
+    #: its layers can hand weight-gradient GEMMs to the CP attention's backward (``delay_wgrad_compute``)
+    supports_delayed_wgrad = True
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -451,13 +454,17 @@ class GPTModel(nn.Module):
         """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` fp32."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
 
-    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+    def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """``tokens [b, s]`` (and ``position_ids [b, s]``) -> logits ``[s, b, V_pad/tp]``."""
         pos = self.positions(tokens, position_ids)
         x = self.embed(tokens, pos)
         rotary = self.rotary(pos, x)
         for layer in self.decoder.layers.values():
             x = layer(x, rotary)
-        logits = self.head(x)  # [s, b, V_pad/tp]
+        return self.head(x)
+
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+        logits = self.logits(tokens, position_ids)  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
         return self.per_token_loss(logits, labels)

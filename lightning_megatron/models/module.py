@@ -1,7 +1,6 @@
 """``ParallelGPTModule``: the LightningModule around :class:`GPTModel` (subclass it to customise)."""
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_megatron.contract import ParallelContext
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
@@ -84,20 +84,14 @@ class ParallelGPTModule(pl.LightningModule):
         self.config = config
         self.model: Optional[GPTModel] = None
         self._val_totals: Optional[Tensor] = None
+        self._parallel: Optional[ParallelContext] = None
 
     # ---------------------------------------------------------------- model
     def configure_model(self) -> None:
-        """Build the plain model (on the meta device under MegatronStrategy); idempotent."""
-        if self.model is not None:
-            return
-        with torch.device("meta") if self._builds_on_meta() else contextlib.nullcontext():
+        """Build the plain model; idempotent. Under :class:`MegatronStrategy` this runs inside the strategy's
+        ``tensor_init_context`` (the meta device), and the strategy materialises the model already sharded."""
+        if self.model is None:
             self.model = GPTModel(self.config)
-
-    def _builds_on_meta(self) -> bool:
-        from lightning_megatron.strategy import MegatronStrategy
-
-        trainer = self._trainer
-        return trainer is not None and isinstance(trainer.strategy, MegatronStrategy)
 
     def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
         """Per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V_pad/tp]``."""
@@ -105,17 +99,28 @@ class ParallelGPTModule(pl.LightningModule):
             self.configure_model()
         return self.model(tokens, position_ids, labels)
 
-    # ---------------------------------------------------------------- loss
-    def _dp_group(self) -> Tuple[Optional[dist.ProcessGroup], int]:
-        mesh = getattr(getattr(self._trainer, "strategy", None), "mesh", None)
-        if mesh is None:
-            return None, 1
-        return mesh.group("dp_cp"), mesh.size("dp_cp")
+    # ---------------------------------------------------------------- the step pieces (ParallelLightningModule)
+    def set_parallel_context(self, context: ParallelContext) -> None:
+        """The layout, from :class:`MegatronStrategy` (the data-parallel group of the loss, MoE token groups)."""
+        self._parallel = context
+
+    def forward_step(self, batch: Batch) -> Tensor:
+        """Logits ``[s, b, V_pad/tp]`` of the whole model for one micro-batch."""
+        if self.model is None:
+            self.configure_model()
+        return self.model.logits(batch["tokens"], batch.get("position_ids"))
+
+    def per_token_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        """Per-token loss ``[b, s]`` (fp32) of ``batch`` from logits ``[s, b, V_pad/tp]``."""
+        return self.model.per_token_loss(output, batch["labels"].to(output.device))
+
+    def loss_sum(self, output: Tensor, batch: Batch) -> Tensor:
+        """Masked loss sum of one micro-batch from logits ``[s, b, V_pad/tp]``."""
+        return self._masked_sum(self.per_token_loss(output, batch), batch)
 
     def loss_sum_and_count(self, batch: Batch) -> Tuple[Tensor, Tensor]:
         """Sum of the masked per-token losses of this rank's batch and the number of counted tokens."""
-        per_token = self(batch["tokens"], batch.get("position_ids"), batch["labels"])
-        return self._masked_sum(per_token, batch), self.token_count(batch)
+        return self.loss_sum(self.forward_step(batch), batch), self.token_count(batch)
 
     def _masked_sum(self, per_token: Tensor, batch: Batch) -> Tensor:
         mask = batch.get("loss_mask")
@@ -131,35 +136,25 @@ class ParallelGPTModule(pl.LightningModule):
             return torch.full((), float(batch["labels"].numel()), device=batch["labels"].device)
         return mask.float().sum()
 
-    # ---- pieces the strategy calls under pipeline parallelism (training_step is not called there)
-    def pipeline_loss_sum(self, logits: Tensor, batch: Batch) -> Tensor:
-        """Masked loss sum of one micro-batch from the last pipeline stage's logits ``[s, b, V_pad/tp]``."""
-        per_token = self.model.per_token_loss(logits, batch["labels"].to(logits.device))
-        return self._masked_sum(per_token, batch)
-
-    def on_pipeline_train_step_end(self, loss: Tensor) -> None:
-        """Called by the strategy after a pipeline step with the step's global token-mean loss."""
+    def log_train_step(self, loss: Tensor, num_microbatches: int) -> None:
+        """Log ``train_loss`` (the optimizer step's global token-mean, the same on every rank) and the MoE losses,
+        once per optimizer step."""
         self.log("train_loss", loss, prog_bar=True)
-        self._log_moe_losses(self.trainer.accumulate_grad_batches, pipeline=True)
+        self._log_moe_losses(num_microbatches)
 
     # ---------------------------------------------------------------- mixture of experts
     def set_moe_aux_loss_scale(self, scale: float) -> None:
-        """Gradient the routers' aux / z losses get in backward (see :func:`lightning_megatron.moe.set_aux_loss_scale_of`).
-        :meth:`training_step` sets ``dp_cp / accumulate_grad_batches``; under pipeline parallelism the
-        strategy sets ``dp_cp`` (the schedule divides gradients by the micro-batch count itself)."""
+        """Gradient the routers' aux / z losses get in backward (see :func:`lightning_megatron.moe.set_aux_loss_scale_of`):
+        the main loss's scale (``dp_cp / micro-batches``; ``dp_cp`` under pipeline parallelism, whose schedule
+        divides gradients by the micro-batch count itself)."""
         if self.model is not None and self.config.is_moe:
             set_aux_loss_scale_of(self.model, scale)
 
     def _moe_token_groups(self) -> list:
         """Groups holding the rest of a micro-batch's tokens (dp x cp, and tp under sequence parallelism)."""
-        strategy = getattr(self._trainer, "strategy", None)
-        mesh = getattr(strategy, "mesh", None)
-        if mesh is None:
+        if self._parallel is None:
             return [dist.group.WORLD] if self._is_distributed() else []   # plain DDP: each rank routes its own batch
-        groups = [mesh.group("dp_cp")]
-        if strategy.parallel_config.sequence_parallel:
-            groups.append(mesh.group("tp"))
-        return groups
+        return list(self._parallel.token_groups)
 
     def _moe_loss_names(self) -> list:
         c = self.config
@@ -170,25 +165,23 @@ class ParallelGPTModule(pl.LightningModule):
             names.append(("moe_z_loss", "z_loss"))
         return names
 
-    def _log_moe_losses(self, num_forwards: int, pipeline: bool = False) -> None:
-        """Log the global aux / z losses of the forwards since the last call (collective over the token groups
-        and, under pipeline parallelism, the pipeline group)."""
+    def _log_moe_losses(self, num_forwards: int) -> None:
+        """Log the global aux / z losses of the last ``num_forwards`` forwards, averaged (collective over the token
+        groups and, under pipeline parallelism, the pipeline group)."""
         if not self.config.is_moe or self.model is None:
             return
         names = self._moe_loss_names()
-        # under pipeline parallelism only the step's last num_forwards forwards are real micro-batches
-        sums = pop_aux_loss_sums(self.model, num_forwards if pipeline else None)
+        sums = pop_aux_loss_sums(self.model, num_forwards)
         if not names:
             return
         device = next(iter(self.model.parameters())).device
         values = torch.stack([sums.get(key, torch.zeros((), device=device)).float().to(device) for _, key in names])
         groups = self._moe_token_groups()
-        mesh = getattr(getattr(self._trainer, "strategy", None), "mesh", None)
-        if pipeline and mesh is not None:
-            groups.append(mesh.group("pp"))
+        if self._parallel is not None and self._parallel.pipeline:
+            groups.append(self._parallel.pp_group)
         for g in groups:
             dist.all_reduce(values, group=g)
-        if mesh is None and groups:   # plain DDP: the mean of the ranks' own values
+        if self._parallel is None and groups:   # plain DDP: the mean of the ranks' own values
             values = values / dist.get_world_size()
         values = values / max(num_forwards, 1)
         for (log_name, _), v in zip(names, values.unbind(0)):
@@ -197,14 +190,19 @@ class ParallelGPTModule(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Aux-loss-free balancing: update the expert biases from the step's global token counts."""
         if self.config.is_moe and self.config.moe_router_enable_expert_bias and self.model is not None:
-            strategy = getattr(self._trainer, "strategy", None)
-            pipeline = getattr(getattr(strategy, "parallel_config", None), "pp", 1) > 1
+            pipeline = self._parallel is not None and self._parallel.pipeline
             last = self.trainer.accumulate_grad_batches if pipeline else None
             update_expert_biases(self.model, self._moe_token_groups(), last)
 
     def accumulate_eval_totals(self, totals: Tensor) -> None:
         """Add ``[loss_sum, token_count]`` of one evaluation batch (this data-parallel rank's part)."""
         self._val_totals = totals if self._val_totals is None else self._val_totals + totals
+
+    # ---------------------------------------------------------------- Lightning steps (used by other strategies)
+    def _dp_group(self) -> Tuple[Optional[dist.ProcessGroup], int]:
+        if self._parallel is None:
+            return None, 1
+        return self._parallel.dp_group, self._parallel.dp_size
 
     def _global(self, value: Tensor, group: Optional[dist.ProcessGroup], size: int) -> Tensor:
         value = value.detach().clone()
@@ -213,17 +211,16 @@ class ParallelGPTModule(pl.LightningModule):
         return value
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        group, dp = self._dp_group()
+        """One micro-batch's token-mean loss. :class:`MegatronStrategy` does not call this (it runs the step's
+        micro-batches through :meth:`forward_step` / :meth:`loss_sum`); other strategies (single device, DDP) do."""
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        self.set_moe_aux_loss_scale(dp / accumulate)
+        self.set_moe_aux_loss_scale(1.0 / accumulate)
         loss_sum, count = self.loss_sum_and_count(batch)
-        global_count = self._global(count, group, dp).clamp(min=1.0)
-        # DDP averages gradients over dp x cp, so scaling by dp gives the gradient of the global token-mean.
-        loss = loss_sum * dp / global_count
-        mean = self._global(loss_sum, group, dp) / global_count
-        self.log("train_loss", mean, prog_bar=True, sync_dist=group is None and self._is_distributed())
-        self._log_moe_losses(1)
-        return loss
+        count = count.clamp(min=1.0)
+        self.log("train_loss", loss_sum.detach() / count, prog_bar=True, sync_dist=self._is_distributed())
+        if self.config.is_moe:
+            self._log_moe_losses(1)
+        return loss_sum / count
 
     def _is_distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

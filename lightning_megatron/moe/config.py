@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -88,3 +88,21 @@ def check_expert_parallel(config: MoEConfig, ep: int) -> int:
         raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by "
                          f"expert_model_parallel_size ({ep})")
     return config.num_moe_experts // ep
+
+
+def moe_layer_pattern(config: Any) -> List[int]:
+    """1 for each layer whose MLP is a MoE layer, 0 for a dense one (all 0 without ``num_moe_experts``)."""
+    num_layers = config.num_layers
+    if getattr(config, "num_moe_experts", None) is None:
+        return [0] * num_layers
+    freq = getattr(config, "moe_layer_freq", 1)
+    if freq is None:
+        freq = 1
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    pattern = [int(x) for x in freq]
+    if len(pattern) != num_layers or any(x not in (0, 1) for x in pattern):
+        raise ValueError(f"moe_layer_freq={freq!r} must be an int or a 0/1 list of length num_layers={num_layers}")
+    return pattern

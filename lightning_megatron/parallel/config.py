@@ -29,6 +29,13 @@ class ParallelConfig:
             Ignored with a warning when ``tp == 1`` (as Megatron's training arguments do).
         cp_comm_type: context-parallel attention communication, one string or one per layer.
         hierarchical_context_parallel_sizes: inner/outer sizes for ``cp_comm_type="a2a+p2p"``.
+        pipeline_schedule: one of ``SCHEDULE_NAMES`` in :mod:`lightning_megatron.parallel.pipeline` (default
+            ``"1f1b"``, ``"interleaved_1f1b"`` with ``vp``).
+        num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: uneven pipeline splits.
+        grad_reduce_in_bf16: reduce data-parallel gradients in bfloat16 (``--grad-reduce-in-bf16``).
+        use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``).
+        delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
+            applies (cp > 1, an a2a comm type, tp = 1), resolved against the model by ``parallelize``.
     """
 
     tp: int = 1
@@ -40,6 +47,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     cp_comm_type: Union[str, Sequence[str]] = "p2p"
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None
+    pipeline_schedule: Optional[str] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    grad_reduce_in_bf16: bool = False
+    use_distributed_optimizer: bool = False
+    delay_wgrad_compute: Optional[bool] = None
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -68,7 +81,7 @@ class ParallelConfig:
                 stacklevel=3,
             )
             self.sequence_parallel = False
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        types = self.cp_comm_types
         for t in types:
             if t not in CP_COMM_TYPES:
                 raise ValueError(f"cp_comm_type {t!r} is not one of {CP_COMM_TYPES}")
@@ -84,7 +97,44 @@ class ParallelConfig:
                 )
         elif "a2a+p2p" in types and self.cp > 1:
             raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
+        self._check_pipeline()
+        if self.use_distributed_optimizer and self.ep > 1:
+            raise ValueError(f"use_distributed_optimizer=True with ep={self.ep} is not supported yet: expert weights "
+                             "differ between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
+                             "plain optimizer")
+        if self.delay_wgrad_compute and not self.delay_wgrad_applies:
+            raise ValueError(
+                "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
+                f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
+                f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         self._resolved = False
+
+    def _check_pipeline(self) -> None:
+        from lightning_megatron.parallel.pipeline import check_schedule, default_schedule
+
+        if self.pipeline_schedule is None:
+            self.pipeline_schedule = default_schedule(self.vp)
+        if self.pp > 1:
+            check_schedule(self.pipeline_schedule, self.pp, self.vp)
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+
+    @property
+    def cp_comm_types(self) -> list:
+        """The context-parallel comm type of each layer kind given (one entry, or one per layer)."""
+        return [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+
+    def cp_comm_type_of(self, layer: int) -> str:
+        """The context-parallel comm type of global layer ``layer``."""
+        types = self.cp_comm_type
+        return types if isinstance(types, str) else types[layer]
+
+    @property
+    def delay_wgrad_applies(self) -> bool:
+        """Whether the layout can delay weight gradients into CP exchanges (cp > 1, an a2a comm type, tp = 1)."""
+        return self.cp > 1 and self.tp == 1 and any(t in A2A_COMM_TYPES for t in self.cp_comm_types)
 
     @property
     def model_parallel_size(self) -> int:
@@ -149,6 +199,11 @@ class ParallelConfig:
                 f"cp_comm_type has {len(self.cp_comm_type)} entries but the model has num_layers={layers}: "
                 "give one string, or one per layer"
             )
+        if self.pp > 1 and layers is not None:
+            from lightning_megatron.parallel.pipeline import layers_per_stage
+
+            layers_per_stage(layers, self.pp * (self.vp or 1), self.num_layers_in_first_pipeline_stage,
+                             self.num_layers_in_last_pipeline_stage)
         seq = getattr(model_config, "seq_length", None)
         if self.cp > 1 and seq is not None:
             chunks = 2 * self.cp * (self.tp if self.sequence_parallel else 1)

@@ -15,7 +15,6 @@ index>...``) do not depend on the split and checkpoints stay layout-independent.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -172,19 +171,6 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, vp: int, schedule: str,
     return stages, mine, num_stages
 
 
-@dataclass
-class Microbatches:
-    """The micro-batches of one optimizer step, as the loss function and the stages read them."""
-
-    batches: List[Dict[str, Tensor]]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def stacked(self, key: str) -> Tensor:
-        return torch.cat([b[key] for b in self.batches], dim=0)
-
-
 def build_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable) -> Any:
     """The ``torch.distributed.pipelining`` schedule object (grads averaged over micro-batches once)."""
     from torch.distributed import pipelining as P
@@ -339,16 +325,14 @@ class PipelineRunner:
 
     # ---- forward only (validation / test / predict)
     @torch.no_grad()
-    def forward_only(self, tokens: Tensor, position_ids: Optional[Tensor], hidden_size: int,
-                     sequence_parallel: bool, tp_size: int, dtype: torch.dtype) -> Optional[Tensor]:
-        """Run one batch through every stage in order (blocking send/recv between ranks).
+    def forward_only(self, tokens: Tensor, position_ids: Optional[Tensor]) -> Optional[Tensor]:
+        """Run one batch through every stage in order (blocking send/recv between ranks, each activation preceded
+        by its shape and dtype, so no stage needs to know the model's sizes).
 
         Returns the last stage's output (logits ``[s, b, V_pad/tp]``) on the rank holding it, else None.
         """
         self._set_positions([position_ids])
         me = dist.get_rank()
-        s, b = tokens.shape[1], tokens.shape[0]
-        hidden_shape = (s // tp_size if sequence_parallel else s, b, hidden_size)
         x: Optional[Tensor] = None
         result = None
         for g in range(self.num_stages):
@@ -362,13 +346,12 @@ class PipelineRunner:
             elif self.holder(g - 1) == me:
                 inp = x
             else:
-                inp = torch.empty(hidden_shape, dtype=dtype, device=self.device)
-                dist.recv(inp, src=self.holder(g - 1))
+                inp = _recv_any(self.holder(g - 1), self.device)
             x = module(inp)
             if g == self.num_stages - 1:
                 result = x
             elif self.holder(g + 1) != me:
-                dist.send(x.contiguous(), dst=self.holder(g + 1))
+                _send_any(x, self.holder(g + 1))
         self._set_positions([])
         return result
 
@@ -377,3 +360,110 @@ class PipelineRunner:
         t = t.contiguous()  # a collective sends the storage as laid out: a transposed view would scramble
         dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
         return t
+
+    def broadcast_any_from_last(self, t: Optional[Tensor]) -> Tensor:
+        """Broadcast the last stage's ``t`` over the pipeline group; other ranks pass None and learn its shape and
+        dtype from a small header broadcast first."""
+        header = _header(t, self.device) if t is not None else torch.zeros(_HEADER_LEN, dtype=torch.long, device=self.device)
+        dist.broadcast(header, src=self.last_stage_rank, group=self.pp_group)
+        if t is None:
+            t = _empty_from_header(header, self.device)
+        return self.broadcast_from_last(t)
+
+
+_HEADER_LEN = 8
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+def _header(t: Tensor, device: torch.device) -> Tensor:
+    """``[dtype index, ndim, *shape]`` padded to :data:`_HEADER_LEN` int64s."""
+    if t.dim() > _HEADER_LEN - 2:
+        raise ValueError(f"cannot exchange a {t.dim()}-d tensor between pipeline stages (at most {_HEADER_LEN - 2})")
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values + [0] * (_HEADER_LEN - len(values)), dtype=torch.long, device=device)
+
+
+def _empty_from_header(header: Tensor, device: torch.device) -> Tensor:
+    values = header.tolist()
+    dtype, ndim = _DTYPES[values[0]], values[1]
+    return torch.empty(values[2:2 + ndim], dtype=dtype, device=device)
+
+
+def _send_any(t: Tensor, dst: int) -> None:
+    dist.send(_header(t, t.device), dst=dst)
+    dist.send(t.contiguous(), dst=dst)
+
+
+def _recv_any(src: int, device: torch.device) -> Tensor:
+    header = torch.empty(_HEADER_LEN, dtype=torch.long, device=device)
+    dist.recv(header, src=src)
+    t = _empty_from_header(header, device)
+    dist.recv(t, src=src)
+    return t
+
+
+class PipelineStages:
+    """This rank's part of a pipeline-parallel model (the result of :func:`split_pipeline`).
+
+    Attributes:
+        modules: this rank's :class:`PipelineStageModule` s in chunk order; ``indices``: their global stage
+            indices; ``num_stages``: ``pp * vp``; ``schedule``: the schedule's name.
+        model: the pruned GPT-layout model they share submodules with.
+        tied_copy: under tied embeddings with the loop placement, the word-embedding weight of a rank holding
+            the last stage but not the first (a copy whose gradient is summed with the first stage's each step and
+            which the gradient norm leaves out); else None.
+    """
+
+    def __init__(self, modules: List[PipelineStageModule], indices: List[int], num_stages: int, schedule: str,
+                 model: nn.Module, tied_embeddings: bool) -> None:
+        self.modules, self.indices, self.num_stages, self.schedule = modules, indices, num_stages, schedule
+        self.model, self.tied_embeddings = model, tied_embeddings
+
+    @property
+    def v_shape(self) -> bool:
+        return self.schedule in V_SHAPE_SCHEDULES
+
+    @property
+    def tied(self) -> bool:
+        """Tied word embeddings whose two uses sit on different ranks (loop placement)."""
+        return self.tied_embeddings and not self.v_shape
+
+    def word_embeddings(self) -> Optional[nn.Parameter]:
+        embedding = self.model.embedding
+        return embedding.word_embeddings.weight if embedding is not None else None
+
+    def tied_copy(self) -> Optional[nn.Parameter]:
+        holds_first, holds_last = 0 in self.indices, self.num_stages - 1 in self.indices
+        return self.word_embeddings() if self.tied and holds_last and not holds_first else None
+
+    def runner(self, pp_group: dist.ProcessGroup, pp_ranks: List[int], device: torch.device) -> "PipelineRunner":
+        """The :class:`PipelineRunner` of these stages over ``pp_group``."""
+        return PipelineRunner(self.modules, self.indices, self.num_stages, pp_group, pp_ranks, self.schedule,
+                              device, self.v_shape)
+
+
+def split_pipeline(model: nn.Module, pp_rank: int, config: Any,
+                   forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> PipelineStages:
+    """Pipeline parallelism: prune ``model`` (a :class:`~lightning_megatron.contract.PipelineModel`, on the
+    meta device) to pipeline rank ``pp_rank``'s stages under ``config`` (a ``ParallelConfig``: pp, vp, tp, schedule,
+    uneven splits). Each stage runs its forward inside ``forward_context()`` (the precision plugin's autocast).
+
+    Raises:
+        ValueError: ``model`` does not follow the GPT layout.
+    """
+    from lightning_megatron.contract import PipelineModel
+
+    if not isinstance(model, PipelineModel):
+        raise ValueError(
+            f"pp={config.pp} needs a model implementing lightning_megatron.contract.PipelineModel (the GPT "
+            f"layout: embedding, decoder.layers, output_layer, positions/embed/rotary/head, as "
+            f"lightning_megatron.GPTModel); got {type(model).__name__}"
+        )
+    tied = model.output_layer.weight is None
+    modules, indices, num_stages = split_model(
+        model, pp_rank, config.pp, config.vp or 1, config.pipeline_schedule, config.tp,
+        config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage,
+    )
+    for stage in modules:
+        stage.forward_context = forward_context
+    return PipelineStages(modules, indices, num_stages, config.pipeline_schedule, model, tied)

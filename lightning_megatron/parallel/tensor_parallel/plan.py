@@ -7,6 +7,7 @@ from typing import Callable, ContextManager, Dict, Optional
 
 from torch import nn
 
+from lightning_megatron.contract import TensorParallelAware, TensorParallelModel
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
 
 
@@ -96,7 +97,7 @@ def apply_tp(
     if tp == 1:
         return model
     if plan is None:
-        if not hasattr(model, "tensor_parallel_plan"):
+        if not isinstance(model, TensorParallelModel):
             raise ValueError(
                 f"{type(model).__name__} has no tensor_parallel_plan(tp, sequence_parallel): pass plan= to "
                 "apply_tp or use lightning_megatron.GPTModel"
@@ -116,6 +117,6 @@ def apply_tp(
     missing = [p for p, n in matched.items() if n == 0]
     if missing:
         raise ValueError(f"tensor-parallel plan patterns matched no module: {missing}")
-    if hasattr(model, "set_tensor_parallel"):
+    if isinstance(model, TensorParallelAware):
         model.set_tensor_parallel(group, sequence_parallel, tp_fork)
     return model

@@ -1,0 +1,156 @@
+"""The written contract between models and the parallelize pipeline / the strategy.
+
+Two sides, each a set of small :class:`typing.Protocol` s (checked with ``isinstance``, never by probing
+attribute names one at a time):
+
+* **the plain model** (an ``nn.Module``, e.g. :class:`lightning_megatron.GPTModel`): what
+  :func:`lightning_megatron.parallelize` may call on it, one protocol per parallelism. A model implements only
+  the ones it supports; asking for a parallelism its model does not implement raises an error naming the
+  protocol.
+* **the LightningModule** (e.g. :class:`lightning_megatron.ParallelGPTModule`): what
+  :class:`lightning_megatron.MegatronStrategy` calls to run one optimizer step through
+  :func:`lightning_megatron.parallel.forward_backward.forward_backward` (:class:`ParallelLightningModule`).
+  A LightningModule without it still trains under the strategy through Lightning's own loop (pp = 1 only).
+
+Nothing here imports the strategy; the strategy and ``parallelize`` import this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+
+from torch import Tensor, nn
+
+Batch = Dict[str, Tensor]
+
+
+# ---------------------------------------------------------------------------------------------- plain model
+@runtime_checkable
+class TensorParallelModel(Protocol):
+    """A model that can be tensor-parallelised by :func:`lightning_megatron.parallel.apply_tp`."""
+
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool) -> Dict[str, object]:
+        """Module-name pattern -> TP style (``ColwiseParallel``, ``RowwiseParallel``, ...)."""
+
+
+@runtime_checkable
+class TensorParallelAware(Protocol):
+    """A model that wants to know its TP group after ``apply_tp`` swapped its layers (optional)."""
+
+    def set_tensor_parallel(self, group: Any, sequence_parallel: bool,
+                            tp_fork: Optional[Callable[[], ContextManager]] = None) -> None:
+        """Called after the layers are swapped: the TP group for the loss, SP scatters and dropout streams."""
+
+
+@runtime_checkable
+class ContextParallelModel(Protocol):
+    """A model whose core attention can run over a context-parallel group.
+
+    ``supports_delayed_wgrad``: whether its layers can hand weight-gradient GEMMs to the CP attention's backward
+    (``delay_wgrad_compute``); the strategy's automatic default applies only to models that declare it.
+    """
+
+    supports_delayed_wgrad: bool
+
+    def set_context_parallel(self, attention_for_layer: Callable[[int], Callable[..., Tensor]],
+                             delay_wgrad_for_layer: Optional[Callable[[int], bool]] = None) -> None:
+        """Route layer ``i``'s core attention through ``attention_for_layer(i)``."""
+
+
+@runtime_checkable
+class ExpertParallelModel(Protocol):
+    """A mixture-of-experts model whose experts can be sharded over the expert-parallel groups."""
+
+    def moe_layers(self) -> Dict[str, nn.Module]:
+        """``{layer key: MoE layer}`` of the MoE layers this model (or pipeline stage) holds."""
+
+    def set_expert_parallel(self, ep_group: Any, etp_group: Any = None, ep_etp_group: Any = None) -> None:
+        """Shard the experts (on the meta device, before initialisation)."""
+
+    def set_moe_token_groups(self, sequence_groups: Sequence[Any] = (), batch_groups: Sequence[Any] = ()) -> None:
+        """Where the rest of a micro-batch's tokens are, for the routers' global statistics."""
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    """The GPT layout :func:`lightning_megatron.parallel.pipeline.split_model` cuts into stages.
+
+    ``embedding`` (run by ``embed(tokens [b, s], pos [s, b]) -> [s, b, h]``), ``decoder.layers`` (a ``ModuleDict``
+    keyed by global layer index, each ``layer(x, rotary)``), ``decoder.final_layernorm`` + ``output_layer`` (run by
+    ``head(x) -> logits [s, b, V/tp]``), ``positions(tokens, position_ids) -> [s, b]`` and ``rotary(pos, like)``.
+    """
+
+    embedding: nn.Module
+    decoder: nn.Module
+    output_layer: nn.Module
+
+    def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor: ...
+
+    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor: ...
+
+    def rotary(self, pos: Tensor, like: Tensor) -> Any: ...
+
+    def head(self, x: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class InitialisableModel(Protocol):
+    """A model that initialises its (possibly sharded) parameters layout-independently from a seed."""
+
+    def init_weights(self, seed: Optional[int] = None) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- LightningModule
+@dataclass(frozen=True)
+class ParallelContext:
+    """What a LightningModule learns about the layout from the strategy (:meth:`set_parallel_context`).
+
+    Attributes:
+        dp_group, dp_size: the data-parallel x context-parallel group the loss is averaged over.
+        token_groups: groups that together hold the rest of a micro-batch's tokens (dp x cp, and tp under
+            sequence parallelism): MoE routers' global statistics are reduced over them.
+        pp_group: the pipeline group, or None without pipeline parallelism.
+    """
+
+    dp_group: Any = None
+    dp_size: int = 1
+    token_groups: List[Any] = field(default_factory=list)
+    pp_group: Any = None
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pp_group is not None
+
+
+@runtime_checkable
+class ParallelLightningModule(Protocol):
+    """What :class:`MegatronStrategy` calls on a LightningModule to run its one step path.
+
+    The strategy collects the micro-batches of one optimizer step and runs them through
+    :func:`~lightning_megatron.parallel.forward_backward.forward_backward` (a pipeline schedule, or the plain loop
+    when pp == 1); evaluation and prediction go through the same forward.
+    """
+
+    def set_parallel_context(self, context: ParallelContext) -> None:
+        """Receive the layout (before the first step)."""
+
+    def forward_step(self, batch: Batch) -> Tensor:
+        """The whole model's output for one micro-batch: logits ``[s, b, V/tp]`` (used when pp == 1)."""
+
+    def loss_sum(self, output: Tensor, batch: Batch) -> Tensor:
+        """Sum of the masked per-token losses of ``batch`` from the (last stage's) ``output``: a scalar."""
+
+    def token_count(self, batch: Batch) -> Tensor:
+        """Number of tokens the loss counts in ``batch`` (a scalar tensor)."""
+
+    def per_token_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        """Per-token loss ``[b, s]`` of ``batch`` (with labels) from ``output``."""
+
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """Gradient scale of auxiliary losses attached in forward (the main loss's scale)."""
+
+    def log_train_step(self, loss: Tensor, num_microbatches: int) -> None:
+        """Log the step's loss (global token-mean, the same on every rank), once per optimizer step."""
+
+    def accumulate_eval_totals(self, totals: Tensor) -> None:
+        """Add ``[loss_sum, token_count]`` of one evaluation batch."""

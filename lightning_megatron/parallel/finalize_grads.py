@@ -1,0 +1,76 @@
+"""One place for the gradient work between the last backward of a step and the optimizer: reductions that DDP
+does not do, and clipping by the true global norm (Megatron's ``finalize_model_grads`` + ``clip_grad_norm``)."""
+from __future__ import annotations
+
+from typing import List, Optional, Set
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_megatron.parallel.grad_norm import clip_grad_norm_
+from lightning_megatron.parallel.grad_sync import (
+    allreduce_data_parallel_grads,
+    allreduce_expert_parallel_grads,
+    allreduce_sequence_parallel_grads,
+)
+from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallelize import ParallelizedModel
+
+
+class GradientFinalizer:
+    """Finishes the gradients of a :class:`~lightning_megatron.parallelize.ParallelizedModel` once per step.
+
+    :meth:`finalize` (after the step's last backward, in this order): the data-parallel average of pipeline
+    stages' gradients over dp x cp (stages are not wrapped in DDP); expert gradients summed over expert data
+    parallel (``edp``) and divided by dp x cp; SP-replicated gradients summed over ``tp``; the tied word-embedding
+    gradient summed over the ``embedding`` group (first and last pipeline stage).
+    :meth:`clip` scales gradients to a global L2 norm counted over tp, pp and the ep x etp block.
+    """
+
+    def __init__(self, parallelized: ParallelizedModel, mesh: ParallelMesh) -> None:
+        self.parallelized, self.mesh = parallelized, mesh
+        config = mesh.config
+        self.reduce_dtype: Optional[torch.dtype] = torch.bfloat16 if config.grad_reduce_in_bf16 else None
+        self.experts: Set[int] = {id(p) for p in parallelized.expert_params}
+        stages = parallelized.pipeline
+        copy = stages.tied_copy() if stages is not None else None
+        self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
+
+    def finalize(self) -> None:
+        """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply)."""
+        p, mesh = self.parallelized, self.mesh
+        if p.pipeline is not None and mesh.size("dp_cp") > 1:
+            dense = [q for q in p.module.parameters() if id(q) not in self.experts]
+            allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
+        if p.expert_params:
+            allreduce_expert_parallel_grads(p.expert_params, mesh.group("edp"), mesh.size("dp_cp"),
+                                            reduce_dtype=self.reduce_dtype)
+        if p.sequence_parallel_params:
+            allreduce_sequence_parallel_grads(p.sequence_parallel_params, mesh.group("tp"))
+        if p.pipeline is not None and p.pipeline.tied:
+            group, weight = mesh.group("embedding"), p.pipeline.word_embeddings()
+            if group is not None and weight is not None:
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                dist.all_reduce(weight.grad, group=group)
+
+    def clip(self, params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip ``params``' gradients to global L2 norm ``max_norm``; returns the norm before clipping.
+
+        TP-sharded parameters count over the TP group, expert parameters over the ep x etp block, pipeline stages'
+        over the pipeline group, replicated ones once; the last stage's tied embedding copy is scaled like its
+        first-stage twin but not counted.
+        """
+        mesh = self.mesh
+        counted = [p for p in params if id(p) not in self.excluded_from_norm]
+        pp_groups = [mesh.group("pp")] if mesh.config.pp > 1 else []
+        norm = clip_grad_norm_(counted, float(max_norm), self.parallelized.sharded_params, mesh.group("tp"),
+                               pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"))
+        excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]
+        if excluded:
+            with torch.no_grad():
+                coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+                for p in excluded:
+                    p.grad.mul_(coef.to(p.grad.device))
+        return norm

@@ -1,0 +1,152 @@
+"""``parallelize``: apply the parallelisms to a plain model, in one documented order.
+
+The model has no parallelism inside it. :func:`parallelize` finds the models in a module tree that implement the
+contract (:mod:`lightning_megatron.contract`) and applies, in this order, each step usable on its own
+(the strategy and the plain-PyTorch quick-start loop call the same functions)::
+
+    apply_tp         tensor (+ sequence) parallel layers          parallel/tensor_parallel/plan.py
+    apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
+    apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
+    apply_recompute  activation recompute            (slot: none yet)
+    apply_fp8        FP8 GEMMs                       (slot: none yet)
+    apply_compile    torch.compile of blocks         (slot: none yet)
+    split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
+    materialize      allocate this rank's shards, initialise them layout-independently
+    apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
+                                                                  parallel/data_parallel.py
+
+Everything up to ``split_pipeline`` runs on the meta device, so no rank ever holds more than its shard.
+``apply_dp`` is left to the caller (the strategy wraps only when fitting; pipeline stages are not wrapped).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, List, Optional, Set
+
+import torch
+from torch import nn
+
+from lightning_megatron.contract import InitialisableModel, TensorParallelModel
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.context_parallel.apply import apply_cp
+from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
+from lightning_megatron.parallel.grad_sync import defer_sequence_parallel_grad_reduce, owned_parameters
+from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
+from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
+
+
+@dataclass
+class ParallelizedModel:
+    """What :func:`parallelize` did to a module, for the gradient finalisation, the step path and checkpoints.
+
+    Attributes:
+        module: the parallelised module (changed in place).
+        models: the models that implement :class:`~lightning_megatron.contract.TensorParallelModel`.
+        sharded_params: ``id()`` of parameters split over the TP group (their squared norms sum over TP).
+        sequence_parallel_params: SP-replicated parameters whose gradients are summed over TP once per step.
+        expert_params: routed-expert parameters (reduced over expert data parallel, not by DDP).
+        pipeline: this rank's pipeline stages (pp > 1), else None.
+        delay_wgrad: whether the a2a CP layers delay their weight gradients.
+    """
+
+    module: nn.Module
+    models: List[nn.Module]
+    sharded_params: Set[int] = field(default_factory=set)
+    sequence_parallel_params: List[nn.Parameter] = field(default_factory=list)
+    expert_params: List[nn.Parameter] = field(default_factory=list)
+    pipeline: Optional[PipelineStages] = None
+    delay_wgrad: bool = False
+
+
+def apply_recompute(module: nn.Module, config: ParallelConfig) -> None:
+    """Slot for activation recompute (Megatron's ``--recompute-*``): nothing to apply yet."""
+
+
+def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
+    """Slot for FP8 GEMMs (Transformer Engine or torch-native): nothing to apply yet."""
+
+
+def apply_compile(module: nn.Module, config: ParallelConfig) -> None:
+    """Slot for ``torch.compile`` of transformer blocks: nothing to apply yet."""
+
+
+def materialize(module: nn.Module, models: List[nn.Module], device: torch.device, seed: int) -> None:
+    """Allocate meta-device parameters of ``module`` on ``device`` and initialise them: models implementing
+    :class:`~lightning_megatron.contract.InitialisableModel` with ``init_weights(seed)`` (the same global
+    weights under every layout), every other submodule with its ``reset_parameters()``. No-op without meta
+    parameters."""
+    if not any(p.is_meta for p in module.parameters()):
+        return
+    module.to_empty(device=device)
+    initialised: Set[int] = set()
+    for model in models:
+        if isinstance(model, InitialisableModel):
+            model.init_weights(seed)
+            initialised.update(id(m) for m in model.modules())
+    with torch.no_grad():
+        for m in module.modules():
+            reset = getattr(m, "reset_parameters", None)
+            if id(m) not in initialised and callable(reset):
+                reset()
+
+
+def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
+    """``id()`` of the parameters of ``module`` that are shards over the TP group."""
+    return {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, TensorParallelModule)
+        for name, p in m.named_parameters(recurse=False)
+        if m.is_sharded(name)
+    }
+
+
+def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,
+                tp_fork: Optional[Callable[[], ContextManager]] = None,
+                forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> ParallelizedModel:
+    """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
+    docstring for the order). Collective only where a step needs it (none before materialisation).
+
+    Args:
+        module: a module tree built on the meta device (or on a real device: then only the TP slicing and
+            splits apply; weights are kept).
+        mesh: the process grid; ``config``: the layout (``mesh.config``).
+        device: where this rank's parameters live; ``seed``: the base seed of layout-independent initialisation.
+        tp_fork: context factory entering the per-TP-rank RNG stream (dropout); ``forward_context``: entered by
+            each pipeline stage's forward (the precision plugin's autocast).
+
+    Raises:
+        ValueError: a parallelism is asked for that the module's models do not implement (naming the contract).
+    """
+    models = [m for m in module.modules() if isinstance(m, TensorParallelModel)]
+    if config.tp > 1:
+        if not models:
+            raise ValueError(
+                f"tp={config.tp} but {type(module).__name__} contains no module with a tensor_parallel_plan(tp, "
+                "sequence_parallel) method (lightning_megatron.contract.TensorParallelModel); use "
+                "lightning_megatron.GPTModel or call lightning_megatron.parallel.apply_tp(model, group, plan=...) in "
+                "configure_model"
+            )
+        for model in models:
+            apply_tp(model, mesh.group("tp"), config.sequence_parallel, tp_fork=tp_fork)
+    delay_wgrad = apply_cp(models, mesh, config)
+    apply_ep(models, mesh, config)
+    apply_recompute(module, config)
+    apply_fp8(module, config)
+    apply_compile(module, config)
+    pipeline = None
+    if config.pp > 1:
+        if len(models) != 1:
+            raise ValueError(f"pp={config.pp} needs exactly one model with the GPT layout, found {len(models)}")
+        pipeline = split_pipeline(models[0], mesh.rank("pp"), config, forward_context)
+    sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
+    materialize(module, models, device, seed)
+    # after materialisation: to_empty() replaced the meta Parameter objects
+    return ParallelizedModel(
+        module=module, models=models, sharded_params=tensor_parallel_sharded(module),
+        sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
+        pipeline=pipeline, delay_wgrad=delay_wgrad,
+    )
