@@ -274,7 +274,7 @@ def parameter_seed(seed: int, name: str) -> int:
 class GPTModel(nn.Module):
     """GPT / LLaMA decoder. ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)``.
 
-    With ``labels`` returns the per-token loss ``[b, s]`` (fp32); without, logits ``[b, s, V_pad/tp]``
+    With ``labels`` returns the per-token loss ``[b, s]`` (fp32; float64 for a float64 model); without, logits ``[b, s, V_pad/tp]``
     (this rank's vocabulary slice under TP). Built on the meta device, it skips initialisation; call
     :meth:`init_weights` after materialising (the strategy does).
     """
@@ -451,7 +451,8 @@ class GPTModel(nn.Module):
         return self.output_layer(x, weight=shared)
 
     def per_token_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` fp32."""
+        """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` fp32 (float64 for
+        float64 logits)."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
 
     def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
