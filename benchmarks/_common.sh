@@ -1,4 +1,4 @@
-# Sourced by the run_*.sh scripts: environment for NCCL on the lent machines, the log, and `run`, which runs
+# Sourced by the run_*.sh scripts: environment for NCCL on the GPU machines, the log, and `run`, which runs
 # one arm under a timeout and keeps only the JSON result lines and errors (also appended to $LOG).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

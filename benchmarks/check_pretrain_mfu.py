@@ -1,4 +1,4 @@
-"""Issue 6's GPU check: the benchmark model trained from preprocessed data through ``examples/pretrain_gpt.py``
+"""GPU check of MFUMonitor: the benchmark model trained from preprocessed data through ``examples/pretrain_gpt.py``
 with ``MFUMonitor``, its logged tokens/s and MFU compared with an independent measurement in the same run.
 
     python benchmarks/check_pretrain_mfu.py [--model bench|tiny] [--accelerator gpu|cpu] [--iters 60]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7, 4 GPUs (nvidia-h200-x4), one device call: NCCL numerics of four layouts against 1 GPU (5 steps of a
+# 4 GPUs (nvidia-h200-x4), one device call: NCCL numerics of four layouts against 1 GPU (5 steps of a
 # 4-layer / hidden-512 model, bf16-mixed: "bf16 tolerance"), then tokens/s per GPU and MFU of tp=2 x pp=2 on
 # the 1.3B benchmark model against 1 GPU in the same call.
 #   bash benchmarks/run_x4.sh            # ARMS="check speed" by default

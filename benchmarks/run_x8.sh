@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7, 8 GPUs (nvidia-h200-x8), one device call: NCCL numerics of a 5D dense layout and of ep=4 x tp=2 (SP)
+# 8 GPUs (nvidia-h200-x8), one device call: NCCL numerics of a 5D dense layout and of ep=4 x tp=2 (SP)
 # on a MoE model against 1 GPU (5 bf16 steps), then the LLaMA-3-8B preset at seq 8192 with tp=1, cp=2, dp=4
 # (Megatron's reference layout): tokens/s per GPU and MFU. FP8 is not implemented yet, so only bf16 runs.
 #   bash benchmarks/run_x8.sh            # ARMS="check speed" by default

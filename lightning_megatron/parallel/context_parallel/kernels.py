@@ -65,7 +65,7 @@ def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bo
 def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the fused kernels take it: any strides (the model's ``[s, b, n, d]`` activations viewed as
     ``[b, n, s, d]`` are fine) as long as the head dim is contiguous. Both kernels take GQA K/V (fewer heads than
-    ``q``) natively (benchmarks/probe_cp_kernels.py), so nothing is repeated or copied."""
+    ``q``) natively (measured in benchmarks/RESULTS.md), so nothing is repeated or copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
