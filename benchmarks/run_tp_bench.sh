@@ -50,8 +50,8 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_attention.py
       run torchrun --nproc_per_node=2 benchmarks/check_cp.py
       run python3 benchmarks/bench_tp.py ours --seq 16384 --mbs 1 --watchdog $WD
-      LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --watchdog $WD
-      LIGHTNING_MEGATRON_CP_ATTENTION=cudnn run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --seq 16384 --mbs 1 --watchdog $WD ;;
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-attention-kernel cudnn --seq 16384 --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --cp-comm-type a2a --cp-attention-kernel cudnn --seq 16384 --mbs 1 --watchdog $WD ;;
     cpprofile)  # one profiled optimizer step of cp=2 p2p at seq 16384 (top device ops of rank 0)
       timeout -k 10 ${ARM_TIMEOUT:-330} torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --cp 2 --seq 16384 --mbs 1 --profile --watchdog $WD 2>&1 | grep -vE "Warning|warn|^ *$" | tail -45 | tee -a "$LOG" ;;
     cpdiff)  # kernel probe (native GQA, strided inputs), then profiles of cp=1 / cp=2 p2p / cp=2 a2a written to

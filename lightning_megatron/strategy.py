@@ -101,6 +101,9 @@ class MegatronStrategy(DDPStrategy):
             (the exchanges would otherwise be exposed). Gradients are unchanged. ``None`` (default): on wherever
             it applies (those layouts, with a model whose ``set_context_parallel`` takes the delay, as
             ``GPTModel``'s); measured 0.7-0.9% faster at cp=2 on 2xH200. ``False``: off.
+        cp_attention_kernel, cp_compile_merge, cp_sm_carveout: context-parallel kernel options, see
+            :class:`~lightning_megatron.parallel.config.ParallelConfig` (block kernel on CUDA half types, compiled
+            ring merge, SMs left to the a2a exchanges by the delayed weight-gradient GEMMs).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks).
         ddp_kwargs: extra arguments to ``torch.nn.parallel.DistributedDataParallel`` (used when pp == 1).
@@ -127,6 +130,9 @@ class MegatronStrategy(DDPStrategy):
         grad_reduce_in_bf16: bool = False,
         use_distributed_optimizer: bool = False,
         delay_wgrad_compute: Optional[bool] = None,
+        cp_attention_kernel: str = "auto",
+        cp_compile_merge: bool = True,
+        cp_sm_carveout: Optional[int] = None,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -142,6 +148,7 @@ class MegatronStrategy(DDPStrategy):
         self.parallel_config = ParallelConfig(
             tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
             cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            cp_attention_kernel=cp_attention_kernel, cp_compile_merge=cp_compile_merge, cp_sm_carveout=cp_sm_carveout,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -371,8 +378,10 @@ class MegatronStrategy(DDPStrategy):
         comm_type = self._comm_type(layer)
         inner = self.mesh.group("cp_inner") if comm_type == "a2a+p2p" else None
         outer = self.mesh.group("cp_outer") if comm_type == "a2a+p2p" else None
+        cfg = self.parallel_config
         return functools.partial(context_parallel_attention, group=self.mesh.group("cp"), comm_type=comm_type,
-                                 inner_group=inner, outer_group=outer)
+                                 inner_group=inner, outer_group=outer, attention_kernel=cfg.cp_attention_kernel,
+                                 compile_merge=cfg.cp_compile_merge, sm_carveout=cfg.cp_sm_carveout)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence.
