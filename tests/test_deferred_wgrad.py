@@ -271,16 +271,6 @@ def test_attention_validates_its_kernel_options(kwargs, message):
         context_parallel_attention(q, q, q, None, **kwargs)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the SM count is checked against a CUDA device")
-def test_a_carveout_of_every_sm_is_refused():
-    from lightning_megatron.parallel.context_parallel.sm_carveout import carveout_window
-
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    with pytest.raises(ValueError, match=f"cp_sm_carveout={sms} leaves no SM to the GEMMs: this GPU has {sms}"):
-        with carveout_window(sms):
-            pass
-
-
 def test_strategy_names_the_removed_overlap_option():
     from lightning_megatron import MegatronStrategy
 
