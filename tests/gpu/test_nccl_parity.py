@@ -42,8 +42,10 @@ def test_layout_on_two_gpus_matches_one_gpu(case, measured):
     measured(**errs)
 
 
-#: relative-error bands of the bf16 cp=2 attention against float64 (fused kernels, one merge in bf16)
-CP_BANDS = dict(out=1e-2, dq=3e-2, dk=3e-2, dv=3e-2)
+#: relative-error bands of the bf16 cp=2 attention against float64 (fused kernels, one merge rounded to bf16): the
+#: one-GPU block errors measured on an H200 (tests/gpu/test_cp_kernels.py: out 2.2e-3, grads <= 3.0e-3) plus one
+#: more bf16 rounding (1.6e-3), about 2.5x over
+CP_BANDS = dict(out=1e-2, dq=1e-2, dk=1e-2, dv=1e-2)
 
 
 def _cp2_attention_worker(rank: int, world: int) -> Dict[str, Dict[str, float]]:
@@ -67,7 +69,7 @@ def _cp2_attention_worker(rank: int, world: int) -> Dict[str, Dict[str, float]]:
     idx = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c,
                                                                              (2 * world - rank) * c)]).to(device)
     mine = lambda t: t.detach().index_select(2, idx)  # noqa: E731
-    rel = lambda x, r: float((x.double() - r).norm() / r.norm())  # noqa: E731
+    rel = lambda x, r: float((x.detach().double() - r).norm() / r.norm())  # noqa: E731
     out: Dict[str, Dict[str, float]] = {}
     for comm, kernel in (("p2p", "cudnn"), ("p2p", "flash"), ("a2a", "cudnn"), ("a2a", "flash"),
                          ("all_gather", "auto")):
