@@ -332,7 +332,8 @@ if __name__ == "__main__":
     p.add_argument("--cp-compile-merge", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the ring's output merge (--no-cp-compile-merge: eager)")
     p.add_argument("--cp-sm-carveout", type=int, default=None,
-                   help="SMs the delayed weight-gradient GEMMs leave to the a2a exchanges (default: 16 on CUDA; 0: none)")
+                   help="SMs the delayed weight-gradient GEMMs leave to the a2a exchanges "
+                        "(default: 16 on CUDA; 0: none)")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
     p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")

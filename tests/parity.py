@@ -132,7 +132,8 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator: str = "cpu",
+                **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, **kwargs)

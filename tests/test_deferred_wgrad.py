@@ -243,7 +243,8 @@ def test_strategy_passes_its_cp_kernel_options_to_the_attention():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(cp_attention_kernel="fast"), r"cp_attention_kernel='fast' is not one of \('auto', 'cudnn', 'flash', 'math'\)"),
+    (dict(cp_attention_kernel="fast"),
+     r"cp_attention_kernel='fast' is not one of \('auto', 'cudnn', 'flash', 'math'\)"),
     (dict(cp_compile_merge="0"), r"cp_compile_merge='0' must be True \(compile .*\) or False"),
     (dict(cp_sm_carveout=-1), r"cp_sm_carveout=-1 must be None \(the default: 16 SMs on CUDA\), 0 \(no carveout\)"),
     (dict(cp_sm_carveout="16"), r"cp_sm_carveout='16' must be None"),

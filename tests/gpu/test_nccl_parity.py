@@ -50,8 +50,8 @@ CP_BANDS = dict(out=1e-2, dq=1e-2, dk=1e-2, dv=1e-2)
 
 def _cp2_attention_worker(rank: int, world: int) -> Dict[str, Dict[str, float]]:
     """cp=2 over NCCL, bf16, GQA, causal, seq 2048 (zigzag shards cut by index arithmetic): for each comm type and
-    block kernel (all_gather: SDPA's own choice), the relative errors of this rank's output and q/k/v gradients against float64 SDPA on the whole
-    sequence."""
+    block kernel (all_gather: SDPA's own choice), the relative errors of this rank's output and q/k/v gradients
+    against float64 SDPA on the whole sequence."""
     import torch.distributed as dist
     import torch.nn.functional as F
 

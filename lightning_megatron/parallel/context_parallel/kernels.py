@@ -126,8 +126,8 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kin
 
     ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
     lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 a fused kernel (cuDNN or
-    flash, :func:`block_kernel` with ``kernel``) computes it without materialising the attention matrix (out in the input dtype,
-    lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
+    flash, :func:`block_kernel` with ``kernel``) computes it without materialising the attention matrix (out in
+    the input dtype, lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
     Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
     """
     if mask_kind not in _MASK_KINDS:
