@@ -36,7 +36,8 @@ def build_strategy(args) -> MegatronStrategy:
                             ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule,
                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                             use_distributed_optimizer=args.use_distributed_optimizer,
-                            delay_wgrad_compute=args.delay_wgrad_compute)
+                            delay_wgrad_compute=args.delay_wgrad_compute, cp_attention_kernel=args.cp_attention_kernel,
+                            cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout)
 
 
 def layout_prefix(args) -> str:
@@ -45,8 +46,12 @@ def layout_prefix(args) -> str:
 
 
 def option_suffix(args) -> str:
-    """``[-cp<N>-<comm>][-gradbf16][-distopt][-delaywgrad|-nodelay]``: the options in every result's name."""
-    return ((f"-cp{args.cp}-{args.cp_comm_type}" if args.cp > 1 else "")
+    """``[-cp<N>-<comm>[-<kernel>][-eagermerge][-carveout<N>]][-gradbf16][-distopt][-delaywgrad|-nodelay]``: the
+    options in every result's name (the CP kernel options only where they differ from the defaults)."""
+    cp_options = ((f"-{args.cp_attention_kernel}" if args.cp_attention_kernel != "auto" else "")
+                  + ("" if args.cp_compile_merge else "-eagermerge")
+                  + (f"-carveout{args.cp_sm_carveout}" if args.cp_sm_carveout is not None else ""))
+    return ((f"-cp{args.cp}-{args.cp_comm_type}{cp_options}" if args.cp > 1 else "")
             + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
             + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute])
 
@@ -258,13 +263,20 @@ def run_ours(args) -> None:
                               activation_mem_gib=round((timer.peak_mem - timer.base_mem) / 2**30, 2)
                               if torch.cuda.is_available() else None,
                               loss=round(timer.losses[-1], 4),
-                              **(cp_kernels_used() if args.cp > 1 and torch.cuda.is_available() else {}))), flush=True)
+                              **(cp_kernels_used(args) if args.cp > 1 and torch.cuda.is_available() else {}))), flush=True)
 
 
-def cp_kernels_used() -> dict:
-    """Which CP block kernel ran (cuDNN, or flash after cuDNN refused) and whether the ring's merge compiled."""
-    merge = "none (no ring merge)" if not _CUDA_MERGE else ("eager" if _CUDA_MERGE[0] is _merge_rows else "compiled")
-    return {"cp_block_kernel": "flash (cuDNN refused)" if _CUDNN_FAILED else "cudnn", "cp_merge": merge}
+def cp_kernels_used(args) -> dict:
+    """Which CP block kernel ran (the one asked for; under ``auto`` cuDNN, or flash after cuDNN refused) and whether
+    the ring's merge compiled."""
+    if not args.cp_compile_merge:
+        merge = "eager (--no-cp-compile-merge)"
+    else:
+        merge = "none (no ring merge)" if not _CUDA_MERGE else ("eager" if _CUDA_MERGE[0] is _merge_rows else "compiled")
+    kernel = args.cp_attention_kernel
+    if kernel == "auto":
+        kernel = "flash (cuDNN refused)" if _CUDNN_FAILED else "cudnn"
+    return {"cp_block_kernel": kernel, "cp_merge": merge}
 
 
 def run_check(args) -> None:
@@ -315,6 +327,13 @@ if __name__ == "__main__":
     p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
                    help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
                         "on where it applies; --no-delay-wgrad-compute: the plain backward)")
+    p.add_argument("--cp-attention-kernel", default="auto", choices=["auto", "cudnn", "flash", "math"],
+                   help="CP block kernel on CUDA half types (MegatronStrategy(cp_attention_kernel=...))")
+    p.add_argument("--cp-compile-merge", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the ring's output merge (--no-cp-compile-merge: eager)")
+    p.add_argument("--cp-sm-carveout", type=int, default=None,
+                   help="SMs the delayed weight-gradient GEMMs leave to the a2a exchanges "
+                        "(default: 16 on CUDA; 0: none)")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
     p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")

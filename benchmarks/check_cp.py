@@ -18,11 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_megatron.parallel.context_parallel import (
-    KERNEL_ENV,
-    context_parallel_attention,
-    zigzag_split,
-)
+from lightning_megatron.parallel.context_parallel import context_parallel_attention, zigzag_split
 from lightning_megatron.parallel.context_parallel.kernels import (
     _attention_block,
     _attention_block_backward,
@@ -44,12 +40,10 @@ def emit(rank: int, **kw) -> None:
 
 def check_blocks(rank: int, device: torch.device) -> None:
     for kernel in ("flash", "cudnn"):
-        os.environ[KERNEL_ENV] = kernel
         try:
             check_blocks_with(rank, device, kernel)
         except RuntimeError as e:  # a kernel this build/GPU lacks: say so, keep checking the rest
             emit(rank, check=f"fused-vs-math-{kernel}", error=str(e).splitlines()[0][:300], ok=False)
-    os.environ.pop(KERNEL_ENV)
 
 
 def check_blocks_with(rank: int, device: torch.device, kernel: str) -> None:
@@ -61,10 +55,10 @@ def check_blocks_with(rank: int, device: torch.device, kernel: str) -> None:
         v = torch.randn(b, nkv, s, d, device=device, generator=g).bfloat16()
         dout = torch.randn(b, nq, s, d, device=device, generator=g).bfloat16()
         scale = d ** -0.5
-        out_f, lse_f = _attention_block(q, k, v, mask, scale)
+        out_f, lse_f = _attention_block(q, k, v, mask, scale, kernel)
         out_m, lse_m = _math_attention_block(q, k, v, mask, scale)
         delta = (dout.float() * out_m).sum(-1)
-        grads_f = _attention_block_backward(q, k, v, dout, out_f, lse_f, delta, mask, scale)
+        grads_f = _attention_block_backward(q, k, v, dout, out_f, lse_f, delta, mask, scale, kernel)
         grads_m = _attention_block_backward(q.float(), k.float(), v.float(), dout.float(), out_m, lse_m, delta,
                                             mask, scale)
         errs = dict(out=rel(out_f, out_m), lse=rel(lse_f, lse_m),
@@ -75,12 +69,10 @@ def check_blocks_with(rank: int, device: torch.device, kernel: str) -> None:
 
 def check_cp(rank: int, world: int, device: torch.device) -> None:
     for kernel in ("flash", "cudnn"):
-        os.environ[KERNEL_ENV] = kernel
         try:
             check_cp_with(rank, world, device, kernel)
         except RuntimeError as e:
             emit(rank, check=f"cp{world}-{kernel}", error=str(e).splitlines()[0][:300], ok=False)
-    os.environ.pop(KERNEL_ENV)
 
 
 def check_cp_with(rank: int, world: int, device: torch.device, kernel: str) -> None:
@@ -95,7 +87,8 @@ def check_cp_with(rank: int, world: int, device: torch.device, kernel: str) -> N
     split = lambda t: zigzag_split(t.detach(), world, rank, 2)  # noqa: E731
     for comm in ("p2p", "all_gather", "a2a"):
         ql, kl, vl = (split(t).requires_grad_() for t in (q, k, v))
-        out = context_parallel_attention(ql, kl, vl, group=dist.group.WORLD, comm_type=comm, causal=True)
+        out = context_parallel_attention(ql, kl, vl, group=dist.group.WORLD, comm_type=comm, causal=True,
+                                         attention_kernel=kernel)
         out.backward(split(dout))
         errs = dict(out=rel(out, split(ref)), dq=rel(ql.grad, split(q.grad)), dk=rel(kl.grad, split(k.grad)),
                     dv=rel(vl.grad, split(v.grad)))

@@ -82,7 +82,8 @@ class MegatronStrategy(DDPStrategy):
     Args:
         tp, pp, vp, cp, ep, etp, sequence_parallel, cp_comm_type, hierarchical_context_parallel_sizes,
         pipeline_schedule, num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage,
-        grad_reduce_in_bf16, use_distributed_optimizer, delay_wgrad_compute: the layout and its options, the fields
+        grad_reduce_in_bf16, use_distributed_optimizer, delay_wgrad_compute, cp_attention_kernel, cp_compile_merge,
+        cp_sm_carveout: the layout and its options, the fields
             of :class:`ParallelConfig` (Megatron's names and meaning; validated there). dp is
             ``world / (tp * pp * cp)``; ep is carved out of the dp x cp x tp ranks.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
@@ -115,6 +116,9 @@ class MegatronStrategy(DDPStrategy):
         grad_reduce_in_bf16: bool = False,
         use_distributed_optimizer: bool = False,
         delay_wgrad_compute: Optional[bool] = None,
+        cp_attention_kernel: str = "auto",
+        cp_compile_merge: bool = True,
+        cp_sm_carveout: Optional[int] = None,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -139,6 +143,7 @@ class MegatronStrategy(DDPStrategy):
             use_distributed_optimizer=use_distributed_optimizer, delay_wgrad_compute=delay_wgrad_compute,
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+            cp_attention_kernel=cp_attention_kernel, cp_compile_merge=cp_compile_merge, cp_sm_carveout=cp_sm_carveout,
         )
         if grad_reduce_in_bf16 and ddp_kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="

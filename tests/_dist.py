@@ -1,7 +1,10 @@
-"""Run a function in N real processes on CPU with the gloo backend (no mocking of torch.distributed).
+"""Run a function in N real processes (no mocking of torch.distributed): on CPU with gloo, or one GPU per process
+with NCCL (tests/gpu).
 
 Each worker gets torchrun-style environment variables (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK), so a
-Lightning ``Trainer`` inside it joins as one rank of an externally launched job, exactly as under torchrun.
+Lightning ``Trainer`` inside it joins as one rank of an externally launched job, exactly as under torchrun (with
+``accelerator="gpu"`` Lightning puts rank ``LOCAL_RANK`` on ``cuda:LOCAL_RANK`` and uses NCCL); a worker that
+starts its own group calls :func:`init_gloo` or :func:`init_nccl`. Return CPU tensors from workers.
 """
 from __future__ import annotations
 
@@ -84,3 +87,12 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> Lis
 def init_gloo(rank: int, world_size: int) -> None:
     """Start the default gloo process group from the worker's environment."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def init_nccl(rank: int, world_size: int) -> torch.device:
+    """Start the default NCCL process group from the worker's environment on GPU ``LOCAL_RANK`` (made the current
+    device and bound to the group); returns that device."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    return device

@@ -70,21 +70,24 @@ def reference_run(cfg: GPTConfig, samples, steps: int, global_batch: int, clip: 
 
 def reference_loop(cfg: GPTConfig, samples, steps: int, global_batch: int, clip: Optional[float] = None, *,
                    order: Optional[List[int]] = None, accumulate: int = 1, stop_after: Optional[int] = None,
-                   after_step: Optional[Callable[[int, ParallelGPTModule], None]] = None) -> Dict[str, Any]:
+                   after_step: Optional[Callable[[int, ParallelGPTModule], None]] = None,
+                   device: str = "cpu") -> Dict[str, Any]:
     """Single process, plain loop of a ``steps``-step run (LR schedule included).
 
     Optimizer step s takes ``accumulate`` global micro-batches of ``global_batch`` samples each, consumed in
     ``order`` (sample indices; default epoch 0 of :func:`lightning_train_order`), and backpropagates each
     micro-batch's global token-mean divided by ``accumulate`` (what Lightning does). ``stop_after`` ends the
     run after that many optimizer steps (a run stopped for a checkpoint); ``after_step(step, module)`` is
-    called after each optimizer step (step counts from 1).
+    called after each optimizer step (step counts from 1). ``device``: where the model is built and initialised
+    (``"cuda"``: the 1-GPU reference of a GPU run, weights drawn on the device as the strategy draws them).
 
-    Returns ``losses`` (one per micro-batch), ``state`` (model state dict), ``optimizer`` (its state dict)
-    and ``module``.
+    Returns ``losses`` (one per micro-batch), ``state`` (model state dict, on ``device``), ``optimizer`` (its
+    state dict) and ``module``.
     """
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, steps)
-    module.configure_model()
+    with torch.device(device):
+        module.configure_model()
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     losses = []
@@ -94,7 +97,7 @@ def reference_loop(cfg: GPTConfig, samples, steps: int, global_batch: int, clip:
         for _ in range(accumulate):
             indices = order[micro * global_batch:(micro + 1) * global_batch]
             assert len(indices) == global_batch, "not enough samples in order for the requested steps"
-            batch = collate([samples[i] for i in indices])
+            batch = {k: v.to(device) for k, v in collate([samples[i] for i in indices]).items()}
             loss_sum, count = module.loss_sum_and_count(batch)
             loss = loss_sum / count
             (loss / accumulate).backward()
@@ -129,8 +132,9 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def trainer_for(world: int, strategy: MegatronStrategy, steps: int, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator: str = "cpu",
+                **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, **kwargs)
 
@@ -148,14 +152,18 @@ def parallel_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[st
     return {"losses": recorder.losses, "state": state if rank == 0 else None}
 
 
-def assert_state_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float = 1e-5) -> None:
-    """Every tensor within ``rtol`` of the reference: ``||a - e|| / ||e||`` (Frobenius norms)."""
+def assert_state_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float = 1e-5) -> float:
+    """Every tensor within ``rtol`` of the reference: ``||a - e|| / ||e||`` (Frobenius norms, on the CPU).
+    Returns the largest such error."""
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    worst = 0.0
     for k, e in expected.items():
-        a = actual[k]
+        a, e = actual[k].detach().cpu().float(), e.detach().cpu().float()
         assert a.shape == e.shape, (k, a.shape, e.shape)
-        err = (a.float() - e.float()).norm() / e.float().norm().clamp(min=1e-12)
+        err = float((a - e).norm() / e.norm().clamp(min=1e-12))
         assert err <= rtol, f"{k}: relative error {err:.3e} > {rtol}"
+        worst = max(worst, err)
+    return worst
 
 
 class StepLossRecorder(pl.Callback):
@@ -178,24 +186,30 @@ class StepLossRecorder(pl.Callback):
 
 
 def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,
-               accumulate: int, clip: Optional[float], steps: int) -> Dict[str, Any]:
+               accumulate: int, clip: Optional[float], steps: int, accelerator: str = "cpu") -> Dict[str, Any]:
     """One rank of a ``steps``-step run under ``MegatronStrategy(**strategy_kwargs)`` with ``accumulate``
-    micro-batches per optimizer step: the loss of each step and (rank 0) the full final state."""
+    micro-batches per optimizer step on ``accelerator`` (``"gpu"``: one GPU per rank, NCCL): the loss of each
+    step and (rank 0) the full final state, on the CPU."""
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, steps)
     recorder = StepLossRecorder(accumulate)
-    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, callbacks=[recorder],
-                          gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, accelerator=accelerator,
+                          callbacks=[recorder], gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
     state = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "state": state if rank == 0 else None}
+    return {"losses": recorder.losses, "state": {k: v.cpu() for k, v in state.items()} if rank == 0 else None}
 
 
 def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, Any], cfg: GPTConfig,
                                         accumulate: int, clip: Optional[float], steps: int = 3,
-                                        micro_batch: int = 2) -> None:
-    """The numerics oracle for one layout: loss of every optimizer step within 1e-5 relative of the
-    single-process run of the same model, data and optimizer, and final weights within 1e-5 relative."""
+                                        micro_batch: int = 2, accelerator: str = "cpu",
+                                        rtol: float = 1e-5) -> Dict[str, float]:
+    """The numerics oracle for one layout: loss of every optimizer step within ``rtol`` (1e-5) relative of the
+    single-process run of the same model, data and optimizer, and final weights within ``rtol`` relative.
+
+    ``accelerator="gpu"``: the layout runs one GPU per rank over NCCL and the reference on one GPU (this process's
+    current CUDA device). Returns the measured worst relative errors: ``{"loss": ..., "state": ...}``.
+    """
     from tests._dist import run_distributed
 
     model_parallel = 1
@@ -203,14 +217,18 @@ def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, A
         model_parallel *= strategy_kwargs.get(name, 1)
     global_batch = micro_batch * (world // model_parallel)
     samples = make_samples(cfg, steps * accumulate * global_batch)
-    ref = reference_loop(cfg, samples, steps, global_batch, clip, accumulate=accumulate)
+    ref = reference_loop(cfg, samples, steps, global_batch, clip, accumulate=accumulate,
+                         device="cuda" if accelerator == "gpu" else "cpu")
     ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(steps)]
-    results = run_distributed(layout_run, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, clip, steps)
+    results = run_distributed(layout_run, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, clip, steps,
+                              accelerator)
+    loss_err = 0.0
     for r in results:
         assert len(r["losses"]) == steps, r["losses"]
         for got, want in zip(r["losses"], ref_steps):
-            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref_steps)
-    assert_state_close(results[0]["state"], ref["state"])
+            assert abs(got - want) <= rtol * abs(want), (r["losses"], ref_steps)
+            loss_err = max(loss_err, abs(got - want) / abs(want))
+    return {"loss": loss_err, "state": assert_state_close(results[0]["state"], ref["state"], rtol)}
 
 
 def zigzag_batch(cfg: GPTConfig, cp: int, rank: int, seed: int = 3) -> List[torch.Tensor]:

@@ -72,16 +72,12 @@ def test_only_plain_trainable_linears_are_delayed():
 
 
 def _worker(rank: int, world: int) -> Dict[str, object]:
-    import os
-
     import torch.distributed as dist
 
     from lightning_megatron.parallel.context_parallel import context_parallel_attention, ulysses
-    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV
     from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad as DW
 
     init_gloo(rank, world)
-    os.environ[SM_CARVEOUT_ENV] = "4"  # the GEMMs run while an exchange is in flight leave 4 SMs to it
     cfg = tiny_config(num_attention_heads=4, num_query_groups=4)
     events: List[str] = []
     real_exchange, real_run = ulysses._exchange, DW.run
@@ -96,7 +92,8 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
 
     ulysses._exchange, DW.run = exchange, run
     batch = zigzag_batch(cfg, world, rank)
-    attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a")
+    # the GEMMs run while an exchange is in flight leave 4 SMs to it (an explicit carveout applies on CPU too)
+    attention = functools.partial(context_parallel_attention, group=dist.group.WORLD, comm_type="a2a", sm_carveout=4)
     grads = {}
     for delay in (False, True):
         events.clear()
@@ -202,26 +199,93 @@ def test_automatic_delay_only_reaches_models_that_declare_it():
     assert not resolve_delay_wgrad(ParallelConfig(cp=2, cp_comm_type="p2p"), [gpt])
 
 
-def test_sm_carveout_env_is_checked(monkeypatch):
-    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV, sm_carveout_from_env
+def test_sm_carveout_default_is_16_on_cuda_only():
+    from lightning_megatron.parallel.context_parallel.sm_carveout import DELAYED_WGRAD_SM_CARVEOUT, resolve_sm_carveout
 
-    monkeypatch.setenv(SM_CARVEOUT_ENV, "lots")
-    with pytest.raises(ValueError, match="LIGHTNING_MEGATRON_CP_SM_CARVEOUT='lots': expected a number of SMs"):
-        sm_carveout_from_env()
-    monkeypatch.setenv(SM_CARVEOUT_ENV, "16")
-    assert sm_carveout_from_env() == 16
-    monkeypatch.delenv(SM_CARVEOUT_ENV)
-    assert sm_carveout_from_env() is None and sm_carveout_from_env(16) == 16
+    assert resolve_sm_carveout(None) == (DELAYED_WGRAD_SM_CARVEOUT if torch.cuda.is_available() else None)
+    assert DELAYED_WGRAD_SM_CARVEOUT == 16 and resolve_sm_carveout(0) == 0 and resolve_sm_carveout(8) == 8
 
 
-def test_a_zero_carveout_window_leaves_the_setting_alone(monkeypatch):
-    from lightning_megatron.parallel.context_parallel.sm_carveout import SM_CARVEOUT_ENV, carveout_window
+def test_a_zero_carveout_window_leaves_the_setting_alone():
+    from lightning_megatron.parallel.context_parallel.sm_carveout import carveout_window
 
-    for sm, inside in (("0", None), ("8", 8)):
-        monkeypatch.setenv(SM_CARVEOUT_ENV, sm)
-        with carveout_window(16):
+    for sm, inside in ((0, None), (8, 8)):
+        with carveout_window(sm):
             assert torch._C._get_sm_carveout_experimental() == inside
         assert torch._C._get_sm_carveout_experimental() is None
+
+
+def _strategy_options_worker(rank: int, world: int) -> Dict[str, object]:
+    """One optimizer step under ``MegatronStrategy(cp=2, cp_comm_type=["p2p", "a2a"], cp_*=...)``, recording what
+    reaches the kernels: the block-kernel choice, the ring merge's ``compile_merge`` (layer 0, p2p) and the SM
+    carveout in force while the delayed weight-gradient GEMMs run (layer 1, a2a)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.parallel.context_parallel import kernels, ring
+    from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad as DW
+    from tests.parity import ListDataset, make_samples, new_module, trainer_for
+
+    seen = {"kernel": set(), "compile_merge": set(), "carveout": set()}
+    real_block_kernel, real_merge, real_run = kernels.block_kernel, ring._merge, DW.run
+
+    def block_kernel(q, mask_kind, sq, sk, kernel="auto"):
+        seen["kernel"].add(kernel)
+        return real_block_kernel(q, mask_kind, sq, sk, kernel)
+
+    def merge(out, lse, rows, blk_out, blk_lse, compile_merge):
+        seen["compile_merge"].add(compile_merge)
+        return real_merge(out, lse, rows, blk_out, blk_lse, compile_merge)
+
+    def run(self, max_gemms=None):
+        if self._pending:  # a call with GEMMs left, i.e. inside an exchange (grads() runs none)
+            seen["carveout"].add(torch._C._get_sm_carveout_experimental())
+        return real_run(self, max_gemms)
+
+    kernels.block_kernel, ring._merge, DW.run = block_kernel, merge, run
+    cfg = tiny_config(num_attention_heads=4, num_query_groups=4)
+    pl.seed_everything(0, verbose=False)
+    strategy = MegatronStrategy(cp=2, cp_comm_type=["p2p", "a2a"], cp_attention_kernel="math", cp_compile_merge=False,
+                                cp_sm_carveout=4)
+    trainer = trainer_for(world, strategy, 1)
+    trainer.fit(new_module(cfg, 1), DataLoader(ListDataset(make_samples(cfg, 2)), batch_size=2))
+    return seen
+
+
+def test_strategy_passes_its_cp_kernel_options_to_the_attention():
+    for seen in run_distributed(_strategy_options_worker, 2, timeout=300):
+        assert seen == {"kernel": {"math"}, "compile_merge": {False}, "carveout": {4}}, seen
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cp_attention_kernel="fast"),
+     r"cp_attention_kernel='fast' is not one of \('auto', 'cudnn', 'flash', 'math'\)"),
+    (dict(cp_compile_merge="0"), r"cp_compile_merge='0' must be True \(compile .*\) or False"),
+    (dict(cp_sm_carveout=-1), r"cp_sm_carveout=-1 must be None \(the default: 16 SMs on CUDA\), 0 \(no carveout\)"),
+    (dict(cp_sm_carveout="16"), r"cp_sm_carveout='16' must be None"),
+    (dict(cp_sm_carveout=True), r"cp_sm_carveout=True must be None"),
+])
+def test_cp_kernel_options_are_validated(kwargs, message):
+    from lightning_megatron import MegatronStrategy, ParallelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(cp=2, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        MegatronStrategy(cp=2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(attention_kernel="cuDNN"), r"attention_kernel='cuDNN' is not one of"),
+    (dict(compile_merge=None), r"compile_merge=None must be True"),
+    (dict(sm_carveout=2.5), r"sm_carveout=2.5 must be None"),
+])
+def test_attention_validates_its_kernel_options(kwargs, message):
+    from lightning_megatron.parallel.context_parallel import context_parallel_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=message):
+        context_parallel_attention(q, q, q, None, **kwargs)
 
 
 def test_strategy_names_the_removed_overlap_option():

@@ -8,6 +8,36 @@ from typing import Any, Optional, Sequence, Union
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 #: the comm types whose attention exchanges all-to-all and can run delayed weight-gradient GEMMs meanwhile
 A2A_COMM_TYPES = ("a2a", "a2a+p2p")
+#: per-block kernels of the ring (p2p, and the attention inside a2a / a2a+p2p) on CUDA half types: ``auto`` (cuDNN,
+#: flash where cuDNN refuses; the fastest measured on H200, benchmarks/RESULTS.md), ``cudnn``, ``flash``, or
+#: ``math`` (explicit softmax in float32, the path CPU and float32 inputs always take)
+CP_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "math")
+
+
+def check_cp_kernel_options(attention_kernel: Any, compile_merge: Any, sm_carveout: Any, prefix: str = "cp_") -> None:
+    """Validate the context-parallel kernel options (names in errors: ``prefix`` + ``attention_kernel``, ...).
+
+    Raises:
+        ValueError: ``attention_kernel`` not in :data:`CP_ATTENTION_KERNELS`; ``compile_merge`` not a bool;
+            ``sm_carveout`` neither None nor an integer >= 0.
+    """
+    if attention_kernel not in CP_ATTENTION_KERNELS:
+        raise ValueError(
+            f"{prefix}attention_kernel={attention_kernel!r} is not one of {CP_ATTENTION_KERNELS}: 'auto' uses cuDNN "
+            "(flash where cuDNN refuses) for CUDA fp16/bf16 blocks, 'cudnn' / 'flash' force one fused kernel, "
+            "'math' the explicit-softmax path"
+        )
+    if not isinstance(compile_merge, bool):
+        raise ValueError(
+            f"{prefix}compile_merge={compile_merge!r} must be True (compile the ring's output merge into one CUDA "
+            "kernel) or False (eager ops)"
+        )
+    if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
+                                    or sm_carveout < 0):
+        raise ValueError(
+            f"{prefix}sm_carveout={sm_carveout!r} must be None (the default: 16 SMs on CUDA), 0 (no carveout) or a "
+            "positive integer number of SMs the delayed weight-gradient GEMMs leave to the a2a exchanges"
+        )
 
 
 @dataclass
@@ -36,6 +66,13 @@ class ParallelConfig:
         use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``).
         delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
             applies (cp > 1, an a2a comm type, tp = 1), resolved against the model by ``parallelize``.
+        cp_attention_kernel: kernel of the context-parallel attention blocks on CUDA fp16/bf16, one of
+            :data:`CP_ATTENTION_KERNELS` (default ``"auto"``: cuDNN, flash where cuDNN refuses). CPU and float32
+            blocks always take the math path; ``cp_comm_type="all_gather"`` uses SDPA's own choice.
+        cp_compile_merge: compile the ring's log-sum-exp output merge into one kernel on CUDA (default True;
+            False keeps it eager, e.g. where no compiler works; a failed compile warns and falls back anyway).
+        cp_sm_carveout: SMs that the delayed weight-gradient GEMMs (``delay_wgrad_compute``) leave free while an
+            a2a exchange is in flight. None (default): 16 on CUDA, none elsewhere; 0: no carveout.
     """
 
     tp: int = 1
@@ -53,6 +90,9 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = False
     use_distributed_optimizer: bool = False
     delay_wgrad_compute: Optional[bool] = None
+    cp_attention_kernel: str = "auto"
+    cp_compile_merge: bool = True
+    cp_sm_carveout: Optional[int] = None
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +147,7 @@ class ParallelConfig:
                 "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
+        check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
         self._resolved = False
 
     def _check_pipeline(self) -> None:

@@ -32,11 +32,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.parallel.config import A2A_COMM_TYPES, CP_COMM_TYPES
+from lightning_megatron.parallel.config import (
+    A2A_COMM_TYPES,
+    CP_ATTENTION_KERNELS,
+    CP_COMM_TYPES,
+    check_cp_kernel_options,
+)
 from lightning_megatron.parallel.context_parallel.all_gather import _all_gather_attention
-from lightning_megatron.parallel.context_parallel.kernels import KERNEL_ENV, block_kernel, use_fused_attention
+from lightning_megatron.parallel.context_parallel.kernels import block_kernel, use_fused_attention
 from lightning_megatron.parallel.context_parallel.layout import zigzag_gather, zigzag_positions, zigzag_split
-from lightning_megatron.parallel.context_parallel.ring import COMPILE_ENV, _RingAttention
+from lightning_megatron.parallel.context_parallel.ring import _RingAttention
 from lightning_megatron.parallel.context_parallel.ulysses import _a2a_attention, _check_heads
 
 __all__ = [
@@ -47,8 +52,7 @@ __all__ = [
     "COMM_TYPES",
     "block_kernel",
     "use_fused_attention",
-    "KERNEL_ENV",
-    "COMPILE_ENV",
+    "CP_ATTENTION_KERNELS",
 ]
 
 COMM_TYPES = CP_COMM_TYPES
@@ -60,7 +64,8 @@ def _group_size(group) -> int:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                                comm_type: str = "p2p", causal: bool = True, scale: Optional[float] = None,
-                               inner_group=None, outer_group=None, wgrad=None) -> torch.Tensor:
+                               inner_group=None, outer_group=None, wgrad=None, attention_kernel: str = "auto",
+                               compile_merge: bool = True, sm_carveout: Optional[int] = None) -> torch.Tensor:
     """Attention of the local zigzag tokens against the whole (CP-sharded) sequence.
 
     ``q [b, n_q, s_local, d]``, ``k, v [b, n_kv, s_local, d]``, every rank of ``group`` holding chunks
@@ -73,7 +78,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``wgrad``: the layer's delayed weight-gradient GEMMs
     (:class:`~lightning_megatron.parallel.deferred_wgrad.DeferredWgrad`), run during the backward all-to-alls so
     the transfers overlap compute; a2a and a2a+p2p only (the ring already overlaps its transfers).
+
+    Kernel options (``ParallelConfig``'s ``cp_attention_kernel``, ``cp_compile_merge``, ``cp_sm_carveout``):
+    ``attention_kernel`` is the ring's per-block kernel on CUDA fp16/bf16, one of :data:`CP_ATTENTION_KERNELS`
+    (``"auto"``: cuDNN, flash where cuDNN refuses; CPU and float32 always take the math path; ``all_gather``
+    uses SDPA's own choice); ``compile_merge`` compiles the ring's log-sum-exp merge on CUDA; ``sm_carveout`` is
+    the number of SMs the delayed weight-gradient GEMMs leave to the a2a exchanges (None: 16 on CUDA; 0: none).
     """
+    check_cp_kernel_options(attention_kernel, compile_merge, sm_carveout, prefix="")
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -101,14 +113,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"'a2a' or 'a2a+p2p' with cp > 1, got comm_type={comm_type!r}, cp={cp}")
 
     if cp == 1:
-        return _RingAttention.apply(q, k, v, None, causal, scale)
+        return _RingAttention.apply(q, k, v, None, causal, scale, attention_kernel, compile_merge)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, causal, scale)
+        return _RingAttention.apply(q, k, v, group, causal, scale, attention_kernel, compile_merge)
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, group, causal, scale)
     if comm_type == "a2a":
         _check_heads(nq, nkv, cp, "context-parallel size")
-        return _a2a_attention(q, k, v, group, None, causal, scale, wgrad)
+        return _a2a_attention(q, k, v, group, None, causal, scale, attention_kernel, compile_merge, sm_carveout, wgrad)
     # a2a+p2p
     if inner_group is None or outer_group is None:
         raise ValueError("comm_type 'a2a+p2p' needs both inner_group (a2a) and outer_group (p2p ring)")
@@ -124,4 +136,5 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "(a2a) groups must be consecutive CP ranks and the outer (ring) groups strided by inner_size"
         )
     _check_heads(nq, nkv, inner, "inner (a2a) context-parallel size")
-    return _a2a_attention(q, k, v, inner_group, outer_group if outer > 1 else None, causal, scale, wgrad)
+    return _a2a_attention(q, k, v, inner_group, outer_group if outer > 1 else None, causal, scale, attention_kernel,
+                          compile_merge, sm_carveout, wgrad)

@@ -22,7 +22,8 @@ def resolve_delay_wgrad(config: ParallelConfig, models: List[nn.Module]) -> bool
 
 def attention_for_layer(mesh: ParallelMesh, config: ParallelConfig) -> Callable[[int], Callable[..., torch.Tensor]]:
     """Layer index -> its context-parallel attention callable ``(q, k, v, [wgrad=]) -> out`` over the CP group
-    (the ``a2a+p2p`` type also over the inner (a2a) and outer (ring) CP groups)."""
+    (the ``a2a+p2p`` type also over the inner (a2a) and outer (ring) CP groups), with the config's kernel options
+    (``cp_attention_kernel``, ``cp_compile_merge``, ``cp_sm_carveout``)."""
     from lightning_megatron.parallel.context_parallel import context_parallel_attention
 
     def for_layer(layer: int) -> Callable[..., torch.Tensor]:
@@ -32,6 +33,8 @@ def attention_for_layer(mesh: ParallelMesh, config: ParallelConfig) -> Callable[
             context_parallel_attention, group=mesh.group("cp"), comm_type=comm_type,
             inner_group=mesh.group("cp_inner") if hierarchical else None,
             outer_group=mesh.group("cp_outer") if hierarchical else None,
+            attention_kernel=config.cp_attention_kernel, compile_merge=config.cp_compile_merge,
+            sm_carveout=config.cp_sm_carveout,
         )
 
     return for_layer

@@ -2,12 +2,13 @@
 CUDA half types, a math path elsewhere; and its backward from the merged output and log-sum-exp."""
 from __future__ import annotations
 
-import os
 from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from lightning_megatron.parallel.config import CP_ATTENTION_KERNELS
 
 _MASK_KINDS = ("full", "causal")
 
@@ -35,31 +36,26 @@ def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
     return s
 
 
-#: Environment variable choosing the per-block kernel of the ring on CUDA half types: ``auto`` (default: the
-#: fastest measured on H200, see benchmarks/RESULTS.md), ``flash``, ``cudnn`` or ``math``.
-KERNEL_ENV = "LIGHTNING_MEGATRON_CP_ATTENTION"
-_KERNELS = ("auto", "flash", "cudnn", "math")
-
-
-def block_kernel(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> str:
+def block_kernel(q: torch.Tensor, mask_kind: str, sq: int, sk: int, kernel: str = "auto") -> str:
     """The kernel a ring block uses: ``"flash"`` / ``"cudnn"`` (fused, return the log-sum-exp) on CUDA in
     fp16/bf16 with head dim <= 256 and a mask the kernels express (none, or a square causal block: their causal
-    mask is top-left aligned), else ``"math"``. :data:`KERNEL_ENV` overrides the fused choice."""
-    choice = os.environ.get(KERNEL_ENV, "auto")
-    if choice not in _KERNELS:
-        raise ValueError(f"{KERNEL_ENV}={choice!r} must be one of {_KERNELS}")
+    mask is top-left aligned), else ``"math"``. ``kernel`` (one of
+    :data:`~lightning_megatron.parallel.config.CP_ATTENTION_KERNELS`, ``ParallelConfig.cp_attention_kernel``)
+    forces the fused choice, or ``"math"``; ``"auto"`` is cuDNN (flash once cuDNN has refused here)."""
+    if kernel not in CP_ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is not one of {CP_ATTENTION_KERNELS}")
     fused_ok = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
                 and (mask_kind == "full" or sq == sk))
-    if not fused_ok or choice == "math":
+    if not fused_ok or kernel == "math":
         return "math"
-    if choice == "auto":
+    if kernel == "auto":
         return "flash" if _CUDNN_FAILED else "cudnn"
-    return choice
+    return kernel
 
 
-def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int) -> bool:
+def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int, kernel: str = "auto") -> bool:
     """Whether a block goes to a fused CUDA kernel (see :func:`block_kernel`)."""
-    return block_kernel(q, mask_kind, sq, sk) != "math"
+    return block_kernel(q, mask_kind, sq, sk, kernel) != "math"
 
 
 def _kernel_input(t: torch.Tensor) -> torch.Tensor:
@@ -112,10 +108,10 @@ _FUSED = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, 
 _CUDNN_FAILED: List[bool] = []
 
 
-def _run_fused(which: int, kernel: str, *args):
-    """Forward (``which=0``) or backward (1) through ``kernel``; under ``auto`` a cuDNN failure falls back to
-    flash (cuDNN is 1.8x faster on H200 at the benchmark model's shapes: benchmarks/RESULTS.md)."""
-    if kernel == "cudnn" and os.environ.get(KERNEL_ENV, "auto") == "auto":
+def _run_fused(which: int, kernel: str, requested: str, *args):
+    """Forward (``which=0``) or backward (1) through ``kernel``; when ``requested`` is ``"auto"`` a cuDNN failure
+    falls back to flash (cuDNN is 1.8x faster on H200 at the benchmark model's shapes: benchmarks/RESULTS.md)."""
+    if kernel == "cudnn" and requested == "auto":
         try:
             return _FUSED["cudnn"][which](*args)
         except RuntimeError:
@@ -125,20 +121,20 @@ def _run_fused(which: int, kernel: str, *args):
 
 
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
-                     scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, kernel: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
 
     ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
     lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 a fused kernel (cuDNN or
-    flash, :func:`block_kernel`) computes it without materialising the attention matrix (out in the input dtype,
-    lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
+    flash, :func:`block_kernel` with ``kernel``) computes it without materialising the attention matrix (out in
+    the input dtype, lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
     Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
     """
     if mask_kind not in _MASK_KINDS:
         raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
-    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
-    if kernel != "math":
-        return _run_fused(0, kernel, q, k, v, mask_kind == "causal", scale)
+    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel)
+    if use != "math":
+        return _run_fused(0, use, kernel, q, k, v, mask_kind == "causal", scale)
     return _math_attention_block(q, k, v, mask_kind, scale)
 
 
@@ -167,16 +163,16 @@ def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
     return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
 
 
-def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float):
+def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float, kernel: str = "auto"):
     """Exact gradients of one block given the *final* (merged) ``out``, ``lse`` and ``delta = rowsum(dout * out)``.
 
     Flash-attention backward: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)``: the fused CUDA kernel where
-    :func:`use_fused_attention` allows (``out`` in q's dtype), else the math path in the compute dtype.
+    :func:`block_kernel` with ``kernel`` picks one (``out`` in q's dtype), else the math path in the compute dtype.
     """
-    kernel = block_kernel(q, mask_kind, q.shape[2], k.shape[2])
-    if kernel != "math":
-        return _run_fused(1, kernel, q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
+    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel)
+    if use != "math":
+        return _run_fused(1, use, kernel, q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
     cd = _compute_dtype(q.dtype)
     q, k, v, dout = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
     b, nq, sq, d = q.shape

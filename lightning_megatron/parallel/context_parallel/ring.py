@@ -3,7 +3,6 @@ log-sum-exp; the backward ring runs the other way and ends with the own block.""
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import List
 
@@ -32,22 +31,24 @@ def _merge_rows(o: torch.Tensor, l: torch.Tensor, blk_out: torch.Tensor, blk_lse
     l.copy_(new_lse)
 
 
-#: Environment variable: ``0`` keeps the ring's output merge eager on CUDA (default: one compiled kernel).
-COMPILE_ENV = "LIGHTNING_MEGATRON_CP_COMPILE"
-#: The merge used on CUDA, made on first use: :func:`_merge_rows` compiled into one fused kernel (TE fuses its
-#: output correction the same way), or eager when compiling is off or fails. A capability cache, no comm state.
+#: The merge used on CUDA with ``compile_merge``, made on first use: :func:`_merge_rows` compiled into one fused
+#: kernel (TE fuses its output correction the same way), or eager once compiling failed here. A capability cache,
+#: no comm state and no option: whether to compile is the caller's ``compile_merge``.
 _CUDA_MERGE: List = []
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+           compile_merge: bool) -> None:
     """Merge a partial result for ``rows`` into ``(out, lse)`` in place with the log-sum-exp rule. Eager, the
-    merge is four or five passes over the block (casts, lerp, copy back); on CUDA one compiled kernel reads
-    ``out``, the block and the lse's and writes ``out`` once."""
+    merge is four or five passes over the block (casts, lerp, copy back); on CUDA with ``compile_merge``
+    (``ParallelConfig.cp_compile_merge``) one compiled kernel reads ``out``, the block and the lse's and writes
+    ``out`` once."""
     o, l = out[:, :, rows], lse[:, :, rows]
-    if not o.is_cuda or os.environ.get(COMPILE_ENV, "1") == "0":
+    if not o.is_cuda or not compile_merge:
         return _merge_rows(o, l, blk_out, blk_lse)
     if not _CUDA_MERGE:
-        log.info("context parallel: compiling the ring's output merge (first call; %s=0 keeps it eager)", COMPILE_ENV)
+        log.info("context parallel: compiling the ring's output merge (first call; cp_compile_merge=False keeps it "
+                 "eager)")
         _CUDA_MERGE.append(torch.compile(_merge_rows, dynamic=False, fullgraph=True))
     try:
         return _CUDA_MERGE[0](o, l, blk_out, blk_lse)
@@ -55,7 +56,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Ten
         if _CUDA_MERGE[0] is _merge_rows:
             raise
         warnings.warn(f"context parallel: compiling the ring's output merge failed ({type(e).__name__}: {e}); "
-                      f"using eager ops (set {COMPILE_ENV}=0 to skip the attempt)")
+                      "using eager ops (cp_compile_merge=False skips the attempt)")
         _CUDA_MERGE[0] = _merge_rows
         return _merge_rows(o, l, blk_out, blk_lse)
 
@@ -104,16 +105,18 @@ def _block_plan(src: int, rank: int, causal: bool, c: int):
 _TAG_KV, _TAG_DKV = 0, 1
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float):
+def _ring_forward(q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool):
     """Ring attention forward over ``group`` (``None``: one rank). Returns ``(out in q's dtype, saved tensors for
-    :func:`_ring_backward`, fused)``. See :class:`_RingAttention` for the schedule."""
+    :func:`_ring_backward`, fused)``. See :class:`_RingAttention` for the schedule. ``kernel``: the block kernel
+    (:func:`~lightning_megatron.parallel.context_parallel.kernels.block_kernel`); ``compile_merge``: see
+    :func:`_merge`."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     c = q.shape[2] // 2
-    fused = use_fused_attention(q, "full", 1, 1)
+    fused = use_fused_attention(q, "full", 1, 1, kernel)
     acc = _accumulator_dtype(q, cp, fused)
     if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
-        out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale)
+        out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale, kernel)
         return out.to(q.dtype), (q, k, v, out, lse), fused
     kv = torch.stack([k, v])
     held = kv
@@ -123,11 +126,12 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float):
         if step + 1 < cp:  # start the next exchange before computing this block
             reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
         rows, cols, mask = _block_plan((rank - step) % cp, rank, causal, c)
-        blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask, scale)
+        blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask, scale,
+                                            kernel)
         if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
             out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
         else:
-            _merge(out, lse, rows, blk_out, blk_lse)
+            _merge(out, lse, rows, blk_out, blk_lse, compile_merge)
         if reqs is not None:
             _wait(reqs)
             held = nxt_kv
@@ -135,8 +139,9 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float):
     return out_q, (q, kv, held, out_q if fused else out, lse), fused
 
 
-def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout):
-    """Gradients ``(dq, dk, dv)`` of :func:`_ring_forward` from its saved tensors and ``dout``."""
+def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout, kernel: str):
+    """Gradients ``(dq, dk, dv)`` of :func:`_ring_forward` from its saved tensors and ``dout`` (``kernel``: the
+    block kernel the forward used)."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     if cp == 1:
@@ -150,7 +155,8 @@ def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout):
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(-1)
     if cp == 1:
-        dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full", scale)
+        dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full", scale,
+                                               kernel)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     acc = _accumulator_dtype(q, cp, fused)
     dq = dkv = None
@@ -163,7 +169,7 @@ def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout):
         rows, cols, mask = _block_plan((rank + 1 + step) % cp, rank, causal, c)
         bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
                                                   dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                                  None if delta is None else delta[:, :, rows], mask, scale)
+                                                  None if delta is None else delta[:, :, rows], mask, scale, kernel)
         if dq is None and rows == slice(None):
             dq = bdq.to(acc)
         else:
@@ -202,17 +208,18 @@ class _RingAttention(torch.autograd.Function):
 
     Inputs may be strided views (the model passes its ``[s, b, n, d]`` activations as ``[b, n, s, d]``); on the
     fused path the output and ``dq`` keep ``q``'s layout, so the model's reshape back is free. K/V travel as
-    one contiguous ``[2, b, n_kv, s_local, d]`` buffer.
+    one contiguous ``[2, b, n_kv, s_local, d]`` buffer. ``kernel`` and ``compile_merge``: see
+    :func:`_ring_forward`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float):
-        out, saved, fused = _ring_forward(q, k, v, group, causal, scale)
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool):
+        out, saved, fused = _ring_forward(q, k, v, group, causal, scale, kernel, compile_merge)
         ctx.save_for_backward(*saved)
-        ctx.group, ctx.causal, ctx.scale, ctx.fused = group, causal, scale, fused
+        ctx.group, ctx.causal, ctx.scale, ctx.fused, ctx.kernel = group, causal, scale, fused, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.group, ctx.causal, ctx.scale, dout)
-        return grads + (None, None, None)
+        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.group, ctx.causal, ctx.scale, dout, ctx.kernel)
+        return grads + (None, None, None, None, None)

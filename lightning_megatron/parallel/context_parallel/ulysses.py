@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel.context_parallel.ring import _ring_backward, _ring_forward, _wait
-from lightning_megatron.parallel.context_parallel.sm_carveout import DELAYED_WGRAD_SM_CARVEOUT, carveout_window
+from lightning_megatron.parallel.context_parallel.sm_carveout import carveout_window
 
 _TAG_A2A = 2  # the ring uses tags 0 and 1; NCCL ignores tags, gloo matches on them
 
@@ -52,8 +52,8 @@ def _peer_ops(group, peer: int, send: Sequence[torch.Tensor], recv: Sequence[tor
             + [dist.P2POp(dist.irecv, t, peer, group, tag + i) for i, t in enumerate(recv)])
 
 
-def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None
-                 ) -> List[torch.Tensor]:
+def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None,
+                 sm_carveout: Optional[int] = None) -> List[torch.Tensor]:
     """All-to-all from sequence- to head-sharding over ``group`` (size ``A``, my rank ``r``).
 
     ``xs``: ``[b, n_i, s_local, d]`` zigzag shards (chunks ``r`` and ``2A-1-r``; any strides, e.g. the model's
@@ -61,7 +61,8 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
     (r+1)*n_i/A)`` over the whole sequence in order, head slices of one ``[S, b, sum n_i/A, d]`` buffer into
     which the peers' chunks are received directly. Per peer the heads it owns are gathered into one send buffer
     (one copy per tensor); my own heads are copied into place while the transfers run, then
-    ``while_in_flight()`` (independent work to overlap, if given).
+    ``while_in_flight()`` (independent work to overlap, if given) inside a
+    :func:`~lightning_megatron.parallel.context_parallel.sm_carveout.carveout_window` of ``sm_carveout``.
     """
     a, r = dist.get_world_size(group), dist.get_rank(group)
     b, _, s, d = xs[0].shape
@@ -86,7 +87,7 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
         _copy(mine[:, :, :, off:off + h], x[:, :, r].unflatten(0, (2, c)))
         off += h
     if while_in_flight is not None:
-        with carveout_window(DELAYED_WGRAD_SM_CARVEOUT):  # its GEMMs leave SMs to the exchange
+        with carveout_window(sm_carveout):  # its GEMMs leave SMs to the exchange
             while_in_flight()
     _wait(reqs)
     full = full.view(2 * a * c, b, H, d)
@@ -97,15 +98,15 @@ def _seq_to_head(xs: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
     return outs
 
 
-def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None
-                 ) -> List[torch.Tensor]:
+def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Callable[[], None]] = None,
+                 sm_carveout: Optional[int] = None) -> List[torch.Tensor]:
     """All-to-all back from head- to sequence-sharding over ``group``: the inverse of :func:`_seq_to_head`.
 
     ``ys``: ``[b, h_i, S, d]`` (my heads over the whole sequence in order). Returns per tensor ``[b, A*h_i,
     s_local, d]`` for my zigzag chunks, a view of a ``[s_local, b, A*h_i, d]`` buffer (the model's layout).
     Each peer's two chunks are sent straight from ``ys`` (no copy when ``ys`` is sequence-major, as the fused
     kernels' outputs are); received heads are scattered into place (one copy), my own copied while they travel,
-    then ``while_in_flight()`` runs (if given).
+    then ``while_in_flight()`` runs (if given, in a carveout window of ``sm_carveout`` as in :func:`_seq_to_head`).
     """
     a, r = dist.get_world_size(group), dist.get_rank(group)
     b, _, S, d = ys[0].shape
@@ -123,7 +124,7 @@ def _head_to_seq(ys: Sequence[torch.Tensor], group, while_in_flight: Optional[Ca
     for out, sl in zip(outs, slots):
         _copy(out[:, :, :, r], _own_slots(sl, r, a))
     if while_in_flight is not None:
-        with carveout_window(DELAYED_WGRAD_SM_CARVEOUT):  # its GEMMs leave SMs to the exchange
+        with carveout_window(sm_carveout):  # its GEMMs leave SMs to the exchange
             while_in_flight()
     _wait(reqs)
     for out, rv in zip(outs, recvs):
@@ -140,28 +141,32 @@ class _A2AAttention(torch.autograd.Function):
 
     ``wgrad`` (a :class:`~lightning_megatron.parallel.deferred_wgrad.DeferredWgrad`, or ``None``): the layer's
     delayed weight-gradient GEMMs, whose weights follow as extra inputs. Backward runs the smallest while ``dout``
-    travels and the rest while ``dq, dk, dv`` travel, and returns them as those inputs' gradients.
+    travels and the rest while ``dq, dk, dv`` travel (GEMMs leaving ``sm_carveout`` SMs to the exchange), and
+    returns them as those inputs' gradients. ``kernel``, ``compile_merge``: the attention's, see
+    :func:`~lightning_megatron.parallel.context_parallel.ring._ring_forward`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float, wgrad, *weights):
+    def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float, kernel: str, compile_merge: bool,
+                sm_carveout: Optional[int], wgrad, *weights):
         qh, kh, vh = _seq_to_head((q, k, v), a2a_group)
-        out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale)
+        out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale, kernel, compile_merge)
         (out,) = _head_to_seq([out_h], a2a_group)
         ctx.save_for_backward(*state)
         ctx.a2a_group, ctx.ring_group, ctx.causal, ctx.scale, ctx.fused = a2a_group, ring_group, causal, scale, fused
-        ctx.wgrad = wgrad
+        ctx.kernel, ctx.sm_carveout, ctx.wgrad = kernel, sm_carveout, wgrad
         return out
 
     @staticmethod
     def backward(ctx, dout):
         wgrad = ctx.wgrad
         smallest = (lambda: wgrad.run(max_gemms=1)) if wgrad is not None else None
-        (dout_h,) = _seq_to_head([dout], ctx.a2a_group, smallest)
-        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.ring_group, ctx.causal, ctx.scale, dout_h)
-        dq, dk, dv = _head_to_seq(grads, ctx.a2a_group, wgrad.run if wgrad is not None else None)
+        (dout_h,) = _seq_to_head([dout], ctx.a2a_group, smallest, ctx.sm_carveout)
+        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.ring_group, ctx.causal, ctx.scale, dout_h,
+                               ctx.kernel)
+        dq, dk, dv = _head_to_seq(grads, ctx.a2a_group, wgrad.run if wgrad is not None else None, ctx.sm_carveout)
         weight_grads = wgrad.grads() if wgrad is not None else ()
-        return (dq, dk, dv, None, None, None, None, None) + weight_grads
+        return (dq, dk, dv, None, None, None, None, None, None, None, None) + weight_grads
 
 
 def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
@@ -170,6 +175,8 @@ def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
                          f"({nkv}) to be divisible by the {what} ({size})")
 
 
-def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, wgrad=None) -> torch.Tensor:
+def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, kernel: str, compile_merge: bool,
+                   sm_carveout: Optional[int], wgrad=None) -> torch.Tensor:
     weights = wgrad.weights if wgrad is not None else ()
-    return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale, wgrad, *weights)
+    return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale, kernel, compile_merge, sm_carveout,
+                               wgrad, *weights)
