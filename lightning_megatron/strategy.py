@@ -13,7 +13,6 @@ tensors (:mod:`lightning_megatron.parallel.state_dict`).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import logging
@@ -34,6 +33,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule
+from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
 from lightning_megatron.parallel import forward_backward as step
 from lightning_megatron.parallel.config import ParallelConfig
@@ -65,15 +65,10 @@ _DDP_SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
 
 
 def _check_keywords(extra: Dict[str, Any], own: Sequence[str]) -> None:
-    """Raise TypeError for a keyword that is neither the strategy's nor torch DDP's, naming the closest valid one."""
+    """Raise TypeError for a keyword that is neither the strategy's nor torch DDP's (naming the closest valid one)."""
     ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _DDP_SET_BY_STRATEGY]
-    valid = list(own) + list(_DDP_STRATEGY_KEYWORDS) + ddp
-    for name in extra:
-        if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f"; did you mean `{close[0]}`?" if close else ""
-            raise TypeError(f"MegatronStrategy got an unexpected keyword argument `{name}`{hint} (its own arguments "
-                            f"and torch DistributedDataParallel's are accepted)")
+    own = [n for n in own if n not in ("self", "ddp_kwargs")]
+    check_keywords("MegatronStrategy", extra, own + list(_DDP_STRATEGY_KEYWORDS) + ddp)
 
 
 class MegatronStrategy(DDPStrategy):

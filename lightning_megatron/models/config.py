@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
+from lightning_megatron.keywords import check_keywords
 from lightning_megatron.moe.config import MoEConfig, moe_layer_pattern
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -123,6 +124,7 @@ class GPTConfig:
 
     def replace(self, **changes: Any) -> "GPTConfig":
         """A copy with some fields changed (derived fields recomputed unless given)."""
+        check_keywords("GPTConfig.replace", changes, [f.name for f in fields(self) if f.init])
         return replace(self, **changes)
 
     @property
@@ -224,3 +226,15 @@ class GPTConfig:
                     moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
         base.update(overrides)
         return cls(**base)
+
+
+def _checked_init(init: Any) -> Any:
+    def __init__(self: GPTConfig, *args: Any, **kwargs: Any) -> None:
+        check_keywords("GPTConfig", kwargs, [f.name for f in fields(GPTConfig) if f.init])
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+GPTConfig.__init__ = _checked_init(GPTConfig.__init__)  # type: ignore[method-assign]

@@ -1,0 +1,68 @@
+"""Unknown keywords fail at construction, before any process starts, naming the closest valid keyword; every DDP
+keyword still reaches torch DDP; every keyword the README documents is accepted."""
+import inspect
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import GPTConfig, MegatronStrategy
+from tests._dist import run_distributed
+from tests.parity import ListDataset, make_samples, new_module, tiny_config, trainer_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict()], ids=["tp-only", "pp2", "dp"])
+def test_misspelt_strategy_keyword_names_the_right_one(layout):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument `sequence_paralel`; did you mean `sequence_parallel`"):
+        MegatronStrategy(**layout, sequence_paralel=True)
+    with pytest.raises(TypeError, match="`recompute_granularity`"):
+        MegatronStrategy(**layout, recompute_granularity="bogus")
+
+
+def test_misspelt_config_keyword_names_the_right_one():
+    with pytest.raises(TypeError, match=r"GPTConfig got an unexpected keyword argument `hiden_size`; did you mean `hidden_size`"):
+        GPTConfig(hiden_size=64)
+    with pytest.raises(TypeError, match=r"GPTConfig.replace got .* `num_layer`; did you mean `num_layers`"):
+        GPTConfig.tiny().replace(num_layer=3)
+    with pytest.raises(TypeError, match="did you mean `num_attention_heads`"):
+        GPTConfig.tiny(num_atention_heads=4)
+    assert GPTConfig.tiny().replace(num_layers=3).num_layers == 3
+
+
+class _SeeWrapper(pl.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        ddp = trainer.strategy.model
+        self.seen = (type(ddp).__name__, ddp.bucket_bytes_cap, ddp.broadcast_buffers, ddp.gradient_as_bucket_view)
+
+
+def _ddp_settings(rank, world):
+    cfg, seen = tiny_config(), _SeeWrapper()
+    strategy = MegatronStrategy(bucket_cap_mb=1, broadcast_buffers=False, gradient_as_bucket_view=False)
+    trainer = trainer_for(world, strategy, 1, callbacks=[seen])
+    trainer.fit(new_module(cfg, 1), DataLoader(ListDataset(make_samples(cfg, 2)), batch_size=1))
+    return seen.seen
+
+
+def test_ddp_keywords_reach_ddp():
+    for name, cap, broadcast, bucket_view in run_distributed(_ddp_settings, 2):
+        assert name == "DistributedDataParallel"
+        assert (cap, broadcast, bucket_view) == (1024 * 1024, False, False)
+
+
+def test_every_documented_strategy_keyword_is_accepted():
+    readme = (ROOT / "README.md").read_text()
+    row = re.search(r"`MegatronStrategy\((.*?)\)`", readme.split("| name |", 1)[1]).group(1)
+    documented = [part.split("=")[0].strip() for part in row.split(",") if "=" in part]
+    assert len(documented) >= 10, documented
+    accepted = inspect.signature(MegatronStrategy.__init__).parameters
+    missing = [name for name in documented if name not in accepted]
+    assert not missing, f"README documents MegatronStrategy keywords it does not accept: {missing}"
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for call in re.findall(r"MegatronStrategy\(([^()]*)\)", doc.read_text()):
+            for name in re.findall(r"(\w+)=", call):
+                assert name in accepted or name in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters, (doc.name, name)
