@@ -85,7 +85,6 @@ class StepTimer(pl.Callback):
         self.start, self.stop, self.times, self.losses = start, stop, [], []
         self.every_step = every_step  # reading the loss each step synchronises the GPU: only for checks
         self.base_mem = self.peak_mem = 0
-        self._micro: list = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
@@ -96,16 +95,9 @@ class StepTimer(pl.Callback):
             self.times.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.every_step:  # the optimizer step's loss: mean of its micro-batches' losses
-            acc = trainer.accumulate_grad_batches
-            if trainer.strategy.parallel_config.pp > 1:  # logged once per step, already the step's mean
-                if (batch_idx + 1) % acc == 0:
-                    self.losses.append(float(trainer.callback_metrics["train_loss"]))
-            else:
-                self._micro.append(float(trainer.callback_metrics["train_loss"]))
-                if len(self._micro) == acc:
-                    self.losses.append(sum(self._micro) / acc)
-                    self._micro = []
+        if self.every_step:  # the optimizer step's loss, logged once per step at its last micro-batch
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                self.losses.append(float(trainer.callback_metrics["train_loss"]))
         elif batch_idx == self.stop - 1:
             self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if batch_idx == self.stop - 1:
