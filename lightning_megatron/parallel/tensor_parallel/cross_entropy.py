@@ -11,10 +11,15 @@ from torch import Tensor
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_rank, group_size
 
 
+def _loss_dtype(logits: Tensor) -> torch.dtype:
+    """Compute dtype of the loss: at least float32 (half types are promoted), float64 kept."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, group: Group, vocab_size: Optional[int]):
-        logits = logits.float()
+        logits = logits.to(_loss_dtype(logits))
         per_rank = logits.shape[-1]
         start = per_rank * group_rank(group)
         distributed = group_size(group) > 1
@@ -58,19 +63,19 @@ def vocab_parallel_cross_entropy(
 
     Args:
         logits: ``[..., V_pad/tp]``, this rank's contiguous slice of the (padded) vocabulary; any float
-            dtype, computed in fp32.
+            dtype, computed in float32, or float64 for float64 logits (never narrower than the input).
         target: ``[...]`` global token ids.
         group: TP group the vocabulary is split over (three all-reduces of ``[...]``-sized tensors in
             forward, none in backward).
         vocab_size: true vocabulary size; logits of padded ids (``>= vocab_size``) are excluded.
 
     Returns:
-        ``[...]`` fp32 per-token loss.
+        ``[...]`` per-token loss in the compute dtype (float32; float64 for float64 logits).
     """
     if group_size(group) == 1:
         # One rank holds the whole vocabulary: the fused kernel, padded columns sliced off.
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits = logits[..., :vocab_size]
-        flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        flat = F.cross_entropy(logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
         return flat.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
