@@ -76,6 +76,7 @@ def vocab_parallel_cross_entropy(
         # One rank holds the whole vocabulary: the fused kernel, padded columns sliced off.
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits = logits[..., :vocab_size]
-        flat = F.cross_entropy(logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        flat = logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1])
+        flat = F.cross_entropy(flat, target.reshape(-1), reduction="none")
         return flat.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
