@@ -44,6 +44,7 @@ COLUMN_BF16_CASES = _ids("column_bf16", [""])
 ROW_CASES = _ids("row", ["bias", "nobias"])
 EMBEDDING_CASES = _ids("embedding", [""])
 CE_CASES = [f"ce-tp{tp}" for tp in TPS] + [f"ce-tp{tp}-bf16" for tp in TPS]
+CE_FP64_CASES = [f"ce-tp{tp}-fp64" for tp in TPS]
 
 
 def _cols(n: int, tp: int, rank: int, stride: int = 1) -> torch.Tensor:
@@ -205,30 +206,32 @@ def _ce_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> No
 
     padded = pad_vocab_size(VOCAB, tp, DIVISIBLE_BY)
     per = padded // tp
-    for bf16 in (False, True):
-        case = f"ce-tp{tp}" + ("-bf16" if bf16 else "")
-        g = torch.Generator().manual_seed(700 + tp + bf16)
+    for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16), ("-fp64", torch.float64)):
+        case = f"ce-tp{tp}{suffix}"
+        g = torch.Generator().manual_seed(700 + tp + (dtype == torch.bfloat16))
         logits = 3 * torch.randn(S, B, padded, generator=g)
         logits[..., VOCAB:] = 50.0  # would dominate the softmax if the padded columns were not excluded
-        if bf16:
-            logits = logits.bfloat16()
+        logits = logits.to(dtype)
+        ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the loss's compute dtype
         target = torch.randint(0, VOCAB, (S, B), generator=g)
         edges = [r * per for r in range(tp)] + [min(r * per + per - 1, VOCAB - 1) for r in range(tp)]
         target.view(-1)[: len(edges)] = torch.tensor(edges)
-        weights = torch.rand(S, B, generator=g)  # upstream gradient of the per-token loss
-        ref_in = _leaf(logits[..., :VOCAB].float())
+        weights = torch.rand(S, B, generator=g, dtype=ref_dtype)  # upstream gradient of the per-token loss
+        ref_in = _leaf(logits[..., :VOCAB].to(ref_dtype))
         loss_ref = F.cross_entropy(ref_in.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(S, B)
         (loss_ref * weights).sum().backward()
         local = _leaf(logits[..., rank * per:(rank + 1) * per])
         loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=VOCAB)
         (loss * weights).sum().backward()
-        grad_ref_padded = torch.cat([ref_in.grad, torch.zeros(S, B, padded - VOCAB)], dim=-1)
+        grad_ref_padded = torch.cat([ref_in.grad, torch.zeros(S, B, padded - VOCAB, dtype=ref_dtype)], dim=-1)
         real = max(0, min(per, VOCAB - rank * per))  # this rank's columns that are real vocabulary
         out[case] = {
             "loss": (loss, loss_ref),
-            "logits_grad": (local.grad[..., :real].float(), ref_in.grad[..., rank * per:rank * per + real]),
-            "padded_grad": (local.grad[..., real:].float(), grad_ref_padded[..., rank * per + real:(rank + 1) * per]),
+            "logits_grad": (local.grad[..., :real].to(ref_dtype), ref_in.grad[..., rank * per:rank * per + real]),
+            "padded_grad": (local.grad[..., real:].to(ref_dtype),
+                            grad_ref_padded[..., rank * per + real:(rank + 1) * per]),
             "grad_dtype": (local.grad.dtype, logits.dtype),
+            "loss_dtype": (loss.dtype, ref_dtype),
         }
 
 
@@ -304,3 +307,33 @@ def test_vocab_parallel_cross_entropy(results, case):
         assert torch.equal(padded_grad, torch.zeros_like(padded_grad)), f"rank {rank}: padded columns got gradient"
     # the loss is fp32 from the same (bf16) logits in both; a bf16 gradient is rounded to bf16
     _check(results, case, loose=("logits_grad",) if case.endswith("bf16") else (), **FP32)
+
+
+@pytest.mark.parametrize("case", CE_FP64_CASES)
+def test_vocab_parallel_cross_entropy_keeps_float64(results, case):
+    """float64 logits: loss and gradient in float64 (never through float32), to float64 rounding of the
+    single-process ``F.cross_entropy`` (measured <= 2e-16 relative; float32 would give ~1e-7)."""
+    for rank, per_rank in enumerate(results):
+        res = per_rank[case]
+        assert res["loss_dtype"] == (torch.float64, torch.float64), (rank, res["loss_dtype"])
+        assert res["grad_dtype"] == (torch.float64, torch.float64), (rank, res["grad_dtype"])
+        for name in ("loss", "logits_grad", "padded_grad"):
+            got, want = res[name]
+            assert got.dtype == want.dtype == torch.float64, (rank, name, got.dtype, want.dtype)
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.float32)])
+def test_single_rank_cross_entropy_dtype(dtype, expected):
+    """One rank (the fused ``F.cross_entropy`` path, padded columns sliced off): computed in at least float32,
+    float64 kept."""
+    from lightning_megatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(S, B, 64, generator=g, dtype=torch.float64).to(dtype)
+    target = torch.randint(0, VOCAB, (S, B), generator=g)
+    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=VOCAB)
+    assert loss.dtype == expected
+    want = F.cross_entropy(logits[..., :VOCAB].to(expected).reshape(-1, VOCAB), target.reshape(-1), reduction="none")
+    assert torch.equal(loss.reshape(-1), want)

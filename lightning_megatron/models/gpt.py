@@ -77,9 +77,11 @@ class Norm(nn.Module):
 
 
 def rotary_cos_sin(position_ids: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """RoPE tables for ``position_ids`` ``[s, b]``: ``cos, sin`` of shape ``[s, b, 1, dim]`` (halves layout)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
-    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+    """RoPE tables for ``position_ids`` ``[s, b]``: ``cos, sin`` of shape ``[s, b, 1, dim]`` (halves layout) in
+    ``dtype``, computed in float32 (float64 for a float64 ``dtype``)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=compute) / dim))
+    freqs = position_ids.to(compute).unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -274,9 +276,9 @@ def parameter_seed(seed: int, name: str) -> int:
 class GPTModel(nn.Module):
     """GPT / LLaMA decoder. ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)``.
 
-    With ``labels`` returns the per-token loss ``[b, s]`` (fp32; float64 for a float64 model); without, logits ``[b, s, V_pad/tp]``
-    (this rank's vocabulary slice under TP). Built on the meta device, it skips initialisation; call
-    :meth:`init_weights` after materialising (the strategy does).
+    With ``labels`` returns the per-token loss ``[b, s]`` (float32; float64 in a float64 model); without, logits
+    ``[b, s, V_pad/tp]`` (this rank's vocabulary slice under TP). Built on the meta device, it skips
+    initialisation; call :meth:`init_weights` after materialising (the strategy does).
     """
 
     #: its layers can hand weight-gradient GEMMs to the CP attention's backward (``delay_wgrad_compute``)
@@ -451,8 +453,8 @@ class GPTModel(nn.Module):
         return self.output_layer(x, weight=shared)
 
     def per_token_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` fp32 (float64 for
-        float64 logits)."""
+        """Cross-entropy of logits ``[s, b, V_pad/tp]`` against ``labels [b, s]``: ``[b, s]`` in float32 (float64
+        for float64 logits)."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
 
     def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:

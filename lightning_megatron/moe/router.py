@@ -296,7 +296,7 @@ class TopKRouter(nn.Module):
         if self.expert_bias is None:
             raise RuntimeError("update_expert_bias needs moe_router_enable_expert_bias=True")
         n = self.local_tokens_per_expert if tokens_per_expert_global is None else tokens_per_expert_global
-        n = n.to(self.expert_bias.device, torch.float32)
+        n = n.to(self.expert_bias.device, _acc(self.expert_bias))
         self.expert_bias += torch.sign(n.mean() - n) * self.config.moe_router_bias_update_rate
         self.local_tokens_per_expert.zero_()
         self._count_history = []

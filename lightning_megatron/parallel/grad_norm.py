@@ -25,8 +25,14 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
             the total is summed over each.
         expert, expert_group: ``id()`` of expert parameters (split over the ep x etp block ``expert_group``,
             identical over expert data parallel); their squared norms are summed over ``expert_group``.
+
+    The norm is accumulated in float32, or float64 when any parameter is float64 (never narrower than the
+    gradients). The dtype comes from the parameters, not their gradients, so every rank of a group agrees on
+    it even where some hold no gradient.
     """
     expert = expert or set()
+    params = list(params)
+    acc = _norm_dtype(params)
     grads_sharded, grads_replicated, grads_expert = [], [], []
     for p in params:
         if p.grad is None:
@@ -37,12 +43,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
             (grads_sharded if id(p) in sharded else grads_replicated).append(p.grad.detach())
     every = grads_sharded + grads_replicated + grads_expert
     device = every[0].device if every else torch.device("cpu")
-    sharded_sq = _sum_squares(grads_sharded, device)
+    sharded_sq = _sum_squares(grads_sharded, device, acc)
     if group_size(tp_group) > 1:
         dist.all_reduce(sharded_sq, group=tp_group)
-    total = sharded_sq + _sum_squares(grads_replicated, device)
+    total = sharded_sq + _sum_squares(grads_replicated, device, acc)
     if expert:
-        expert_sq = _sum_squares(grads_expert, device)
+        expert_sq = _sum_squares(grads_expert, device, acc)
         if group_size(expert_group) > 1:
             dist.all_reduce(expert_sq, group=expert_group)
         total = total + expert_sq
@@ -52,11 +58,16 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
     return total.sqrt()
 
 
-def _sum_squares(grads: List[Tensor], device: torch.device) -> Tensor:
+def _norm_dtype(params: List[torch.nn.Parameter]) -> torch.dtype:
+    """float32, or float64 when any of ``params`` is float64."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=dtype, device=device)
     norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+    return torch.stack([n.to(dtype) for n in norms]).pow(2).sum()
 
 
 @torch.no_grad()
@@ -68,8 +79,9 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, shard
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
     but with the norm from :func:`global_grad_norm`.
     """
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group)
+    params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     if params:
         torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))

@@ -12,7 +12,7 @@ from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_ra
 
 
 def _loss_dtype(logits: Tensor) -> torch.dtype:
-    """At least fp32: half-precision logits are upcast, float64 ones are not cut to fp32."""
+    """Compute dtype of the loss: at least float32 (half types are promoted), float64 kept."""
     return torch.promote_types(logits.dtype, torch.float32)
 
 
@@ -63,20 +63,20 @@ def vocab_parallel_cross_entropy(
 
     Args:
         logits: ``[..., V_pad/tp]``, this rank's contiguous slice of the (padded) vocabulary; any float
-            dtype, computed in fp32 (float64 logits in float64).
+            dtype, computed in float32, or float64 for float64 logits (never narrower than the input).
         target: ``[...]`` global token ids.
         group: TP group the vocabulary is split over (three all-reduces of ``[...]``-sized tensors in
             forward, none in backward).
         vocab_size: true vocabulary size; logits of padded ids (``>= vocab_size``) are excluded.
 
     Returns:
-        ``[...]`` per-token loss, fp32 (float64 for float64 logits).
+        ``[...]`` per-token loss in the compute dtype (float32; float64 for float64 logits).
     """
     if group_size(group) == 1:
         # One rank holds the whole vocabulary: the fused kernel, padded columns sliced off.
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits = logits[..., :vocab_size]
-        flat = F.cross_entropy(logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1]), target.reshape(-1),
-                               reduction="none")
+        flat = logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1])
+        flat = F.cross_entropy(flat, target.reshape(-1), reduction="none")
         return flat.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
