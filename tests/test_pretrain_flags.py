@@ -395,8 +395,8 @@ TP1 = ["--tensor-model-parallel-size", "1"]
 PP2 = TP1 + ["--global-batch-size", "16"]  # with --pipeline-model-parallel-size 2: 2 micro-batches
 MOE = ["--num-experts", "4"]
 EOD = ["--data-path", "x", "--eod-mask-loss", "--tokenizer-type", "ByteTokenizer"]
-# (context, flag argv, {target: value}): the flag added to a context must give each target that value, and the
-# value must differ from the context's alone (a parsed flag whose value goes nowhere would fail here)
+# (context, argv, {target: value}), the flag under test being argv[0]: added to the context, it must give each
+# target that value, which must differ from the context's alone (a parsed flag whose value goes nowhere fails)
 CASES = [
     ([], ["--tensor-model-parallel-size", "1"], {"MegatronStrategy.tp": 1}),
     (PP2, ["--pipeline-model-parallel-size", "2"], {"MegatronStrategy.pp": 2}),
