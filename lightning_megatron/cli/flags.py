@@ -1,0 +1,281 @@
+"""Megatron-LM's pretraining flags (``pretrain_gpt.py``'s names), each recorded with what it becomes.
+
+Every flag is added through :func:`add_flag`, which records its *targets*: the constructor argument or field
+its value ends up in, written ``Class.name`` (``GPTConfig.num_layers``, ``MegatronStrategy.tp``,
+``Trainer.max_steps``, ``GPTDataModule.split``, ...). ``--help`` shows them after each flag, and
+:func:`flag_targets` lists them, so a test can check that every parsed flag reaches a real field. Flags of
+features that have not landed are added with :func:`add_refused_flag`: parsed, then refused by name.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+from lightning_megatron.parallel.config import CP_COMM_TYPES
+from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
+
+__all__ = ["DESCRIPTION", "FLAG_MAPPING", "TINY", "TINY_LR", "add_flag", "add_refused_flag", "build_parser", "flag_targets", "refused_flags"]
+
+# The shipped-corpus run's model and learning rate; shape / lr flags left out take these values.
+TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352,
+            seq_length=128, vocab_size=2048)
+TINY_LR = dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=20)
+
+DESCRIPTION = "Pretrain a GPT / LLaMA-style model with MegatronStrategy from Megatron-LM's command-line flags."
+FLAG_MAPPING = """\
+How the flags map (each flag's help ends with what it sets: "-> Class.argument"):
+  * Without --data-path the run uses the small corpus shipped in lightning_megatron/data/corpus
+    (TinyCorpusDataModule), tokenised by a SentencePiece model trained on it.
+  * Layout: MegatronStrategy(tp, pp, vp, cp, ep, etp, sequence_parallel, ...); dp = world / (tp*pp*cp) with
+    world = --devices x --num-nodes.
+  * --global-batch-size = micro-batch x dp x micro-batches: the micro-batches per optimizer step become
+    Trainer(accumulate_grad_batches) (under pipeline parallelism the pipeline's micro-batches, at least pp for
+    the 1f1b schedules). Without it the global batch is micro-batch x dp (Megatron's default).
+  * --train-iters is max_steps (optimizer steps); --eval-interval is in optimizer steps and --eval-iters in
+    global batches, as in Megatron.
+  * --data-path uses GPTDataModule on Megatron indexed datasets (docs/data.md: preprocessing); one prefix,
+    several, or a weighted blend '0.3 a 0.7 b'. The vocabulary comes from --tokenizer-type/--tokenizer-model.
+  * --save DIR keeps DIR/last.ckpt (and one every --save-interval steps, and at the end); --load resumes from
+    a file or DIR/last.ckpt (a directory without one starts fresh, as Megatron).
+
+Defaults are those of the shipped tiny run where it needs them, which differ from Megatron-LM's in places:
+sequence parallelism is on when tp > 1 (--no-sequence-parallel), lr decay is cosine, weight decay 0.1, Adam
+beta2 0.95, no dropout, and the model is LLaMA-style (RMSNorm, RoPE, SwiGLU, no linear biases, untied
+embeddings) unless --normalization / --position-embedding-type / --no-swiglu say otherwise. When
+--hidden-size is given, --ffn-hidden-size defaults to Megatron's rule; when --num-attention-heads is given,
+query groups default to the heads (--group-query-attention: 1). Flags of features that have not landed are
+recognised and refused with a message naming them.
+"""
+
+
+def add_flag(group: Any, flag: str, to: Union[str, Sequence[str]], **kwargs: Any) -> argparse.Action:
+    """``group.add_argument(flag, **kwargs)`` recording ``to``: the ``Class.argument`` targets the value sets.
+
+    The targets are appended to the flag's help (``-> GPTConfig.num_layers``) and kept on the action
+    (``action.targets``) for :func:`flag_targets`.
+    """
+    targets = (to,) if isinstance(to, str) else tuple(to)
+    if not targets:
+        raise ValueError(f"{flag}: a flag needs at least one target (use add_refused_flag for refused flags)")
+    text = kwargs.pop("help", None)
+    arrow = "-> " + ", ".join(targets)
+    action = group.add_argument(flag, help=f"{text} {arrow}" if text else arrow, **kwargs)
+    action.targets = targets
+    action.refused = None
+    return action
+
+
+def add_refused_flag(group: Any, flag: str, feature: str, **kwargs: Any) -> argparse.Action:
+    """A flag of a feature that has not landed: parsed (so it is not "unrecognized"), then refused by name."""
+    action = group.add_argument(flag, help=f"refused: {feature} has not landed", **kwargs)
+    action.targets = ()
+    action.refused = feature
+    return action
+
+
+def flag_targets(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, ...]]:
+    """``{"--flag": ("Class.argument", ...)}`` for every flag of ``parser`` (refused flags map to ``()``)."""
+    return {action.option_strings[0]: action.targets for action in parser._actions
+            if hasattr(action, "targets")}
+
+
+def refused_flags(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, str]]:
+    """``{dest: (flag, feature)}`` of the flags that are parsed but refused."""
+    return {action.dest: (action.option_strings[0], action.refused) for action in parser._actions
+            if getattr(action, "refused", None)}
+
+
+def _layer_freq(text: str) -> Union[int, List[int]]:
+    """``--moe-layer-freq``: an int, or a list literal of 0/1 (Megatron also takes ``"([1]*N)"``-style code;
+    write the list out here)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a list such as [1,0,1,0]") from e
+    if isinstance(value, (list, tuple)):
+        return [int(x) for x in value]
+    if isinstance(value, int):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not an int or a list such as [1,0,1,0]")
+
+
+def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The command line, with Megatron-LM's flag names (``allow_abbrev=False`` as Megatron's parser); ``--help``
+    shows ``description`` and then how the flags map (:data:`FLAG_MAPPING`)."""
+    p = argparse.ArgumentParser(description=f"{description.rstrip()}\n\n{FLAG_MAPPING}", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [Megatron-LM flags] (--help lists them)", allow_abbrev=False)
+    g = p.add_argument_group("parallel layout")
+    add_flag(g, "--tensor-model-parallel-size", "MegatronStrategy.tp", type=int, default=2, help="tp (default 2)")
+    add_flag(g, "--pipeline-model-parallel-size", "MegatronStrategy.pp", type=int, default=1, help="pp")
+    add_flag(g, "--virtual-pipeline-model-parallel-size", "MegatronStrategy.vp", type=int, default=None,
+             help="vp: model chunks per pipeline rank (interleaved schedule)")
+    add_flag(g, "--pipeline-schedule", "MegatronStrategy.pipeline_schedule", choices=SCHEDULE_NAMES, default=None,
+             help="(not a Megatron flag) default: interleaved_1f1b with vp > 1, else 1f1b")
+    add_flag(g, "--decoder-first-pipeline-num-layers", "MegatronStrategy.num_layers_in_first_pipeline_stage",
+             type=int, default=None)
+    add_flag(g, "--decoder-last-pipeline-num-layers", "MegatronStrategy.num_layers_in_last_pipeline_stage",
+             type=int, default=None)
+    add_flag(g, "--context-parallel-size", "MegatronStrategy.cp", type=int, default=1, help="cp")
+    add_flag(g, "--cp-comm-type", "MegatronStrategy.cp_comm_type", nargs="+", choices=CP_COMM_TYPES,
+             default=["p2p"], help="one type, or one per layer")
+    add_flag(g, "--hierarchical-context-parallel-sizes", "MegatronStrategy.hierarchical_context_parallel_sizes",
+             nargs="+", type=int, default=None, help="inner (a2a) and outer (p2p) sizes for a2a+p2p")
+    add_flag(g, "--expert-model-parallel-size", "MegatronStrategy.ep", type=int, default=1, help="ep")
+    add_flag(g, "--expert-tensor-parallel-size", "MegatronStrategy.etp", type=int, default=None,
+             help="etp (default tp)")
+    add_flag(g, "--sequence-parallel", "MegatronStrategy.sequence_parallel", action=argparse.BooleanOptionalAction,
+             default=None, help="default: on when tp > 1")
+    add_flag(g, "--use-distributed-optimizer", "MegatronStrategy.use_distributed_optimizer", action="store_true",
+             help="shard the optimizer states over dp x cp (ZeRO-1)")
+    add_flag(g, "--delay-wgrad-compute", "MegatronStrategy.delay_wgrad_compute",
+             action=argparse.BooleanOptionalAction, default=None,
+             help="a2a context parallel (tp=1): run the weight-gradient GEMMs during the backward all-to-alls "
+                  "(default: on wherever it applies; --no-delay-wgrad-compute keeps them in place)")
+    add_flag(g, "--grad-reduce-in-bf16", "MegatronStrategy.grad_reduce_in_bf16", action="store_true",
+             help="reduce data-parallel gradients in bf16 (half the traffic)")
+    add_flag(g, "--accelerator", "Trainer.accelerator", default="cpu")
+    add_flag(g, "--devices", "Trainer.devices", type=int, default=2, help="processes per node")
+    add_flag(g, "--num-nodes", "Trainer.num_nodes", type=int, default=1)
+
+    g = p.add_argument_group("model")
+    add_flag(g, "--num-layers", "GPTConfig.num_layers", type=int, default=None, help=f"default {TINY['num_layers']}")
+    add_flag(g, "--hidden-size", "GPTConfig.hidden_size", type=int, default=None,
+             help=f"default {TINY['hidden_size']}")
+    add_flag(g, "--num-attention-heads", "GPTConfig.num_attention_heads", type=int, default=None,
+             help=f"default {TINY['num_attention_heads']}")
+    add_flag(g, "--group-query-attention", "GPTConfig.num_query_groups", action="store_true",
+             help="query groups default to 1 instead of the heads")
+    add_flag(g, "--num-query-groups", "GPTConfig.num_query_groups", type=int, default=None,
+             help=f"default {TINY['num_query_groups']} for the default heads, else heads (MHA)")
+    add_flag(g, "--ffn-hidden-size", "GPTConfig.ffn_hidden_size", type=int, default=None,
+             help=f"default {TINY['ffn_hidden_size']}")
+    add_flag(g, "--kv-channels", "GPTConfig.kv_channels", type=int, default=None)
+    add_flag(g, "--seq-length", ("GPTConfig.seq_length", "TinyCorpusDataModule.seq_length",
+                                 "GPTDataModule.seq_length"), type=int, default=None,
+             help=f"default {TINY['seq_length']}")
+    add_flag(g, "--max-position-embeddings", "GPTConfig.max_position_embeddings", type=int, default=None)
+    add_flag(g, "--vocab-size", ("GPTConfig.vocab_size", "TinyCorpusDataModule.vocab_size"), type=int,
+             default=None,
+             help=f"shipped corpus: SentencePiece vocabulary to train (default {TINY['vocab_size']}); --data-path: "
+                  "at least the tokenizer's (NullTokenizer: ids below it, plus eod)")
+    add_flag(g, "--make-vocab-size-divisible-by", "GPTConfig.make_vocab_size_divisible_by", type=int, default=128)
+    add_flag(g, "--normalization", "GPTConfig.normalization", choices=("RMSNorm", "LayerNorm"), default=None)
+    add_flag(g, "--norm-epsilon", "GPTConfig.norm_epsilon", type=float, default=None)
+    add_flag(g, "--position-embedding-type", "GPTConfig.position_embedding_type",
+             choices=("rope", "learned_absolute"), default=None)
+    add_flag(g, "--use-rotary-position-embeddings", "GPTConfig.position_embedding_type", action="store_true",
+             help="= --position-embedding-type rope")
+    add_flag(g, "--rotary-base", "GPTConfig.rotary_base", type=int, default=None)
+    add_flag(g, "--swiglu", "GPTConfig.swiglu", action=argparse.BooleanOptionalAction, default=None,
+             help="default on")
+    add_flag(g, "--disable-bias-linear", "GPTConfig.add_bias_linear", action="store_true", help="(the default here)")
+    add_flag(g, "--untie-embeddings-and-output-weights", "GPTConfig.untie_embeddings_and_output_weights",
+             action="store_true", help="(the default here)")
+    add_flag(g, "--init-method-std", "GPTConfig.init_method_std", type=float, default=None)
+    add_flag(g, "--hidden-dropout", "GPTConfig.hidden_dropout", type=float, default=None)
+    add_flag(g, "--attention-dropout", "GPTConfig.attention_dropout", type=float, default=None)
+
+    g = p.add_argument_group("training")
+    add_flag(g, "--micro-batch-size", ("TinyCorpusDataModule.micro_batch_size", "GPTDataModule.micro_batch_size"),
+             type=int, default=8)
+    add_flag(g, "--global-batch-size", ("Trainer.accumulate_grad_batches", "GPTDataModule.global_batch_size"),
+             type=int, default=None, help="default micro-batch x dp")
+    add_flag(g, "--train-iters", ("Trainer.max_steps", "GPTDataModule.train_iters"), type=int, default=400)
+    add_flag(g, "--lr", "ParallelGPTModule.lr", type=float, default=None, help=f"default {TINY_LR['lr']}")
+    add_flag(g, "--min-lr", "ParallelGPTModule.min_lr", type=float, default=None,
+             help=f"default {TINY_LR['min_lr']} with the default --lr, else 0 (Megatron's)")
+    add_flag(g, "--lr-warmup-iters", "ParallelGPTModule.lr_warmup_iters", type=int, default=None,
+             help=f"default {TINY_LR['lr_warmup_iters']}")
+    add_flag(g, "--lr-warmup-fraction", "ParallelGPTModule.lr_warmup_iters", type=float, default=None,
+             help="warmup = fraction x decay iters")
+    add_flag(g, "--lr-decay-iters", "ParallelGPTModule.lr_decay_iters", type=int, default=None,
+             help="default --train-iters")
+    add_flag(g, "--lr-decay-style", "ParallelGPTModule.lr_decay_style", choices=("cosine", "linear", "constant"),
+             default="cosine")
+    add_flag(g, "--weight-decay", "ParallelGPTModule.weight_decay", type=float, default=0.1)
+    add_flag(g, "--adam-beta1", "ParallelGPTModule.adam_beta1", type=float, default=0.9)
+    add_flag(g, "--adam-beta2", "ParallelGPTModule.adam_beta2", type=float, default=0.95)
+    add_flag(g, "--adam-eps", "ParallelGPTModule.adam_eps", type=float, default=1e-8)
+    add_flag(g, "--clip-grad", "Trainer.gradient_clip_val", type=float, default=1.0, help="0 disables clipping")
+    add_flag(g, "--seed", ("seed_everything.seed", "GPTDataModule.seed"), type=int, default=1234)
+    add_flag(g, "--bf16", "Trainer.precision", action="store_true", help="= --precision bf16-mixed")
+    add_flag(g, "--fp16", "Trainer.precision", action="store_true", help="= --precision 16-mixed")
+    add_flag(g, "--precision", "Trainer.precision", default=None, help="Lightning's precision (default 32-true)")
+    add_flag(g, "--eval-interval", "Trainer.val_check_interval", type=int, default=100,
+             help="optimizer steps between validations")
+    add_flag(g, "--eval-iters", ("Trainer.limit_val_batches", "GPTDataModule.eval_iters"), type=int, default=10,
+             help="global batches per validation (0: none)")
+    add_flag(g, "--log-interval", ("Trainer.log_every_n_steps", "MFUMonitor.log_every_n_steps"), type=int,
+             default=10, help="optimizer steps between log lines")
+    add_flag(g, "--log-throughput", "MFUMonitor", action="store_true",
+             help="MFUMonitor and a log line every --log-interval steps also without --data-path")
+    add_flag(g, "--peak-tflops", "MFUMonitor.peak_flops", type=float, default=None,
+             help="peak TFLOP/s per device, for mfu")
+
+    g = p.add_argument_group("data")
+    add_flag(g, "--data-path", "GPTDataModule.data_path", nargs="+", default=None,
+             help="indexed-dataset prefix(es), or a weighted blend '0.3 a 0.7 b' (one quoted string or separate "
+                  "words); default: the shipped corpus (TinyCorpusDataModule)")
+    add_flag(g, "--split", "GPTDataModule.split", default=None, help="train,valid,test weights (default 969,30,1)")
+    add_flag(g, "--tokenizer-type", ("TinyCorpusDataModule.tokenizer", "GPTConfig.vocab_size", "GPTDataModule.eod_id"),
+             default=None,
+             help="SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, ByteTokenizer, "
+                  "NullTokenizer (needs --vocab-size)")
+    add_flag(g, "--tokenizer-model", ("GPTConfig.vocab_size", "GPTDataModule.eod_id"), default=None)
+    add_flag(g, "--data-cache-path", ("TinyCorpusDataModule.cache_dir", "GPTDataModule.cache_dir"), default=None,
+             help="where tokenised data / dataset indices are cached")
+    add_flag(g, "--eod-mask-loss", ("GPTDataModule.eod_mask_loss", "GPTDataModule.eod_id"), action="store_true")
+    add_flag(g, "--num-workers", ("TinyCorpusDataModule.num_workers", "GPTDataModule.num_workers"), type=int,
+             default=None, help="DataLoader workers (default 2; shipped corpus 0)")
+
+    g = p.add_argument_group("checkpoints")
+    add_flag(g, "--save", ("ModelCheckpoint.dirpath", "Trainer.enable_checkpointing"), default=None,
+             help="checkpoint directory (last.ckpt at the end)")
+    add_flag(g, "--save-interval", "ModelCheckpoint.every_n_train_steps", type=int, default=None,
+             help="also save every N optimizer steps")
+    add_flag(g, "--load", "Trainer.fit.ckpt_path", default=None, help="checkpoint file, or a directory holding last.ckpt")
+
+    g = p.add_argument_group("not supported yet (refused with a message)")
+    add_refused_flag(g, "--fp8-hybrid", "FP8 training", action="store_true")
+    add_refused_flag(g, "--fp8-format", "FP8 training", choices=("e4m3", "hybrid"), default=None)
+    add_refused_flag(g, "--recompute-granularity", "activation recompute", choices=("full", "selective"), default=None)
+    add_refused_flag(g, "--recompute-activations", "activation recompute", action="store_true")
+    add_refused_flag(g, "--recompute-method", "activation recompute", choices=("uniform", "block"), default=None)
+    add_refused_flag(g, "--recompute-num-layers", "activation recompute", type=int, default=None)
+    add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
+    add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")
+    add_refused_flag(g, "--tp-comm-overlap", "tensor-parallel communication overlap", action="store_true")
+    add_refused_flag(g, "--use-custom-fsdp", "FSDP", action="store_true")
+    add_refused_flag(g, "--use-torch-fsdp2", "FSDP", action="store_true")
+
+    g = p.add_argument_group("mixture of experts (with --expert-model-parallel-size / --expert-tensor-parallel-size)")
+    add_flag(g, "--num-experts", "GPTConfig.num_moe_experts", type=int, default=None,
+             help="routed experts per MoE layer (default: dense)")
+    add_flag(g, "--moe-grouped-gemm", "GPTConfig.moe_grouped_gemm", action="store_true", default=None,
+             help="one grouped GEMM for the local experts (torch._grouped_mm; loop fallback)")
+    add_flag(g, "--moe-router-topk", "GPTConfig.moe_router_topk", type=int, default=None,
+             help="experts per token (default 2)")
+    add_flag(g, "--moe-ffn-hidden-size", "GPTConfig.moe_ffn_hidden_size", type=int, default=None,
+             help="expert ffn size (default --ffn-hidden-size)")
+    add_flag(g, "--moe-layer-freq", "GPTConfig.moe_layer_freq", type=_layer_freq, default=None,
+             help="N (every N-th layer is MoE) or a 0/1 list such as [1,0,1,0] (default 1)")
+    add_flag(g, "--moe-router-score-function", "GPTConfig.moe_router_score_function", choices=("softmax", "sigmoid"),
+             default=None)
+    add_flag(g, "--moe-router-pre-softmax", "GPTConfig.moe_router_pre_softmax", action="store_true", default=None)
+    add_flag(g, "--moe-router-load-balancing-type", "GPTConfig.moe_router_load_balancing_type",
+             choices=("aux_loss", "seq_aux_loss", "none"), default=None)
+    add_flag(g, "--moe-aux-loss-coeff", "GPTConfig.moe_aux_loss_coeff", type=float, default=None)
+    add_flag(g, "--moe-z-loss-coeff", "GPTConfig.moe_z_loss_coeff", type=float, default=None)
+    add_flag(g, "--moe-router-enable-expert-bias", "GPTConfig.moe_router_enable_expert_bias", action="store_true",
+             default=None)
+    add_flag(g, "--moe-router-bias-update-rate", "GPTConfig.moe_router_bias_update_rate", type=float, default=None)
+    add_flag(g, "--moe-expert-capacity-factor", "GPTConfig.moe_expert_capacity_factor", type=float, default=None,
+             help="default: dropless")
+    add_flag(g, "--moe-token-drop-policy", "GPTConfig.moe_token_drop_policy", choices=("probs", "position"),
+             default=None)
+    add_flag(g, "--moe-shared-expert-intermediate-size", "GPTConfig.moe_shared_expert_intermediate_size", type=int,
+             default=None)
+    add_flag(g, "--moe-token-dispatcher-type", "GPTConfig.moe_token_dispatcher_type", choices=("alltoall", "allgather"),
+             default=None)
+    return p

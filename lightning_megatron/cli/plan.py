@@ -1,0 +1,410 @@
+"""Parsed Megatron flags -> the run's validated pieces, built once and before any process starts.
+
+:func:`plan_from_args` builds the :class:`~lightning_megatron.GPTConfig`, the
+:class:`~lightning_megatron.MegatronStrategy` and the data module from the flags; their own constructors and
+:class:`~lightning_megatron.parallel.config.ParallelConfig`'s ``resolve`` / ``validate_model`` do the
+checking, so a layout that cannot run is refused here, with the library's message and the flags it came from,
+instead of inside the launched processes. Nothing here duplicates those rules.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import lightning.pytorch as pl
+
+from lightning_megatron.cli.flags import DESCRIPTION, TINY, TINY_LR, build_parser, refused_flags
+from lightning_megatron.data import (
+    ByteTokenizer,
+    GPTDataModule,
+    TinyCorpusDataModule,
+    build_tokenizer,
+    compute_num_microbatches,
+)
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
+from lightning_megatron.strategy import MegatronStrategy
+
+__all__ = ["FlagError", "PretrainPlan", "parse_data_path_args", "parse_pretrain_args", "plan_from_args"]
+
+# Megatron's MoE flags (dest) -> GPTConfig fields; values are passed on unchanged, None = not given.
+MOE_FLAGS = {
+    "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_layer_freq": "moe_layer_freq",
+    "moe_router_score_function": "moe_router_score_function", "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type", "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff", "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate": "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor": "moe_expert_capacity_factor", "moe_token_drop_policy": "moe_token_drop_policy",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_grouped_gemm": "moe_grouped_gemm", "moe_token_dispatcher_type": "moe_token_dispatcher_type",
+}
+# --tokenizer-type values the shipped corpus can be tokenised with -> TinyCorpusDataModule(tokenizer=...)
+TINY_TOKENIZERS = {"SentencePieceTokenizer": "sentencepiece", "GPTSentencePieceTokenizer": "sentencepiece",
+                   "ByteTokenizer": "byte"}
+
+
+class FlagError(ValueError):
+    """A flag (or a combination) that cannot run; :func:`parse_pretrain_args` turns it into the parser's error
+    (exit status 2, before any process group exists)."""
+
+
+@dataclasses.dataclass
+class PretrainPlan:
+    """What a command line turns into: validated objects and the keyword arguments of the rest.
+
+    Attributes:
+        config: the model shape. On the shipped corpus with its SentencePiece tokenizer, ``vocab_size`` is the
+            vocabulary asked for; the trained tokenizer's (``data_module.vocab_size``) replaces it.
+        strategy: the ``MegatronStrategy`` for the Trainer (built once; its layout is resolved against the world
+            size: see :attr:`layout`).
+        data_module: ``TinyCorpusDataModule`` (no ``--data-path``) or ``GPTDataModule``.
+        module_kwargs: ``ParallelGPTModule(config, **module_kwargs)``.
+        trainer_kwargs: ``pl.Trainer(strategy=strategy, callbacks=..., **trainer_kwargs)``.
+        mfu_kwargs: ``MFUMonitor(**mfu_kwargs)``, or None for no throughput logging.
+        checkpoint_kwargs: ``ModelCheckpoint(**checkpoint_kwargs)``, or None for no checkpoints.
+        resume: ``trainer.fit(ckpt_path=...)``.
+        seed: for ``pl.seed_everything``.
+        global_batch_size, num_microbatches: global batch = micro-batch x dp x ``num_microbatches``
+            (= ``trainer_kwargs["accumulate_grad_batches"]``).
+        strategy_kwargs, data_kwargs: what ``strategy`` and ``data_module`` were built from.
+        notes: things to tell the user (e.g. ``--load`` of a directory without a checkpoint).
+    """
+
+    config: GPTConfig
+    strategy: MegatronStrategy
+    data_module: pl.LightningDataModule
+    module_kwargs: Dict[str, Any]
+    trainer_kwargs: Dict[str, Any]
+    mfu_kwargs: Optional[Dict[str, Any]]
+    checkpoint_kwargs: Optional[Dict[str, Any]]
+    resume: Optional[str]
+    seed: int
+    global_batch_size: int
+    num_microbatches: int
+    strategy_kwargs: Dict[str, Any]
+    data_kwargs: Dict[str, Any]
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """The strategy's parallel layout, resolved against the world size (``dp``, ``edp`` are set)."""
+        return self.strategy.parallel_config
+
+    @property
+    def data_parallel_size(self) -> int:
+        """dp = world / (tp * pp * cp)."""
+        return self.layout.dp
+
+    def summary(self, config: Optional[GPTConfig] = None) -> str:
+        """One line: layout, batch arithmetic and the parameter count of ``config`` (default :attr:`config`)."""
+        lay = self.layout
+        micro = self.data_kwargs["micro_batch_size"]
+        sizes = ", ".join(f"{name} {getattr(lay, name)}" for name in ("tp", "pp", "cp", "ep", "dp"))
+        return (f"layout: world {lay.world_size} ({sizes}); global batch {self.global_batch_size} = micro {micro} "
+                f"x dp {lay.dp} x {self.num_microbatches} micro-batches; model "
+                f"{(config or self.config).num_parameters / 1e6:.2f}M parameters")
+
+
+def parse_pretrain_args(argv: Optional[Sequence[str]] = None, description: str = DESCRIPTION) -> PretrainPlan:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and build the :class:`PretrainPlan`; a bad flag or combination
+    exits with the parser's usage message and status 2, before anything starts."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    try:
+        return plan_from_args(args)
+    except FlagError as e:
+        parser.error(str(e))  # exits with status 2
+
+
+def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
+    """Map parsed flags (:func:`~lightning_megatron.cli.build_parser`) onto the model, strategy, data, Trainer.
+
+    Raises:
+        FlagError: a flag of a feature that has not landed, or a layout / batch / shape / data setting that
+            cannot run (the library's message, prefixed with the flags and numbers it came from).
+    """
+    refused = [f"{flag} ({feature})" for dest, (flag, feature) in refused_flags(build_parser()).items()
+               if getattr(args, dest) not in (None, False)]
+    if refused:
+        raise FlagError("not supported yet in lightning-megatron: " + ", ".join(refused)
+                        + "; drop these flags; each feature lands with its own issue")
+    for flag, value in (("--devices", args.devices), ("--num-nodes", args.num_nodes),
+                        ("--train-iters", args.train_iters), ("--eval-interval", args.eval_interval),
+                        ("--log-interval", args.log_interval)):
+        if value < 1:
+            raise FlagError(f"{flag} must be >= 1, got {value}")
+    if args.eval_iters < 0:
+        raise FlagError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.save_interval is not None and not args.save:
+        raise FlagError("--save-interval needs --save")
+    precision = _precision(args)
+    gpt_data = args.data_path is not None
+    if not gpt_data:
+        for flag, value in (("--split", args.split), ("--tokenizer-model", args.tokenizer_model),
+                            ("--eod-mask-loss", args.eod_mask_loss)):
+            if value:
+                raise FlagError(f"{flag} needs --data-path (the shipped corpus has its own tokenizer and split)")
+
+    # ---- model (vocabulary from the tokenizer)
+    model_kwargs = _model_kwargs(args)
+    eod = None
+    if gpt_data:
+        model_kwargs["vocab_size"], eod = _tokenizer_vocab(args)
+    else:
+        tokenizer = TINY_TOKENIZERS.get(args.tokenizer_type or "SentencePieceTokenizer")
+        if tokenizer is None:
+            raise FlagError(f"--tokenizer-type {args.tokenizer_type} needs --data-path; the shipped corpus is "
+                            "tokenised with SentencePieceTokenizer (trained on it) or ByteTokenizer")
+        if tokenizer == "byte":
+            if args.vocab_size is not None:
+                raise FlagError(f"--vocab-size {args.vocab_size}: the shipped corpus's ByteTokenizer has a fixed "
+                                f"vocabulary of {ByteTokenizer().vocab_size}; --vocab-size sets the SentencePiece "
+                                "vocabulary trained on it")
+            model_kwargs["vocab_size"] = ByteTokenizer().vocab_size
+        else:
+            model_kwargs["vocab_size"] = args.vocab_size if args.vocab_size is not None else TINY["vocab_size"]
+    try:
+        config = GPTConfig(**model_kwargs)
+    except (ValueError, TypeError) as e:
+        raise FlagError(f"model shape: {e}") from e
+
+    # ---- layout: MegatronStrategy's constructor checks the sizes and options, its ParallelConfig checks them
+    # against the world size and the model
+    tp = args.tensor_model_parallel_size
+    strategy_kwargs: Dict[str, Any] = dict(
+        tp=tp, pp=args.pipeline_model_parallel_size, vp=args.virtual_pipeline_model_parallel_size,
+        cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+        sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
+    cp_comm = args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else list(args.cp_comm_type)
+    optional = (("etp", args.expert_tensor_parallel_size), ("pipeline_schedule", args.pipeline_schedule),
+                ("num_layers_in_first_pipeline_stage", args.decoder_first_pipeline_num_layers),
+                ("num_layers_in_last_pipeline_stage", args.decoder_last_pipeline_num_layers),
+                ("hierarchical_context_parallel_sizes", args.hierarchical_context_parallel_sizes),
+                ("cp_comm_type", None if cp_comm == "p2p" else cp_comm),
+                ("grad_reduce_in_bf16", args.grad_reduce_in_bf16 or None),
+                ("use_distributed_optimizer", args.use_distributed_optimizer or None),
+                ("delay_wgrad_compute", args.delay_wgrad_compute))
+    strategy_kwargs.update({k: v for k, v in optional if v is not None})
+    world = args.devices * args.num_nodes
+    try:
+        strategy = MegatronStrategy(**strategy_kwargs)
+        layout = strategy.parallel_config.resolve(world)
+        layout.validate_model(config)
+        if layout.pp > 1:
+            layers_per_stage(config.num_layers, layout.pp * (layout.vp or 1), args.decoder_first_pipeline_num_layers,
+                             args.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        raise FlagError(f"parallel layout (world size {world} = --devices {args.devices} x --num-nodes "
+                        f"{args.num_nodes}): {e}") from e
+    dp = layout.dp
+
+    # ---- batch arithmetic: global = micro x dp x micro-batches
+    micro = args.micro_batch_size
+    gbs = args.global_batch_size if args.global_batch_size is not None else micro * dp
+    try:
+        micro_batches = compute_num_microbatches(gbs, micro, dp)
+    except ValueError as e:
+        raise FlagError(f"--global-batch-size {gbs}, --micro-batch-size {micro}, data-parallel size {dp} (= world "
+                        f"{world} / (tp {layout.tp} x pp {layout.pp} x cp {layout.cp})): {e}") from e
+    need = min_microbatches(strategy.pipeline_schedule, layout.pp) if layout.pp > 1 else 1
+    if micro_batches < need:
+        raise FlagError(
+            f"--pipeline-model-parallel-size {layout.pp} with the {strategy.pipeline_schedule!r} schedule needs at "
+            f"least {need} micro-batches per optimizer step, but --global-batch-size {gbs} / (--micro-batch-size "
+            f"{micro} x dp {dp}) = {micro_batches}: use --global-batch-size >= {need * micro * dp}")
+
+    # ---- optimizer and schedule (ParallelGPTModule checks min_lr <= lr; checked here to exit before launch)
+    lr = args.lr if args.lr is not None else TINY_LR["lr"]
+    min_lr = args.min_lr if args.min_lr is not None else (TINY_LR["min_lr"] if args.lr is None else 0.0)
+    if min_lr > lr:
+        raise FlagError(f"--min-lr {min_lr} is larger than --lr {lr}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters is not None:
+            raise FlagError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
+        warmup = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+    else:
+        warmup = args.lr_warmup_iters if args.lr_warmup_iters is not None else TINY_LR["lr_warmup_iters"]
+    module_kwargs = dict(lr=lr, min_lr=min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, lr_warmup_iters=warmup,
+                         lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+
+    # ---- data
+    data_kwargs: Dict[str, Any]
+    if gpt_data:
+        data_kwargs = dict(data_path=parse_data_path_args(args.data_path), seq_length=config.seq_length,
+                           micro_batch_size=micro, global_batch_size=gbs, split=args.split or "969,30,1",
+                           seed=args.seed, train_iters=args.train_iters, eval_iters=args.eval_iters,
+                           num_workers=args.num_workers if args.num_workers is not None else 2,
+                           cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
+                           eod_id=eod if args.eod_mask_loss else None, data_parallel_size=dp)
+        limit_val = 1.0 if args.eval_iters > 0 else 0  # the valid split is eval_iters global batches
+        data_cls: Any = GPTDataModule
+    else:
+        data_kwargs = dict(seq_length=config.seq_length, micro_batch_size=micro, tokenizer=tokenizer,
+                           vocab_size=args.vocab_size if args.vocab_size is not None else TINY["vocab_size"],
+                           num_workers=args.num_workers if args.num_workers is not None else 0)
+        if args.data_cache_path is not None:
+            data_kwargs["cache_dir"] = args.data_cache_path
+        limit_val = args.eval_iters * micro_batches  # micro-batches per rank
+        data_cls = TinyCorpusDataModule
+    try:
+        data_module = data_cls(**data_kwargs)
+    except ValueError as e:
+        raise FlagError(f"data: {e}") from e
+
+    # ---- trainer (Lightning counts validation interval / limits in micro-batches, steps in optimizer steps)
+    trainer_kwargs = dict(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                          precision=precision, max_steps=args.train_iters, accumulate_grad_batches=micro_batches,
+                          val_check_interval=min(args.eval_interval, args.train_iters) * micro_batches,
+                          limit_val_batches=limit_val, gradient_clip_val=args.clip_grad if args.clip_grad > 0 else None,
+                          log_every_n_steps=args.log_interval, logger=False, enable_checkpointing=bool(args.save),
+                          num_sanity_val_steps=0)
+    if args.num_nodes == 1:
+        del trainer_kwargs["num_nodes"]
+
+    mfu_kwargs = None
+    if gpt_data or args.log_throughput or args.peak_tflops is not None:
+        mfu_kwargs = dict(log_every_n_steps=args.log_interval,
+                          peak_flops=args.peak_tflops * 1e12 if args.peak_tflops is not None else None)
+    checkpoint_kwargs = None
+    if args.save:
+        checkpoint_kwargs = dict(dirpath=args.save, save_last=True, enable_version_counter=False)
+        if args.save_interval is not None:
+            checkpoint_kwargs["every_n_train_steps"] = args.save_interval
+    resume, notes = _resume_path(args.load)
+    return PretrainPlan(config=config, strategy=strategy, data_module=data_module, module_kwargs=module_kwargs,
+                        trainer_kwargs=trainer_kwargs, mfu_kwargs=mfu_kwargs, checkpoint_kwargs=checkpoint_kwargs,
+                        resume=resume, seed=args.seed, global_batch_size=gbs, num_microbatches=micro_batches,
+                        strategy_kwargs=strategy_kwargs, data_kwargs=data_kwargs, notes=notes)
+
+
+def parse_data_path_args(words: Sequence[str]) -> List[Any]:
+    """Megatron's ``--data-path`` words (``a``, ``a b``, ``0.3 a 0.7 b``, or one quoted string of them) as
+    ``GPTDataModule(data_path=...)`` takes it: weights as floats, prefixes as strings.
+
+    Raises:
+        FlagError: empty, or weights and prefixes that do not alternate, or weights < 0 / summing to 0.
+    """
+    items = [w for word in words for w in shlex.split(word)]
+    if not items:
+        raise FlagError("--data-path is empty")
+
+    def number(x: str) -> Optional[float]:
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    weights = [number(x) for x in items[0::2]]
+    if len(items) % 2 == 0 and all(w is not None for w in weights):
+        if any(number(x) is not None for x in items[1::2]):
+            raise FlagError(f"--data-path {' '.join(items)}: expected 'weight prefix weight prefix ...'")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise FlagError(f"--data-path {' '.join(items)}: weights must be >= 0 with a positive sum")
+        out: List[Any] = []
+        for w, prefix in zip(weights, items[1::2]):
+            out += [w, prefix]
+        return out
+    if any(number(x) is not None for x in items):
+        raise FlagError(f"--data-path {' '.join(items)}: weights and prefixes must alternate "
+                        "('0.3 a 0.7 b'), or give prefixes only")
+    return items
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _precision(args: argparse.Namespace) -> str:
+    if args.bf16 and args.fp16:
+        raise FlagError("--bf16 and --fp16 are mutually exclusive")
+    precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else None
+    if precision and args.precision and args.precision != precision:
+        raise FlagError(f"--{'bf16' if args.bf16 else 'fp16'} means --precision {precision}, "
+                        f"but --precision {args.precision} was given")
+    return precision or args.precision or "32-true"
+
+
+def _tokenizer_vocab(args: argparse.Namespace) -> Tuple[int, int]:
+    """(vocab size, eod id) of ``--tokenizer-type`` / ``--tokenizer-model`` for a ``--data-path`` run."""
+    if args.tokenizer_type is None:
+        raise FlagError("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with; it "
+                        "gives the vocabulary size)")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise FlagError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return args.vocab_size + 1, args.vocab_size  # Megatron's: ids < vocab_size, eod = vocab_size
+    try:
+        tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+        raise FlagError(f"--tokenizer-type {args.tokenizer_type}: {e}") from e
+    vocab = int(tok.vocab_size)
+    if args.vocab_size is not None:
+        if args.vocab_size < vocab:
+            raise FlagError(f"--vocab-size {args.vocab_size} is smaller than the {args.tokenizer_type}'s "
+                            f"vocabulary ({vocab})")
+        vocab = args.vocab_size
+    return vocab, int(tok.eod)
+
+
+def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """``GPTConfig`` kwargs of the shape flags (the tiny model's values for those left out; no vocabulary)."""
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    swiglu = True if args.swiglu is None else args.swiglu
+    if args.num_query_groups is not None:
+        groups = args.num_query_groups
+    elif heads is None and not args.group_query_attention:
+        groups = TINY["num_query_groups"]
+    elif args.group_query_attention:
+        groups = 1  # Megatron's --num-query-groups default
+    else:
+        groups = None  # multi-head attention
+    if args.ffn_hidden_size is not None:
+        ffn = args.ffn_hidden_size
+    elif hidden is None and swiglu:
+        ffn = TINY["ffn_hidden_size"]
+    else:  # Megatron's default
+        h = hidden if hidden is not None else TINY["hidden_size"]
+        ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
+    if args.use_rotary_position_embeddings and args.position_embedding_type not in (None, "rope"):
+        raise FlagError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                        f"{args.position_embedding_type}; give one of them")
+    kw: Dict[str, Any] = dict(
+        num_layers=args.num_layers if args.num_layers is not None else TINY["num_layers"],
+        hidden_size=hidden if hidden is not None else TINY["hidden_size"],
+        num_attention_heads=heads if heads is not None else TINY["num_attention_heads"],
+        num_query_groups=groups, ffn_hidden_size=ffn,
+        seq_length=args.seq_length if args.seq_length is not None else TINY["seq_length"],
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, swiglu=swiglu,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True,  # LLaMA-style (the flags say so too)
+    )
+    pos = args.position_embedding_type or ("rope" if args.use_rotary_position_embeddings else None)
+    for key, value in (("kv_channels", args.kv_channels), ("max_position_embeddings", args.max_position_embeddings),
+                       ("normalization", args.normalization), ("norm_epsilon", args.norm_epsilon),
+                       ("position_embedding_type", pos), ("rotary_base", args.rotary_base),
+                       ("init_method_std", args.init_method_std), ("hidden_dropout", args.hidden_dropout),
+                       ("attention_dropout", args.attention_dropout)):
+        if value is not None:
+            kw[key] = value
+    given = {dest: getattr(args, dest) for dest in MOE_FLAGS if getattr(args, dest) is not None}
+    if given and "num_experts" not in given:
+        flags = ", ".join(f"--{dest.replace('_', '-')}" for dest in given)
+        raise FlagError(f"{flags} need --num-experts (the model is dense without it)")
+    kw.update({MOE_FLAGS[dest]: value for dest, value in given.items()})
+    return kw
+
+
+def _resume_path(load: Optional[str]) -> Tuple[Optional[str], List[str]]:
+    """``--load``: a checkpoint file, or a directory's ``last.ckpt``; a directory without one starts fresh."""
+    if not load:
+        return None, []
+    path = Path(load)
+    if path.is_dir():
+        if (path / "last.ckpt").is_file():
+            return str(path / "last.ckpt"), []
+        return None, [f"--load {load}: no last.ckpt there; starting from scratch"]
+    if path.is_file():
+        return str(path), []
+    raise FlagError(f"--load {load}: no such checkpoint file or directory")
