@@ -3,10 +3,11 @@
     torchrun --nproc_per_node=2 examples/run_simple_train_loop.py            # tp=2, CPU (gloo) or GPUs (nccl)
     torchrun --nproc_per_node=4 examples/run_simple_train_loop.py --tp 2      # tp=2 x dp=2
 
-Builds the process grid (:class:`ParallelMesh`), a tiny GPT on the meta device, applies tensor + sequence
-parallelism, materialises and initialises it layout-independently, wraps data parallelism with torch DDP
-over the dp x cp group, and trains a few steps on mock data (the same batch on TP peers, different ones
-across data-parallel ranks). Prints the loss, which is the same on every rank.
+Builds the process grid (:class:`ParallelMesh`), a tiny GPT on the meta device, and calls the same functions the
+Lightning strategy calls: :func:`parallelize` (tensor + sequence parallelism, then materialisation and
+layout-independent initialisation), :func:`apply_dp` (torch DDP over the dp x cp group) and a
+:class:`GradientFinalizer` (the once-per-step reductions DDP does not do). Trains a few steps on mock data (the same
+batch on TP peers, different ones across data-parallel ranks) and prints the loss, the same on every rank.
 """
 from __future__ import annotations
 
@@ -15,14 +16,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from lightning_megatron import GPTConfig, GPTModel, ParallelConfig, ParallelMesh, apply_tp
-from lightning_megatron.parallel.grad_sync import (
-    allreduce_sequence_parallel_grads,
-    defer_sequence_parallel_grad_reduce,
-    owned_parameters,
-)
+from lightning_megatron import GPTConfig, GPTModel, ParallelConfig, ParallelMesh, parallelize
+from lightning_megatron.parallel.data_parallel import apply_dp
+from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 
 
 def main() -> None:
@@ -48,13 +45,9 @@ def main() -> None:
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = GPTModel(config)
-    apply_tp(model, mesh.group("tp"), mesh.config.sequence_parallel)
-    sp_owners = defer_sequence_parallel_grad_reduce(model)  # one all-reduce per step instead of per norm
-    model.to_empty(device=device)
-    model.init_weights(seed)  # the same global weights whatever the layout
-    sp_params = owned_parameters(sp_owners)
-    if mesh.size("dp_cp") > 1:
-        model = DistributedDataParallel(model, process_group=mesh.group("dp_cp"))
+    parallelized = parallelize(model, mesh, mesh.config, device=device, seed=seed)  # the same weights at any layout
+    gradients = GradientFinalizer(parallelized, mesh)
+    model = apply_dp(model, mesh, mesh.config)  # DDP over dp x cp when it has more than one rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     # Mock data: a fixed stream of batches, sharded by data-parallel rank (TP peers read the same one).
@@ -65,7 +58,7 @@ def main() -> None:
         ids = ids[dp_rank].to(device)
         loss = model(ids[:, :-1], None, ids[:, 1:]).mean()
         loss.backward()
-        allreduce_sequence_parallel_grads(sp_params, mesh.group("tp"))
+        gradients.finalize()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         shown = loss.detach().clone()

@@ -15,6 +15,7 @@ from lightning_megatron.parallel.tensor_parallel import (
     apply_tp,
     vocab_parallel_cross_entropy,
 )
+from lightning_megatron.parallelize import ParallelizedModel, parallelize
 from lightning_megatron.strategy import MegatronStrategy
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ __all__ = [
     "ParallelMesh",
     "DeferredWgrad",
     "MegatronStrategy",
+    "parallelize",
+    "ParallelizedModel",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",

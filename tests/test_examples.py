@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd, tmp_path, timeout=300):
-    env = dict(os.environ, LIGHTNING_MEGATRON_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")  # the data cache: ~/.cache
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout + out.stderr

@@ -596,7 +596,7 @@ def test_help_lists_every_flag_with_its_target(capsys, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- end to end
 def _run(cmd, tmp_path, timeout=240):
-    env = dict(os.environ, LIGHTNING_MEGATRON_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")  # the data cache: ~/.cache
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]

@@ -24,16 +24,11 @@ _CACHE_VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    """Return the default cache directory.
+    """Return the default cache directory (pass ``cache_dir=`` / ``--data-cache-path`` to choose another).
 
-    ``$LIGHTNING_MEGATRON_CACHE`` if set, else ``$XDG_CACHE_HOME/lightning_megatron``
-    (``~/.cache/lightning_megatron``) when it can be created and written, else
-    ``<system temp dir>/lightning_megatron``.
+    ``~/.cache/lightning_megatron`` when it can be created and written, else ``<system temp dir>/lightning_megatron``.
     """
-    env = os.environ.get("LIGHTNING_MEGATRON_CACHE")
-    if env:
-        return Path(env)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    base = Path.home() / ".cache"
     candidate = base / "lightning_megatron"
     try:
         candidate.mkdir(parents=True, exist_ok=True)
