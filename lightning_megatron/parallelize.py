@@ -9,7 +9,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute            (slot: none yet)
     apply_fp8        FP8 GEMMs                       (slot: none yet)
-    apply_compile    torch.compile of blocks         (slot: none yet)
+    apply_compile    torch.compile of each transformer layer (compile=True)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
     materialize      allocate this rank's shards, initialise them layout-independently
     apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
@@ -27,7 +27,7 @@ from typing import Callable, ContextManager, List, Optional, Set
 import torch
 from torch import nn
 
-from lightning_megatron.contract import InitialisableModel, TensorParallelModel
+from lightning_megatron.contract import InitialisableModel, PipelineModel, TensorParallelModel
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
@@ -69,8 +69,20 @@ def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
     """Slot for FP8 GEMMs (Transformer Engine or torch-native): nothing to apply yet."""
 
 
-def apply_compile(module: nn.Module, config: ParallelConfig) -> None:
-    """Slot for ``torch.compile`` of transformer blocks: nothing to apply yet."""
+def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
+    """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
+    (``nn.Module.compile``: parameter names and state dicts unchanged; compiled at the first call, after
+    materialisation). Collectives inside a layer (TP, CP, EP) split its graph where dynamo cannot trace them. Returns
+    the number of layers compiled."""
+    if not config.compile:
+        return 0
+    layers = [layer for m in models if isinstance(m, PipelineModel) for layer in m.decoder.layers.values()]
+    if not layers:
+        raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
+                         "(lightning_megatron.contract.PipelineModel); none was found")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def materialize(module: nn.Module, models: List[nn.Module], device: torch.device, seed: int) -> None:
@@ -136,7 +148,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     apply_ep(models, mesh, config)
     apply_recompute(module, config)
     apply_fp8(module, config)
-    apply_compile(module, config)
+    apply_compile(models, config)
     pipeline = None
     if config.pp > 1:
         if len(models) != 1:
