@@ -242,7 +242,8 @@ def test_train_tokenizer_cli_on_the_shipped_corpus(tmp_path: Path, capsys: pytes
     multi.write_text(json.dumps({"text": "a", "extra": ["b", 3, "c"]}) + "\n", encoding="utf-8")
     assert list(train_tokenizer.iter_jsonl_texts(multi, json_keys=("text", "extra"))) == ["a", "b", "c"]
     # no text under the key: exit code 1 and the reason
-    assert train_tokenizer.main(["--input", str(multi), "--model-prefix", str(tmp_path / "x"), "--json-keys", "body"]) == 1
+    rc = train_tokenizer.main(["--input", str(multi), "--model-prefix", str(tmp_path / "x"), "--json-keys", "body"])
+    assert rc == 1
     assert "no text under keys ['body']" in capsys.readouterr().err
     assert not (tmp_path / "x.model").exists()
 

@@ -204,7 +204,8 @@ def run_test_stages(rank, world, cfg, strategy_kwargs, samples, test_samples):
     Trainer (Lightning's usual order). Returns both test losses; a stage that raised returns its error."""
     pl.seed_everything(SEED, verbose=False)
     loader = DataLoader(ListDataset(test_samples), batch_size=TEST_MICRO_BATCH)
-    fresh = trainer_for(world, MegatronStrategy(**strategy_kwargs), TEST_STEPS).test(new_module(cfg, TEST_STEPS), loader)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), TEST_STEPS)
+    fresh = trainer.test(new_module(cfg, TEST_STEPS), loader)
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, TEST_STEPS)
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), TEST_STEPS,
@@ -221,7 +222,8 @@ def run_test_stages(rank, world, cfg, strategy_kwargs, samples, test_samples):
 def stages(request):
     world, kwargs = request.param
     cfg = tiny_config()
-    samples, test = make_samples(cfg, TEST_STEPS * TEST_ACCUMULATE * TEST_MICRO_BATCH), make_samples(cfg, N_VAL, seed=11)
+    samples = make_samples(cfg, TEST_STEPS * TEST_ACCUMULATE * TEST_MICRO_BATCH)
+    test = make_samples(cfg, N_VAL, seed=11)
     ref = reference_loop(cfg, samples, TEST_STEPS, TEST_MICRO_BATCH, accumulate=TEST_ACCUMULATE)
     initial = reference_loop(cfg, samples, TEST_STEPS, TEST_MICRO_BATCH, stop_after=0)["module"]
     return {"results": run_distributed(run_test_stages, world, cfg, kwargs, samples, test),

@@ -222,7 +222,8 @@ def _plan_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> 
         if sp:  # outside the plan, the head saw this rank's part of the sequence: the TP sum is its gradient
             torch.distributed.all_reduce(head_grad, group=group)
         res = {
-            "layer_types": ([type(m).__name__ for b in model.blocks for m in (b.up, b.down)] + [type(model.head).__name__],
+            "layer_types": ([type(m).__name__ for b in model.blocks for m in (b.up, b.down)]
+                            + [type(model.head).__name__],
                             [ColumnParallelLinear.__name__, RowParallelLinear.__name__] * 2 + ["Linear"]),
             "output": (y, ref(x)[seq].detach()),
             "input_grad": (x_par.grad, x_ref.grad[seq]),
