@@ -50,6 +50,7 @@ class ParallelizedModel:
         expert_params: routed-expert parameters (reduced over expert data parallel, not by DDP).
         pipeline: this rank's pipeline stages (pp > 1), else None.
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
+        layout: the layout it was split under (a second call with another layout is refused).
     """
 
     module: nn.Module
@@ -59,6 +60,7 @@ class ParallelizedModel:
     expert_params: List[nn.Parameter] = field(default_factory=list)
     pipeline: Optional[PipelineStages] = None
     delay_wgrad: bool = False
+    layout: str = ""
 
 
 def apply_recompute(module: nn.Module, config: ParallelConfig) -> None:
@@ -130,9 +132,20 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         tp_fork: context factory entering the per-TP-rank RNG stream (dropout); ``forward_context``: entered by
             each pipeline stage's forward (the precision plugin's autocast).
 
+    Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
+    returned as it is, with the record of the first call, when the layout is the same.
+
     Raises:
-        ValueError: a parallelism is asked for that the module's models do not implement (naming the contract).
+        ValueError: a parallelism is asked for that the module's models do not implement (naming the contract); the
+            module was already parallelised under another layout.
     """
+    done = module.__dict__.get(_RECORD)
+    if isinstance(done, ParallelizedModel):
+        if done.layout != _layout(config):
+            raise ValueError(
+                f"{type(module).__name__} is already parallelised as {done.layout} and cannot be re-split as "
+                f"{_layout(config)}: save a checkpoint (full and layout-independent) and load it into a fresh module")
+        return done
     models = [m for m in module.modules() if isinstance(m, TensorParallelModel)]
     if config.tp > 1:
         if not models:
@@ -157,8 +170,21 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     # after materialisation: to_empty() replaced the meta Parameter objects
-    return ParallelizedModel(
+    record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
-        pipeline=pipeline, delay_wgrad=delay_wgrad,
+        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config),
     )
+    module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
+    return record
+
+
+_RECORD = "_lightning_megatron_parallelized"
+
+
+def _layout(config: ParallelConfig) -> str:
+    """The sizes and options that decide how a module is split (compared when a module is parallelised again)."""
+    c = config
+    return (f"tp={c.tp} pp={c.pp} vp={c.vp} cp={c.cp} ep={c.ep} etp={c.etp} sp={c.sequence_parallel} "
+            f"schedule={c.pipeline_schedule} first/last={c.num_layers_in_first_pipeline_stage}/"
+            f"{c.num_layers_in_last_pipeline_stage} world={c.world_size if c._resolved else None}")

@@ -207,7 +207,8 @@ class StepLossRecorder(pl.Callback):
 
 
 def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, micro_batch: int,
-               accumulate: int, clip: Optional[float], steps: int, accelerator: str = "cpu") -> Dict[str, Any]:
+               accumulate: int, clip: Optional[float], steps: int, accelerator: str = "cpu",
+               callbacks: Sequence[pl.Callback] = ()) -> Dict[str, Any]:
     """One rank of a ``steps``-step run under ``MegatronStrategy(**strategy_kwargs)`` with ``accumulate``
     micro-batches per optimizer step on ``accelerator`` (``"gpu"``: one GPU per rank, NCCL): the loss of each
     step and (rank 0) the full final state, on the CPU."""
@@ -215,7 +216,7 @@ def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str,
     module = new_module(cfg, steps)
     recorder = StepLossRecorder(accumulate)
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, accelerator=accelerator,
-                          callbacks=[recorder], gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+                          callbacks=[recorder, *callbacks], gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
     state = trainer.strategy.lightning_module_state_dict()
     return {"losses": recorder.losses, "state": {k: v.cpu() for k, v in state.items()} if rank == 0 else None}
@@ -224,7 +225,8 @@ def layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str,
 def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, Any], cfg: GPTConfig,
                                         accumulate: int, clip: Optional[float], steps: int = 3,
                                         micro_batch: int = 2, accelerator: str = "cpu",
-                                        rtol: float = 1e-5, state_rtol: Optional[float] = None) -> Dict[str, float]:
+                                        rtol: float = 1e-5, state_rtol: Optional[float] = None,
+                                        callbacks: Sequence[pl.Callback] = ()) -> Dict[str, float]:
     """The numerics oracle for one layout: loss of every optimizer step within ``rtol`` (1e-5) relative of the
     single-process run of the same model, data and optimizer, and final weights within ``state_rtol`` (default
     ``rtol``; a case that needs more says why where it sets it).
@@ -243,7 +245,7 @@ def check_layout_matches_single_process(world: int, strategy_kwargs: Dict[str, A
                          device="cuda" if accelerator == "gpu" else "cpu")
     ref_steps = [sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(steps)]
     results = run_distributed(layout_run, world, cfg, strategy_kwargs, samples, micro_batch, accumulate, clip, steps,
-                              accelerator)
+                              accelerator, callbacks)
     loss_err = 0.0
     for r in results:
         assert len(r["losses"]) == steps, r["losses"]

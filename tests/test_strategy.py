@@ -237,12 +237,6 @@ def test_test_loss_is_global_token_mean(stages):
         assert abs(r["fresh"] - want) <= 1e-5 * abs(want), (r["fresh"], want)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a second Trainer stage re-parallelises the already parallel module: MegatronStrategy.setup calls "
-    "parallelize() again, so under tp2 apply_tp swaps ColumnParallelLinear as if it were an nn.Linear "
-    "(AttributeError: 'ColumnParallelLinear' object has no attribute 'out_features') and under pp2 the model "
-    "already pruned to its stage is split again (ValueError: num_layers=1 is not divisible by the 2 pipeline "
-    "stages)"))
 def test_test_after_fit_on_the_same_trainer(stages):
     """``trainer.fit(model); trainer.test(model)``: the test loss of the trained weights, as one process."""
     want = stages["want_after_fit"]
