@@ -3,7 +3,7 @@ default suite catches each of them.
 
 Run from anywhere (a git checkout is needed: the copy is made from ``git ls-files``)::
 
-    python tests/mutations.py            # every mutation (about 4 minutes on 2 busy cores)
+    python tests/mutations.py            # every mutation (3 to 4 minutes on 2 busy cores)
     python tests/mutations.py --list     # the mutations and the tests each one runs
     python tests/mutations.py --only sp-grads-summed-twice --keep
 
