@@ -73,17 +73,24 @@ def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
-    (``nn.Module.compile``: parameter names and state dicts unchanged; compiled at the first call, after
-    materialisation). Collectives inside a layer (TP, CP, EP) split its graph where dynamo cannot trace them. Returns
-    the number of layers compiled."""
+    (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
+    ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
+    materialisation. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number
+    of layers compiled."""
     if not config.compile:
         return 0
-    layers = [layer for m in models if isinstance(m, PipelineModel) for layer in m.decoder.layers.values()]
+    gpt = [m for m in models if isinstance(m, PipelineModel)]
+    layers = [layer for m in gpt for layer in m.decoder.layers.values()]
     if not layers:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
     for layer in layers:
         layer.compile()
+    for model in gpt:
+        # instance attributes shadow the methods; the pipeline stages call them through the model too
+        model.head = torch.compile(model.head)
+        if callable(getattr(type(model), "per_token_loss", None)):
+            model.per_token_loss = torch.compile(model.per_token_loss)
     return len(layers)
 
 
