@@ -102,6 +102,14 @@ class InitialisableModel(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------- LightningModule
+@runtime_checkable
+class ConfiguredModule(Protocol):
+    """A LightningModule carrying its model's shape (``config``, Megatron's field names): the strategy checks it
+    against the layout (heads, query groups, layers, sequence length, experts) before the model is built."""
+
+    config: Any
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """What a LightningModule learns about the layout from the strategy (:meth:`set_parallel_context`).

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_megatron.contract import ParallelContext, ParallelLightningModule
+from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule
 from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
 from lightning_megatron.parallel.config import ParallelConfig
@@ -155,9 +155,8 @@ class MegatronStrategy(DDPStrategy):
         """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type)
-        model_config = getattr(self.lightning_module, "config", None)
-        if model_config is not None:
-            self.parallel_config.validate_model(model_config)
+        if isinstance(self.lightning_module, ConfiguredModule):
+            self.parallel_config.validate_model(self.lightning_module.config)
         self.seed = global_seed()
         pp_rank, tp_rank = self.mesh.rank("pp"), self.mesh.rank("tp")
         torch.manual_seed(default_seed(self.seed, pp_rank))
