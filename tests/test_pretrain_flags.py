@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_megatron.strategy import LAYOUT_OPTIONS
 from lightning_megatron import GPTConfig, MegatronStrategy, MFUMonitor, ParallelGPTModule
 from lightning_megatron.cli import (
     FLAG_MAPPING,
@@ -92,7 +93,7 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(tmp_path):
     # dp = 8 / (tp 2 x pp 2) = 2; micro-batches = 64 / (2 x 2) = 16
     assert plan.data_parallel_size == 2 and plan.num_microbatches == 16
     assert plan.strategy_kwargs == dict(tp=2, pp=2, vp=2, cp=1, ep=1, sequence_parallel=True)
-    assert plan.strategy.pipeline_schedule == "interleaved_1f1b" and not plan.strategy.grad_reduce_in_bf16
+    assert plan.strategy.pipeline_schedule == "interleaved_1f1b" and not plan.strategy.parallel_config.grad_reduce_in_bf16
     assert plan.config == GPTConfig(num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=4,
                                     ffn_hidden_size=688, seq_length=512, vocab_size=257, max_position_embeddings=1024,
                                     normalization="RMSNorm", position_embedding_type="rope", rotary_base=500000)
@@ -116,7 +117,8 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(tmp_path):
     plan = plan_of(argv + ["--grad-reduce-in-bf16", "--use-distributed-optimizer"])
     assert plan.strategy_kwargs == dict(tp=2, pp=2, vp=2, cp=1, ep=1, sequence_parallel=True,
                                         grad_reduce_in_bf16=True, use_distributed_optimizer=True)
-    assert plan.strategy.grad_reduce_in_bf16 and plan.strategy.use_distributed_optimizer
+    config = plan.strategy.parallel_config
+    assert config.grad_reduce_in_bf16 and config.use_distributed_optimizer
 
 
 def test_context_parallel_flags_map_onto_the_layout():
@@ -525,7 +527,9 @@ def test_every_flag_target_is_a_real_argument():
             owner, _, name = target.rpartition(".") if target.count(".") else (target, "", "")
             assert owner in TARGET_OWNERS, (flag, target)
             if name:
-                params = inspect.signature(TARGET_OWNERS[owner]).parameters
+                params = set(inspect.signature(TARGET_OWNERS[owner]).parameters)
+                if owner == "MegatronStrategy":   # its **options are the ParallelConfig fields
+                    params |= set(LAYOUT_OPTIONS)
                 assert name in params, f"{flag} -> {target}: {owner} has no argument {name!r}"
 
 

@@ -1,6 +1,7 @@
 """``GPTConfig``: the model's shape, with Megatron-LM's field names, and published presets."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
@@ -229,11 +230,11 @@ class GPTConfig:
 
 
 def _checked_init(init: Any) -> Any:
+    @functools.wraps(init)   # keeps the dataclass signature visible to inspect.signature
     def __init__(self: GPTConfig, *args: Any, **kwargs: Any) -> None:
         check_keywords("GPTConfig", kwargs, [f.name for f in fields(GPTConfig) if f.init])
         init(self, *args, **kwargs)
 
-    __init__.__doc__ = init.__doc__
     return __init__
 
 
