@@ -78,7 +78,7 @@ class MegatronStrategy(DDPStrategy):
         tp, pp, vp, cp, ep, etp, sequence_parallel, cp_comm_type, hierarchical_context_parallel_sizes,
         pipeline_schedule, num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage,
         grad_reduce_in_bf16, use_distributed_optimizer, delay_wgrad_compute, cp_attention_kernel, cp_compile_merge,
-        cp_sm_carveout: the layout and its options, the fields
+        cp_sm_carveout, check_for_nan_in_loss_and_grad: the layout and its options, the fields
             of :class:`ParallelConfig` (Megatron's names and meaning; validated there). dp is
             ``world / (tp * pp * cp)``; ep is carved out of the dp x cp x tp ranks.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
@@ -116,6 +116,7 @@ class MegatronStrategy(DDPStrategy):
         cp_sm_carveout: Optional[int] = None,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
+        check_for_nan_in_loss_and_grad: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -139,6 +140,7 @@ class MegatronStrategy(DDPStrategy):
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
             cp_attention_kernel=cp_attention_kernel, cp_compile_merge=cp_compile_merge, cp_sm_carveout=cp_sm_carveout,
+            check_for_nan_in_loss_and_grad=check_for_nan_in_loss_and_grad,
         )
         if grad_reduce_in_bf16 and ddp_kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
@@ -242,6 +244,7 @@ class MegatronStrategy(DDPStrategy):
                                         tp_fork=self.tp_rng.fork if self.tp_rng else None,
                                         forward_context=self.precision_plugin.forward_context)
         self._grads = GradientFinalizer(self.parallelized, mesh)
+        self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline
         self._pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         if isinstance(module, ParallelLightningModule):
@@ -344,6 +347,8 @@ class MegatronStrategy(DDPStrategy):
         loss = step.forward_backward(microbatches, self._step_functions(self.precision_plugin.train_step_context),
                                      device=self.root_device, dp_group=self.mesh.group("dp_cp"), dp=dp,
                                      pipeline=self._pipeline, no_sync=no_sync)
+        self._grads.guard.step = trainer.global_step
+        self._grads.guard.check_loss(loss)   # NaN/inf: every rank raises here, before the optimizer step
         lm.log_train_step(loss, m)
         return loss
 
@@ -385,6 +390,17 @@ class MegatronStrategy(DDPStrategy):
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
         self._grads.finalize()
+        self._grads.guard.step = self.lightning_module.trainer.global_step
+        if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
+            self._grads.guard.check_grads()
+
+    def _clips_by_norm(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+
+    def _loss_scaled(self) -> bool:
+        """fp16 with a loss scaler: inf/NaN gradients are the scaler's business (it skips the step)."""
+        return getattr(self.precision_plugin, "scaler", None) is not None
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
@@ -411,7 +427,12 @@ class MegatronStrategy(DDPStrategy):
         return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
-        """Full, layout-independent state (TP shards gathered; collective on every rank)."""
+        """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
+        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
+        if self._grads is not None:
+            trainer = self.lightning_module._trainer
+            self._grads.guard.step = trainer.global_step if trainer is not None else None
+            self._grads.guard.check_weights()
         return full_model_state_dict(self.lightning_module, self._pp_group())
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:

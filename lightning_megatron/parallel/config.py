@@ -73,6 +73,9 @@ class ParallelConfig:
             False keeps it eager, e.g. where no compiler works; a failed compile warns and falls back anyway).
         cp_sm_carveout: SMs that the delayed weight-gradient GEMMs (``delay_wgrad_compute``) leave free while an
             a2a exchange is in flight. None (default): 16 on CUDA, none elsewhere; 0: no carveout.
+        check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
+            gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
+            default on; :mod:`lightning_megatron.parallel.nonfinite`).
     """
 
     tp: int = 1
@@ -93,6 +96,7 @@ class ParallelConfig:
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
+    check_for_nan_in_loss_and_grad: bool = True
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +152,9 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
+        if not isinstance(self.check_for_nan_in_loss_and_grad, bool):
+            raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
+                             "(stop at a NaN/inf loss or gradient norm) or False")
         self._resolved = False
 
     def _check_pipeline(self) -> None:

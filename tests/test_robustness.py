@@ -1,0 +1,188 @@
+"""Nothing lost, nothing silent: non-finite losses, gradients and weights stop the run (naming the step, the
+ranks and the parameter) and are never checkpointed; bad inputs and settings raise errors that name them.
+
+Distributed cases run real gloo processes (tests/_dist.py); every failure is checked on every rank, since a rank
+that does not raise with the others leaves them waiting in a collective.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.grad_norm import clip_grad_norm_
+from lightning_megatron.parallel.nonfinite import NonFiniteError, NonFiniteGuard
+from tests._dist import run_distributed
+from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
+
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- 1. non-finite guard
+def _net_with_grads(bad: str = "1.weight", value: float = NAN) -> nn.Module:
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    for name, p in net.named_parameters():
+        p.grad = torch.ones_like(p)
+        if name == bad:
+            p.grad[0, 0] = value
+    return net
+
+
+@pytest.mark.parametrize("value, kind", [(NAN, "nan"), (float("inf"), "inf")])
+def test_guard_names_step_and_first_bad_gradient(value, kind):
+    net = _net_with_grads(value=value)
+    guard = NonFiniteGuard(net)
+    guard.step = 7
+    with pytest.raises(NonFiniteError, match=rf"at step 7 .*a gradient is {kind}.*rank 0: gradient of 1\.weight \({kind}\)"):
+        guard.check_grads()
+    guard.check_loss(torch.tensor(2.5))   # finite: silent
+    with pytest.raises(NonFiniteError, match=r"step 7.*the loss is inf.*gradient of 1\.weight"):
+        guard.check_loss(torch.tensor(float("inf")))
+
+
+def test_guard_off_and_grads_off_are_silent():
+    net = _net_with_grads()
+    NonFiniteGuard(net, enabled=False).check_grads()
+    NonFiniteGuard(net, enabled=False).check_loss(torch.tensor(NAN))
+    NonFiniteGuard(net, grads=False).check_grads()          # fp16 with a loss scaler: the scaler's business
+    NonFiniteGuard(net, grads=False).check_grad_norm(torch.tensor(NAN))
+    with pytest.raises(NonFiniteError):                     # the loss is still checked
+        NonFiniteGuard(net, grads=False).check_loss(torch.tensor(NAN))
+
+
+def test_guard_refuses_non_finite_weights():
+    net = _net_with_grads(value=1.0)
+    NonFiniteGuard(net).check_weights()
+    with torch.no_grad():
+        net[0].bias[2] = float("-inf")
+    with pytest.raises(NonFiniteError, match=r"no checkpoint was written.*rank 0: weight 0\.bias \(inf\)"):
+        NonFiniteGuard(net).check_weights()
+
+
+def test_overflowing_norm_is_explained():
+    """Finite gradients whose squared norm overflows float32: the norm is inf, and the error says why."""
+    net = _net_with_grads(value=1e30)
+    params = list(net.parameters())
+    guard = NonFiniteGuard(net)
+    with pytest.raises(NonFiniteError, match="sum of squares overflowed"):
+        clip_grad_norm_(params, 1.0, set(), None, check=guard.check_grad_norm)
+
+
+def test_nan_norm_never_reaches_the_gradients():
+    """Clipping checks the norm before it scales: a NaN norm raises and leaves every other gradient as it was
+    (without the check, every gradient would become NaN)."""
+    net = _net_with_grads()
+    before = {n: p.grad.clone() for n, p in net.named_parameters()}
+    with pytest.raises(NonFiniteError, match="global gradient norm is nan"):
+        clip_grad_norm_(list(net.parameters()), 0.1, set(), None, check=NonFiniteGuard(net).check_grad_norm)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, before[n], equal_nan=True, rtol=0, atol=0)
+
+
+def test_check_for_nan_option_is_typed():
+    assert ParallelConfig().check_for_nan_in_loss_and_grad is True
+    assert MegatronStrategy(check_for_nan_in_loss_and_grad=False).parallel_config.check_for_nan_in_loss_and_grad is False
+    with pytest.raises(ValueError, match="check_for_nan_in_loss_and_grad='no' must be True"):
+        ParallelConfig(check_for_nan_in_loss_and_grad="no")
+
+
+class _PoisonGradient(pl.Callback):
+    """Makes one parameter's gradient NaN on one rank from optimizer step ``at`` on (a hook on the parameter)."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at = rank, at
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
+        p.register_hook(lambda g: torch.full_like(g, NAN) if trainer.global_step >= self.at else g)
+
+
+def _fit_until_error(rank, world, mode, layout, path):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    samples = make_samples(cfg, 16)
+    module = new_module(cfg, 4)
+    callbacks, clip = [], None
+    if mode == "lr":        # Megatron's --lr 1e30: the first step blows the weights up, the second loss is NaN
+        module.hparams.lr = module.hparams.min_lr = 1e30
+    else:                   # a NaN gradient on rank 1 only, at the second step; clipping on or off
+        callbacks.append(_PoisonGradient(rank=1, at=1))
+        clip = 1.0 if mode == "grad_clip" else None
+    callbacks.append(ModelCheckpoint(dirpath=path, every_n_train_steps=1, save_top_k=-1, save_last=True))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=MegatronStrategy(**layout), max_steps=4,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         gradient_clip_val=clip, accumulate_grad_batches=layout.get("pp", 1))
+    try:
+        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=4))
+    except NonFiniteError as e:
+        return {"error": str(e), "step": trainer.global_step}
+    return {"error": None, "step": trainer.global_step}
+
+
+@pytest.mark.parametrize("mode, layout", [("lr", dict(tp=2)), ("grad", dict(tp=2)), ("grad_clip", dict(tp=2)),
+                                          ("grad_clip", dict(pp=2))],
+                         ids=["tp2-lr1e30", "tp2-nan-grad", "tp2-nan-grad-clip", "pp2-nan-grad-clip"])
+def test_non_finite_stops_every_rank_and_keeps_finite_checkpoints(tmp_path, mode, layout):
+    """tp=2 and pp=2: the step that goes non-finite raises NonFiniteError on both ranks (naming the step and the
+    parameter on the rank that holds it), the optimizer step is not taken, and every checkpoint on disk is finite,
+    the last one from the step before."""
+    out = run_distributed(_fit_until_error, 2, mode, layout, str(tmp_path))
+    for rank, result in enumerate(out):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        assert result["step"] == 1, result
+        assert "at step 1 (trainer.global_step)" in result["error"]
+    if mode == "lr":
+        assert re.search(r"(the loss|a gradient) is nan; .*rank 0: gradient of model\.", out[0]["error"])
+    else:
+        what = "the global gradient norm is nan" if mode == "grad_clip" else "a gradient is nan"
+        assert what in out[0]["error"]
+        assert "rank 1: gradient of model.decoder.layers.1.mlp.linear_fc2.weight (nan)" in out[0]["error"]
+        assert "rank 0:" not in out[0]["error"]
+    assert out[0]["error"] == out[1]["error"]
+    files = sorted(os.listdir(tmp_path))
+    assert "last.ckpt" in files and len(files) == 2, files     # step 1's file and last.ckpt, nothing from step 2
+    for name in files:
+        ckpt = torch.load(tmp_path / name, weights_only=True)
+        assert ckpt["global_step"] == 1
+        assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values()), name
+
+
+def _save_after_poison(rank, world, check, path):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    module = new_module(cfg, 1)
+    strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad=check)
+    trainer = trainer_for(world, strategy, 1)
+    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 8)), batch_size=4))
+    if rank == 1:   # one TP rank's shard goes bad (a cosmic ray, a bug in a callback)
+        with torch.no_grad():
+            module.model.decoder.layers["0"].self_attention.linear_qkv.weight[0, 0] = NAN
+    try:
+        trainer.save_checkpoint(path)
+    except NonFiniteError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_of_non_finite_weights_is_refused(tmp_path):
+    """A NaN in one TP rank's shard: save_checkpoint raises on both ranks and writes nothing; with the check off
+    the file is written (and holds the NaN)."""
+    path = tmp_path / "bad.ckpt"
+    errors = run_distributed(_save_after_poison, 2, True, str(path))
+    assert all(e is not None for e in errors), errors
+    assert "rank 1: weight model.decoder.layers.0.self_attention.linear_qkv.weight (nan)" in errors[0]
+    assert "no checkpoint was written" in errors[0] and not path.exists()
+    assert run_distributed(_save_after_poison, 2, False, str(path)) == [None, None]
+    state = torch.load(path, weights_only=True)["state_dict"]
+    assert math.isnan(float(state["model.decoder.layers.0.self_attention.linear_qkv.weight"].sum()))
