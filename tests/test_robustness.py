@@ -17,12 +17,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy
+from lightning_megatron import MegatronStrategy, ParallelGPTModule
+from lightning_megatron.models.module import check_token_ids
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.nonfinite import NonFiniteError, NonFiniteGuard
 from tests._dist import run_distributed
-from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
+from tests.parity import (
+    SEED,
+    ListDataset,
+    collate,
+    lightning_train_order,
+    make_samples,
+    new_module,
+    tiny_config,
+    trainer_for,
+)
 
 NAN = float("nan")
 
@@ -186,3 +196,49 @@ def test_checkpoint_of_non_finite_weights_is_refused(tmp_path):
     assert run_distributed(_save_after_poison, 2, False, str(path)) == [None, None]
     state = torch.load(path, weights_only=True)["state_dict"]
     assert math.isnan(float(state["model.decoder.layers.0.self_attention.linear_qkv.weight"].sum()))
+
+
+# ---------------------------------------------------------------------------------------------- 2. token ids
+def _batch(cfg, **bad):
+    batch = collate(make_samples(cfg, 2))
+    for key, (row, col, value) in bad.items():
+        batch[key][row, col] = value
+    return batch
+
+
+@pytest.mark.parametrize("key, value", [("tokens", 200), ("tokens", -1), ("labels", 255), ("labels", -100)])
+def test_token_ids_outside_the_vocabulary_raise(key, value):
+    """An id at or above vocab_size (here in the padded rows 200..255 of tp=2) or negative: a ValueError naming
+    the key, the range found and the vocabulary, before the batch leaves the host."""
+    cfg = tiny_config()
+    module = ParallelGPTModule(cfg)
+    module.on_before_batch_transfer(_batch(cfg), 0)   # in range: unchanged
+    low, high = (value, r"\d+") if value < 0 else (r"\d+", value)
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds ids from {low} to {high}, outside the vocabulary "
+                                         r"\[0, 200\) of GPTConfig.vocab_size=200"):
+        module.on_before_batch_transfer(_batch(cfg, **{key: (1, 3, value)}), 0)
+    with pytest.raises(ValueError, match="must be an integer tensor"):
+        check_token_ids({"tokens": torch.zeros(2, 3)}, 200)
+
+
+def _fit_bad_batch(rank, world, layout):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    samples = make_samples(cfg, 8)
+    bad = lightning_train_order(8)[5]   # in the second batch of Lightning's (shuffled) order
+    samples[bad] = dict(samples[bad], labels=samples[bad]["labels"].clone().index_fill_(0, torch.tensor([4]), 230))
+    trainer = trainer_for(world, MegatronStrategy(**layout), 2)
+    try:
+        trainer.fit(new_module(cfg, 2), DataLoader(ListDataset(samples), batch_size=4))
+    except ValueError as e:
+        return {"error": str(e), "step": trainer.global_step}
+    return {"error": None, "step": trainer.global_step}
+
+
+def test_label_in_the_padded_vocabulary_raises_at_tp2():
+    """tp=2 (vocabulary padded to 256): a label of 230 used to give an infinite loss; now the second batch raises
+    on both ranks before any step on it."""
+    out = run_distributed(_fit_bad_batch, 2, dict(tp=2))
+    assert [o["step"] for o in out] == [1, 1], out
+    for o in out:
+        assert o["error"] is not None and re.search(r"batch\['labels'\] holds ids from \d+ to 230, outside", o["error"]), o

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -38,6 +38,33 @@ def megatron_lr_lambda(step: int, lr: float, min_lr: float, warmup_iters: int, d
     else:
         raise ValueError(f"lr_decay_style={decay_style!r} is not one of 'cosine', 'linear', 'constant'")
     return (min_lr + coeff * (lr - min_lr)) / lr
+
+
+def check_token_ids(batch: Any, vocab_size: int) -> None:
+    """Raise ValueError when ``batch["tokens"]`` or ``batch["labels"]`` hold an id outside ``[0, vocab_size)``.
+
+    One min/max per tensor. On host tensors (the batch before it moves to the device) this costs no device sync;
+    on device tensors it syncs once. Without it an id at or above ``vocab_size`` would index a padding row of the
+    vocabulary-parallel embedding at tp > 1 (a zero vector: a finite, meaningless loss) and a label there gives an
+    infinite loss. Batches that are not mappings, and other keys, are left alone.
+    """
+    if not isinstance(batch, Mapping):
+        return
+    for key in ("tokens", "labels"):
+        ids = batch.get(key)
+        if not isinstance(ids, Tensor) or ids.numel() == 0:
+            continue
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"batch[{key!r}] has dtype {ids.dtype}: token ids must be an integer tensor (int64)")
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= vocab_size:
+            what = "every label (masked or not)" if key == "labels" else "every token id"
+            raise ValueError(
+                f"batch[{key!r}] holds ids from {low} to {high}, outside the vocabulary [0, {vocab_size}) of "
+                f"GPTConfig.vocab_size={vocab_size}: {what} must be in it. Check the tokenizer's vocabulary against "
+                "GPTConfig.vocab_size (--vocab-size; a NullTokenizer needs vocab_size + 1 for its end-of-document "
+                "id) and the dataset the batch came from"
+            )
 
 
 class ParallelGPTModule(pl.LightningModule):
@@ -98,6 +125,12 @@ class ParallelGPTModule(pl.LightningModule):
         if self.model is None:
             self.configure_model()
         return self.model(tokens, position_ids, labels)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Check the token ids and labels against the vocabulary (:func:`check_token_ids`) while the batch is still
+        on the host, under every strategy and layout. An override should call ``super()``."""
+        check_token_ids(batch, self.config.vocab_size)
+        return batch
 
     # ---------------------------------------------------------------- the step pieces (ParallelLightningModule)
     def set_parallel_context(self, context: ParallelContext) -> None:
