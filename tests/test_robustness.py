@@ -6,8 +6,11 @@ that does not raise with the others leaves them waiting in a collective.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import os
+import pickle
 import re
 
 import lightning.pytorch as pl
@@ -17,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy, ParallelGPTModule
+from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.models.module import check_token_ids
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
@@ -242,3 +245,38 @@ def test_label_in_the_padded_vocabulary_raises_at_tp2():
     assert [o["step"] for o in out] == [1, 1], out
     for o in out:
         assert o["error"] is not None and re.search(r"batch\['labels'\] holds ids from \d+ to 230, outside", o["error"]), o
+
+
+# ---------------------------------------------------------------------------------------------- 3. replace
+@pytest.mark.parametrize("replace", [GPTConfig.replace, dataclasses.replace], ids=["GPTConfig.replace",
+                                                                                  "dataclasses.replace"])
+def test_replace_recomputes_derived_sizes(replace):
+    """Sizes the config filled in (kv_channels, ffn_hidden_size, num_query_groups, max_position_embeddings,
+    moe_ffn_hidden_size) follow the new fields; sizes that were given, at construction or in the replace, stay."""
+    base = GPTConfig(hidden_size=64, num_attention_heads=4, seq_length=64)
+    new = replace(base, hidden_size=256, num_attention_heads=8, seq_length=128)
+    assert (new.kv_channels, new.ffn_hidden_size, new.num_query_groups, new.max_position_embeddings) == (32, 1024, 8, 128)
+    assert new == GPTConfig(hidden_size=256, num_attention_heads=8, seq_length=128)
+    moe = replace(GPTConfig(num_moe_experts=4), ffn_hidden_size=96)
+    assert moe.moe_ffn_hidden_size == 96 and moe.is_derived("moe_ffn_hidden_size")
+    # given at construction: kept
+    given = GPTConfig(hidden_size=64, num_attention_heads=4, kv_channels=8, ffn_hidden_size=100, num_query_groups=2)
+    kept = replace(given, hidden_size=128)
+    assert (kept.kv_channels, kept.ffn_hidden_size, kept.num_query_groups) == (8, 100, 2)
+    assert not kept.is_derived("kv_channels") and kept.is_derived("max_position_embeddings")
+    # given in the replace, even equal to the old derived value: kept; None: derived again
+    again = replace(base, hidden_size=128, kv_channels=16)
+    assert again.kv_channels == 16 and not again.is_derived("kv_channels")
+    assert replace(again, kv_channels=None).kv_channels == 32
+    # the preset's own sizes are given values: tiny() sets GQA 4/2 and ffn 128, which a replace keeps
+    tiny = GPTConfig.tiny().replace(hidden_size=2048, num_attention_heads=16)
+    assert (tiny.kv_channels, tiny.num_query_groups, tiny.ffn_hidden_size) == (128, 2, 128)
+
+
+def test_derived_sizes_are_plain_ints_outside():
+    cfg = dataclasses.replace(GPTConfig(), hidden_size=128)
+    out = cfg.to_dict()
+    assert type(out["kv_channels"]) is int and out["kv_channels"] == 32 and repr(cfg.kv_channels) == "32"
+    assert GPTConfig(**out) == cfg                                  # hparams round trip
+    assert pickle.loads(pickle.dumps(cfg)).is_derived("kv_channels")   # spawn keeps what was derived
+    assert list(inspect.signature(GPTConfig).parameters)[:2] == ["num_layers", "hidden_size"]
