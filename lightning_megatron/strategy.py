@@ -442,8 +442,9 @@ class MegatronStrategy(DDPStrategy):
         return full_optimizer_state_dict(optimizer, self.lightning_module, self._pp_group(), raw=raw)
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full checkpoint, keeping this rank's shards."""
-        state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"])
+        """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
+        pipeline stage) raise, naming them, as plain Lightning does."""
+        state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
         self.lightning_module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:

@@ -280,3 +280,65 @@ def test_derived_sizes_are_plain_ints_outside():
     assert GPTConfig(**out) == cfg                                  # hparams round trip
     assert pickle.loads(pickle.dumps(cfg)).is_derived("kv_channels")   # spawn keeps what was derived
     assert list(inspect.signature(GPTConfig).parameters)[:2] == ["num_layers", "hidden_size"]
+
+
+# ---------------------------------------------------------------------------------------------- 4. strict loading
+def _plain_checkpoint(cfg, path, drop=()):
+    """A Lightning checkpoint of a freshly initialised ``cfg`` model in the full (tp=1) layout."""
+    pl.seed_everything(SEED, verbose=False)
+    module = ParallelGPTModule(cfg)
+    module.configure_model()
+    state = {k: v for k, v in module.state_dict().items() if k not in drop}
+    torch.save({"state_dict": state, "pytorch-lightning_version": pl.__version__}, path)
+    return state
+
+
+def _validate_from(rank, world, cfg, layout, path, strict):
+    module = ParallelGPTModule(cfg)
+    module.strict_loading = strict
+    trainer = trainer_for(world, MegatronStrategy(**layout), 1, limit_val_batches=1)
+    try:
+        trainer.validate(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=2), ckpt_path=path,
+                         verbose=False)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None, "state": trainer.strategy.lightning_module_state_dict()}
+
+
+def test_extra_layer_in_checkpoint_is_refused_at_tp2(tmp_path):
+    """A 3-layer checkpoint into a 2-layer model at tp=2 (plain Lightning refuses it too): both ranks raise naming
+    the unexpected keys; with strict_loading=False the common keys load exactly."""
+    path = str(tmp_path / "3layers.ckpt")
+    saved = _plain_checkpoint(tiny_config(num_layers=3), path)
+    cfg = tiny_config()
+    out = run_distributed(_validate_from, 2, cfg, dict(tp=2), path, True)
+    for o in out:
+        assert o["error"] is not None and 'Unexpected key(s) in state_dict: "model.decoder.layers.2.' in o["error"]
+        assert "Missing key" not in o["error"] and "strict_loading=False" in o["error"]
+    loaded = run_distributed(_validate_from, 2, cfg, dict(tp=2), path, False)[0]["state"]
+    assert loaded.keys() == {k for k in saved if ".layers.2." not in k}
+    for key, value in loaded.items():
+        torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
+
+
+def test_missing_key_is_named_on_every_pipeline_stage(tmp_path):
+    """pp=2: a key of the second stage is missing; the first stage, which does not hold it, raises too (a stage
+    that went on alone would wait for the other in the first collective)."""
+    path = str(tmp_path / "missing.ckpt")
+    _plain_checkpoint(tiny_config(), path, drop=("model.decoder.layers.1.mlp.linear_fc2.weight",))
+    out = run_distributed(_validate_from, 2, tiny_config(), dict(pp=2), path, True)
+    for o in out:
+        assert o["error"] is not None
+        assert 'Missing key(s) in state_dict: "model.decoder.layers.1.mlp.linear_fc2.weight".' in o["error"]
+
+
+def test_other_vocabulary_is_refused_even_when_not_strict(tmp_path):
+    """A checkpoint of vocabulary 300 (padded to 384 rows) into vocabulary 200 at tp=2 used to load silently, its
+    rows cut to 200; now both ranks name the tensors and shapes, also with strict_loading=False."""
+    path = str(tmp_path / "vocab300.ckpt")
+    _plain_checkpoint(tiny_config(vocab_size=300), path)
+    out = run_distributed(_validate_from, 2, tiny_config(), dict(tp=2), path, False)
+    for o in out:
+        assert o["error"] is not None
+        assert ('size mismatch for "model.embedding.word_embeddings.weight": the checkpoint holds shape (384, 32), '
+                "the model's full tensor has shape (256, 32)") in o["error"]
