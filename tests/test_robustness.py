@@ -342,3 +342,51 @@ def test_other_vocabulary_is_refused_even_when_not_strict(tmp_path):
         assert o["error"] is not None
         assert ('size mismatch for "model.embedding.word_embeddings.weight": the checkpoint holds shape (384, 32), '
                 "the model's full tensor has shape (256, 32)") in o["error"]
+
+
+# ---------------------------------------------------------------------------------------------- 9. bad settings
+BAD_SETTINGS = [
+    # GPTConfig: these ended in ZeroDivisionError / TypeError tracebacks, or trained a wrong model silently
+    (GPTConfig, dict(num_attention_heads=0), r"num_attention_heads=0 must be >= 1"),
+    (GPTConfig, dict(num_query_groups=0), r"num_query_groups=0 must be >= 1 or None"),
+    (GPTConfig, dict(make_vocab_size_divisible_by=0), r"make_vocab_size_divisible_by=0 must be >= 1"),
+    (GPTConfig, dict(hidden_size="64"), r"hidden_size='64' must be an integer, got str"),
+    (GPTConfig, dict(num_layers=2.0), r"num_layers=2.0 must be an integer, got float"),
+    (GPTConfig, dict(kv_channels=0), r"kv_channels=0 must be >= 1 or None"),
+    (GPTConfig, dict(ffn_hidden_size=0), r"ffn_hidden_size=0 must be >= 1 or None .*0 would train without MLP"),
+    (GPTConfig, dict(position_embedding_type="learned_absolute", seq_length=128, max_position_embeddings=64),
+     r"seq_length=128 is larger than max_position_embeddings=64"),
+    (GPTConfig, dict(swiglu="no"), r"swiglu='no' must be True or False"),
+    (GPTConfig, dict(vocab_size=True), r"vocab_size=True must be an integer, got bool"),
+    (GPTConfig, dict(norm_epsilon=0.0), r"norm_epsilon=0.0 must be > 0"),
+    (GPTConfig, dict(hidden_dropout=1.0), r"hidden_dropout=1.0 must be in \[0, 1\)"),
+    # MegatronStrategy / ParallelConfig
+    (MegatronStrategy, dict(tp=2, sequence_parallel="no"), r"sequence_parallel='no' must be True or False"),
+    (MegatronStrategy, dict(tp=True), r"tp must be a positive integer, got True"),
+    (MegatronStrategy, dict(pp=2.0), r"pp must be a positive integer, got 2.0"),
+    (MegatronStrategy, dict(use_distributed_optimizer="yes"), r"use_distributed_optimizer='yes' must be True or False"),
+    (MegatronStrategy, dict(delay_wgrad_compute=1), r"delay_wgrad_compute=1 must be None .*True or False"),
+    (MegatronStrategy, dict(pipeline_schedule="1f1f"), r"pipeline_schedule='1f1f' is not one of"),
+    # ParallelGPTModule
+    (lambda **kw: ParallelGPTModule(GPTConfig(), **kw), dict(lr=-1e-3), r"lr=-0.001 must be a finite number >= 0"),
+    (lambda **kw: ParallelGPTModule(GPTConfig(), **kw), dict(lr=float("nan")), r"lr=nan must be a finite number"),
+    (lambda **kw: ParallelGPTModule(GPTConfig(), **kw), dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
+    (lambda **kw: ParallelGPTModule(GPTConfig(), **kw), dict(lr_decay_style="cosin"),
+     r"lr_decay_style='cosin' is not one of \('cosine', 'linear', 'constant'\)"),
+    (lambda **kw: ParallelGPTModule(GPTConfig(), **kw), dict(lr_warmup_iters=-5), r"lr_warmup_iters=-5 must be an integer"),
+]
+
+
+@pytest.mark.parametrize("build, kwargs, message", BAD_SETTINGS, ids=[
+    f"{getattr(b, '__name__', 'ParallelGPTModule')}-{next(iter(k))}" for b, k, _ in BAD_SETTINGS])
+def test_bad_setting_is_refused_naming_it(build, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build(**kwargs)
+
+
+def test_pipeline_options_at_pp1_warn():
+    """A schedule (or an uneven split) given at pp=1 was ignored silently; now a warning names it."""
+    with pytest.warns(UserWarning, match=r"pipeline_schedule='gpipe' has no effect with pp=1"):
+        MegatronStrategy(pipeline_schedule="gpipe")
+    with pytest.warns(UserWarning, match=r"num_layers_in_first_pipeline_stage=1 has no effect with pp=1"):
+        ParallelConfig(num_layers_in_first_pipeline_stage=1)

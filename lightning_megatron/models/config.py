@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
@@ -25,6 +26,33 @@ class _Derived(int):
         return int.__repr__(self)
 
     __str__ = __repr__
+
+
+#: sizes that must be integers >= 1 (the derived ones are checked once filled in)
+POSITIVE_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "rotary_base",
+                  "make_vocab_size_divisible_by")
+#: annotation -> (accepted types, what the error says)
+_FIELD_TYPES = {"int": (numbers.Integral, "an integer"), "bool": (bool, "True or False"),
+                "float": (numbers.Real, "a number"), "str": (str, "a string")}
+
+
+def check_field_types(config: Any) -> None:
+    """Raise ValueError for a field of the dataclass ``config`` whose value does not match its annotation
+    (``int``, ``bool``, ``float``, ``str``, or ``Optional`` of one; a bool is not taken as a number, nor a string
+    such as ``'64'`` as an int). Other annotations are left to the field's own checks."""
+    for f in fields(config):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        optional = kind.startswith("Optional[")
+        kind = kind[len("Optional["):-1] if optional else kind
+        if not f.init or kind not in _FIELD_TYPES:
+            continue
+        value = getattr(config, f.name)
+        if value is None and optional:
+            continue
+        types, what = _FIELD_TYPES[kind]
+        if not isinstance(value, types) or (kind != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{f.name}={value!r} must be {'None or ' if optional else ''}{what}, got "
+                             f"{type(value).__name__}")
 
 
 def _derive(value: Any, derived: int) -> Any:
@@ -93,6 +121,10 @@ class GPTConfig:
     moe_token_dispatcher_type: str = MoEConfig.moe_token_dispatcher_type
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in POSITIVE_SIZES:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         self.num_query_groups = _derive(self.num_query_groups, self.num_attention_heads)
         self.ffn_hidden_size = _derive(self.ffn_hidden_size, 4 * self.hidden_size)
         if self.kv_channels is None or isinstance(self.kv_channels, _Derived):
@@ -103,6 +135,25 @@ class GPTConfig:
                 )
             self.kv_channels = _Derived(self.hidden_size // self.num_attention_heads)
         self.max_position_embeddings = _derive(self.max_position_embeddings, self.seq_length)
+        for name, rule in (("num_query_groups", "None means num_attention_heads"),
+                           ("ffn_hidden_size", "None means 4 * hidden_size; 0 would train without MLP"),
+                           ("kv_channels", "None means hidden_size // num_attention_heads"),
+                           ("max_position_embeddings", "None means seq_length")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 or None ({rule})")
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length={self.seq_length} is larger than max_position_embeddings={self.max_position_embeddings}: "
+                "learned absolute position embeddings hold one row per position; raise max_position_embeddings "
+                "(None follows seq_length) or shorten seq_length"
+            )
+        if self.norm_epsilon <= 0:
+            raise ValueError(f"norm_epsilon={self.norm_epsilon} must be > 0")
+        if self.init_method_std < 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be >= 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
@@ -114,9 +165,6 @@ class GPTConfig:
             raise ValueError(
                 f"position_embedding_type={self.position_embedding_type!r} is not one of {POSITION_EMBEDDINGS}"
             )
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_moe_experts is not None:
             self.moe_ffn_hidden_size = _derive(self.moe_ffn_hidden_size, self.ffn_hidden_size)
             self.moe_config()  # validates the moe_* fields (ValueError naming the field)

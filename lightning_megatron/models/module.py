@@ -67,6 +67,35 @@ def check_token_ids(batch: Any, vocab_size: int) -> None:
             )
 
 
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def check_optimizer_arguments(*, lr: float, min_lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float,
+                              adam_eps: float, lr_warmup_iters: int, lr_decay_iters: Optional[int],
+                              lr_decay_style: str) -> None:
+    """Raise ValueError naming the first bad optimizer / schedule argument of :class:`ParallelGPTModule`."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name, value, low in (("lr", lr, 0.0), ("min_lr", min_lr, 0.0), ("weight_decay", weight_decay, 0.0),
+                             ("adam_eps", adam_eps, 0.0)):
+        if not number(value) or value < low:
+            raise ValueError(f"{name}={value!r} must be a finite number >= {low:g}")
+    for name, value in (("adam_beta1", adam_beta1), ("adam_beta2", adam_beta2)):
+        if not number(value) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}={value!r} must be in [0, 1)")
+    if min_lr > lr:
+        raise ValueError(f"min_lr={min_lr} is larger than lr={lr}")
+    for name, value in (("lr_warmup_iters", lr_warmup_iters), ("lr_decay_iters", lr_decay_iters)):
+        if value is None and name == "lr_decay_iters":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an integer >= 0" + (" or None (Trainer.max_steps)"
+                                                                          if name == "lr_decay_iters" else ""))
+    if lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+
+
 class ParallelGPTModule(pl.LightningModule):
     """Trains a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or any other strategy).
 
@@ -104,8 +133,9 @@ class ParallelGPTModule(pl.LightningModule):
         lr_decay_style: str = "cosine",
     ) -> None:
         super().__init__()
-        if min_lr > lr:
-            raise ValueError(f"min_lr={min_lr} is larger than lr={lr}")
+        check_optimizer_arguments(lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+                                  adam_beta2=adam_beta2, adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
+                                  lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.config = config
