@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
+from lightning_megatron.checkpoint_io import AtomicCheckpointIO
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule
 from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
@@ -81,6 +82,8 @@ class MegatronStrategy(DDPStrategy):
         cp_sm_carveout, check_for_nan_in_loss_and_grad: the layout and its options, the fields
             of :class:`ParallelConfig` (Megatron's names and meaning; validated there). dp is
             ``world / (tp * pp * cp)``; ep is carved out of the dp x cp x tp ranks.
+        checkpoint_io: default :class:`~lightning_megatron.checkpoint_io.AtomicCheckpointIO` (a local checkpoint is
+            complete or absent, never truncated).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
         ddp_kwargs: arguments for ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) and
@@ -147,7 +150,8 @@ class MegatronStrategy(DDPStrategy):
                              f"{ddp_kwargs['ddp_comm_hook']!r} or grad_reduce_in_bf16")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **ddp_kwargs,
         )
         self.mesh: Optional[ParallelMesh] = None

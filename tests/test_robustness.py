@@ -12,15 +12,22 @@ import math
 import os
 import pickle
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
+from lightning_megatron.checkpoint_io import AtomicCheckpointIO
+from lightning_megatron.data.preprocess import preprocess_jsonl
 from lightning_megatron.models.module import check_token_ids
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
@@ -390,3 +397,83 @@ def test_pipeline_options_at_pp1_warn():
         MegatronStrategy(pipeline_schedule="gpipe")
     with pytest.warns(UserWarning, match=r"num_layers_in_first_pipeline_stage=1 has no effect with pp=1"):
         ParallelConfig(num_layers_in_first_pipeline_stage=1)
+
+
+# ---------------------------------------------------------------------------------------------- 6. temporary files
+class _SlowToPickle:
+    """Pickling it signals ``flag`` and sleeps: a save caught in the middle (its temporary file is open)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        open(self.flag, "w").close()
+        time.sleep(60)
+        return (str, ("never",))
+
+
+def _save_slowly(path: str, flag: str) -> None:
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(4), "slow": _SlowToPickle(flag)}, path)
+
+
+def _stale(path, seconds=3600):
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_killed_checkpoint_save_keeps_the_old_file_and_its_leftover_is_removed(tmp_path):
+    """SIGKILL during a save: the checkpoint under the final name is still the previous, complete one; the
+    half-written file is beside it (not in the system temp directory), and the next save removes it."""
+    path, flag = tmp_path / "last.ckpt", str(tmp_path / "saving")
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"w": torch.zeros(4)}, path)
+    proc = mp.get_context("spawn").Process(target=_save_slowly, args=(str(path), flag))
+    proc.start()
+    deadline = time.time() + 60
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(4))
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
+    assert len(leftovers) == 1 and str(proc.pid) in leftovers[0].name
+    live = tmp_path / f".other.ckpt.tmp-{os.getpid()}-{'a' * 32}"   # a live writer's file: kept
+    live.write_bytes(b"")
+    for p in (leftovers[0], live):
+        _stale(p)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "next.ckpt")
+    assert not leftovers[0].exists() and live.exists()
+    assert torch.equal(torch.load(tmp_path / "next.ckpt", weights_only=True)["w"], torch.ones(4))
+
+
+def test_strategy_saves_atomically_by_default():
+    assert isinstance(MegatronStrategy().checkpoint_io, AtomicCheckpointIO)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_killed_preprocessing_leftovers_are_removed_by_the_next_run(tmp_path):
+    """A killed preprocessing run leaves ``.<name>.bin.tmp-PID-...`` beside its output; the next run into that
+    directory removes it (the writer is gone and it is not being written), and keeps everything else."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "hello"}\n', encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    pid = _dead_pid()
+    stale = [out / f".x_text_document.bin.tmp-{pid}-{'b' * 12}", out / f".x_text_document.idx.tmp-{pid}-{'b' * 12}"]
+    recent = out / f".y_text_document.bin.tmp-{pid}-{'c' * 12}"   # modified just now: could still be written
+    other = out / ".notes.tmp-keep"
+    for p in stale + [recent, other]:
+        p.write_bytes(b"partial")
+    for p in stale + [other]:
+        _stale(p)
+    preprocess_jsonl(src, out / "x", tokenizer_type="ByteTokenizer", progress=False)
+    assert not any(p.exists() for p in stale)
+    assert recent.exists() and other.exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "x_text_document.bin", "x_text_document.idx"]
+
