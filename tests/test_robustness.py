@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.checkpoint_io import AtomicCheckpointIO
-from lightning_megatron.data.preprocess import preprocess_jsonl
+from lightning_megatron.data.preprocess import PreprocessError, preprocess_jsonl
 from lightning_megatron.models.module import check_token_ids
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
@@ -477,3 +477,18 @@ def test_killed_preprocessing_leftovers_are_removed_by_the_next_run(tmp_path):
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "x_text_document.bin", "x_text_document.idx"]
 
+
+# ---------------------------------------------------------------------------------------------- 7. encoding faults
+@pytest.mark.parametrize("line, reason", [
+    (b'{"text": "caf\xe9"}\n', r"not valid UTF-8 \(invalid continuation byte: byte b'\\xe9' at byte 14 of the line\)"),
+    (b'{"text": "lone \\ud800 surrogate"}\n', r"key 'text' holds '\\ud800' at character 5, which is not encodable"),
+], ids=["latin-1 byte", "lone surrogate"])
+def test_encoding_faults_name_file_and_line_and_can_be_skipped(tmp_path, line, reason):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "one"}\n' + line + b'{"text": "three"}\n')
+    with pytest.raises(PreprocessError, match=rf"{re.escape(str(src))}:2: {reason}"):
+        preprocess_jsonl(src, tmp_path / "a" / "x", tokenizer_type="ByteTokenizer", progress=False)
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    result = preprocess_jsonl(src, tmp_path / "b" / "x", tokenizer_type="ByteTokenizer", progress=False,
+                              skip_bad_lines=True)
+    assert result.skipped_lines == [2] and result.documents == 2
