@@ -18,6 +18,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.checkpoint_io import AtomicCheckpointIO
+from lightning_megatron.data import GPTDataset, IndexedDatasetWriter
 from lightning_megatron.data.preprocess import PreprocessError, preprocess_jsonl
 from lightning_megatron.models.module import check_token_ids
 from lightning_megatron.parallel.config import ParallelConfig
@@ -492,3 +494,30 @@ def test_encoding_faults_name_file_and_line_and_can_be_skipped(tmp_path, line, r
     result = preprocess_jsonl(src, tmp_path / "b" / "x", tokenizer_type="ByteTokenizer", progress=False,
                               skip_bad_lines=True)
     assert result.skipped_lines == [2] and result.documents == 2
+
+
+# ---------------------------------------------------------------------------------------------- 8. index cache key
+def _write_documents(prefix, documents):
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for doc in documents:
+            writer.add_document(doc)
+
+
+def test_index_cache_follows_the_data_not_its_size(tmp_path):
+    """The same documents re-preprocessed in another order (same file sizes): the cached indices of the first
+    order used to be reused (samples cut at the old document boundaries, or an IndexError); now the second
+    dataset builds its own and reads exactly what a cache-less build reads."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50, size=n).tolist() for n in (5, 40, 9, 23, 3, 31, 12, 7)]
+    prefix, cache = str(tmp_path / "d_text_document"), tmp_path / "cache"
+    _write_documents(prefix, docs)
+    first = GPTDataset(prefix, seq_length=8, num_samples=12, seed=3, cache_dir=cache)
+    assert first.built_anew
+    _write_documents(prefix, docs[::-1])
+    second = GPTDataset(prefix, seq_length=8, num_samples=12, seed=3, cache_dir=cache)
+    fresh = GPTDataset(prefix, seq_length=8, num_samples=12, seed=3, cache_dir=False)
+    assert second.built_anew and second.description_hash != first.description_hash
+    for i in range(len(fresh)):
+        assert torch.equal(second[i]["tokens"], fresh[i]["tokens"])
+    again = GPTDataset(prefix, seq_length=8, num_samples=12, seed=3, cache_dir=cache)
+    assert not again.built_anew   # unchanged data: the cache is used
