@@ -180,6 +180,28 @@ def test_non_finite_stops_every_rank_and_keeps_finite_checkpoints(tmp_path, mode
         assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values()), name
 
 
+def test_pretrain_gpt_lr_1e30_exits_non_zero_and_keeps_finite_checkpoints(tmp_path):
+    """Megatron's flags, ``--lr 1e30`` on CPU (2 processes, tp=2): it used to end with ``train_loss: nan``, exit 0
+    and NaN checkpoints; now it exits non-zero naming NaN, the step and the parameter, and leaves the checkpoint
+    of the last finite step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    save = tmp_path / "ckpt"
+    cmd = [sys.executable, "examples/pretrain_gpt.py", "--lr", "1e30", "--train-iters", "6", "--save", str(save),
+           "--save-interval", "1", "--eval-iters", "0"]
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert re.search(r"NonFiniteError: non-finite value at step 1 \(trainer.global_step\): .* is nan; "
+                     r"first non-finite values: rank 0: gradient of model\.", text), text[-3000:]
+    assert "done:" not in text
+    files = sorted(p.name for p in save.iterdir())
+    assert files == ["epoch=0-step=1.ckpt", "last.ckpt"], files
+    for name in files:
+        state = torch.load(save / name, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(t).all() for t in state.values()), name
+
+
 def _save_after_poison(rank, world, check, path):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
