@@ -70,6 +70,9 @@ class StepPath:
         loss = step.forward_backward(microbatches, self.functions(strategy.precision_plugin.train_step_context),
                                      device=strategy.root_device, dp_group=mesh.group("dp_cp"), dp=dp,
                                      pipeline=self.pipeline, no_sync=ddp.no_sync if ddp else contextlib.nullcontext)
+        guard = strategy._grads.guard
+        guard.step = lm.trainer.global_step
+        guard.check_loss(loss)   # NaN/inf: every rank raises here, before the optimizer step
         lm.log_train_step(loss, m)
         return loss
 

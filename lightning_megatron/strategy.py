@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
+from lightning_megatron.checkpoint_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule
 from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
@@ -74,6 +75,8 @@ class MegatronStrategy(DDPStrategy):
             ``use_distributed_optimizer``, ...: Megatron's names, validated there); else arguments of
             ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) or Lightning's DDP hook options
             (``ddp_comm_hook``, ...). Any other keyword raises TypeError naming the closest valid one.
+        checkpoint_io: default :class:`~lightning_megatron.checkpoint_io.AtomicCheckpointIO` (a local checkpoint is
+            complete or absent, never truncated).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
 
@@ -122,7 +125,8 @@ class MegatronStrategy(DDPStrategy):
                              f"{options['ddp_comm_hook']!r} or grad_reduce_in_bf16")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **options,
         )
         self.mesh: Optional[ParallelMesh] = None
@@ -217,6 +221,7 @@ class MegatronStrategy(DDPStrategy):
                                         tp_fork=self.tp_rng.fork if self.tp_rng else None,
                                         forward_context=self.precision_plugin.forward_context)
         self._grads = GradientFinalizer(self.parallelized, mesh)
+        self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
@@ -296,6 +301,17 @@ class MegatronStrategy(DDPStrategy):
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
         self._grads.finalize()
+        self._grads.guard.step = self.lightning_module.trainer.global_step
+        if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
+            self._grads.guard.check_grads()
+
+    def _clips_by_norm(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+
+    def _loss_scaled(self) -> bool:
+        """fp16 with a loss scaler: inf/NaN gradients are the scaler's business (it skips the step)."""
+        return getattr(self.precision_plugin, "scaler", None) is not None
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
@@ -322,7 +338,12 @@ class MegatronStrategy(DDPStrategy):
         return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
-        """Full, layout-independent state (TP shards gathered; collective on every rank)."""
+        """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
+        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
+        if self._grads is not None:
+            trainer = self.lightning_module._trainer
+            self._grads.guard.step = trainer.global_step if trainer is not None else None
+            self._grads.guard.check_weights()
         return full_model_state_dict(self.lightning_module, self._pp_group())
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
@@ -332,8 +353,9 @@ class MegatronStrategy(DDPStrategy):
         return full_optimizer_state_dict(optimizer, self.lightning_module, self._pp_group(), raw=raw)
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full checkpoint, keeping this rank's shards."""
-        state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"])
+        """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
+        pipeline stage) raise, naming them, as plain Lightning does."""
+        state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
         self.lightning_module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:

@@ -422,6 +422,7 @@ CASES = [
     (TP1 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--no-delay-wgrad-compute"],
      {"MegatronStrategy.delay_wgrad_compute": False}),
     ([], ["--grad-reduce-in-bf16"], {"MegatronStrategy.grad_reduce_in_bf16": True}),
+    ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
     ([], ["--accelerator", "gpu"], {"Trainer.accelerator": "gpu"}),
     ([], ["--devices", "4"], {"Trainer.devices": 4}),
     ([], ["--num-nodes", "2"], {"Trainer.num_nodes": 2}),

@@ -134,6 +134,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                   "(default: on wherever it applies; --no-delay-wgrad-compute keeps them in place)")
     add_flag(g, "--grad-reduce-in-bf16", "MegatronStrategy.grad_reduce_in_bf16", action="store_true",
              help="reduce data-parallel gradients in bf16 (half the traffic)")
+    add_flag(g, "--check-for-nan-in-loss-and-grad", "MegatronStrategy.check_for_nan_in_loss_and_grad",
+             action=argparse.BooleanOptionalAction, default=None,
+             help="stop at a NaN/inf loss or gradient norm, naming the step and parameter (default on)")
     add_flag(g, "--accelerator", "Trainer.accelerator", default="cpu")
     add_flag(g, "--devices", "Trainer.devices", type=int, default=2, help="processes per node")
     add_flag(g, "--num-nodes", "Trainer.num_nodes", type=int, default=1)

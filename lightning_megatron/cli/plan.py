@@ -188,7 +188,8 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                 ("cp_comm_type", None if cp_comm == "p2p" else cp_comm),
                 ("grad_reduce_in_bf16", args.grad_reduce_in_bf16 or None),
                 ("use_distributed_optimizer", args.use_distributed_optimizer or None),
-                ("delay_wgrad_compute", args.delay_wgrad_compute))
+                ("delay_wgrad_compute", args.delay_wgrad_compute),
+                ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad))
     strategy_kwargs.update({k: v for k, v in optional if v is not None})
     world = args.devices * args.num_nodes
     try:

@@ -17,7 +17,9 @@ stream, so the same seed and sizes give the same samples as Megatron-LM's ``GPTD
   separately shuffled last epoch is permuted on its own, after the others).
 
 The indices are cached beside the data as ``.npy`` files named with the md5 of their
-parameters and reused on the next run. :class:`BlendedDataset` mixes datasets with
+parameters and reused on the next run. The parameters include an md5 of the split's sequence
+lengths (read from the ``.idx``), the only content the indices depend on: re-preprocessed data
+with other lengths (the same documents in another order, say) gets new indices, never stale ones. :class:`BlendedDataset` mixes datasets with
 Megatron's greedy error-minimising schedule; :func:`split_ranges` is Megatron's split rule.
 """
 
@@ -350,19 +352,22 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
     # ------------------------------------------------------------------ description / cache
     def _description(self) -> str:
         idx_path = index_file_path(self.indexed.prefix)
+        begin, end = self.document_range
+        lengths = np.ascontiguousarray(self.indexed.sequence_lengths[begin:end])
         params = {
             "class": type(self).__name__,
             "dataset_path": os.path.realpath(self.indexed.prefix),
             "idx_bytes": os.path.getsize(idx_path),
             "bin_bytes": os.path.getsize(data_file_path(self.indexed.prefix)),
             "num_sequences": len(self.indexed),
+            "sequence_lengths_md5": hashlib.md5(memoryview(lengths).cast("B")).hexdigest(),
             "document_range": list(self.document_range),
             "split": self.split_name,
             "num_samples": self.num_samples,
             "seq_length": self.seq_length,
             "random_seed": self.seed,
             "add_extra_token_to_sequence": True,
-            "index_version": 1,
+            "index_version": 2,
         }
         return json.dumps(params, indent=4, sort_keys=True)
 

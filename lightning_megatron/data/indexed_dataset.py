@@ -35,6 +35,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from lightning_megatron.data._io import remove_stale_temporaries
+
 __all__ = [
     "DTYPE_CODES",
     "INDEX_HEADER",
@@ -219,7 +221,9 @@ class IndexedDatasetWriter:
     :meth:`commit` renames them (``.bin`` first, then ``.idx``) to ``<prefix>.bin`` /
     ``<prefix>.idx``. :meth:`abort` (or leaving the ``with`` block with an exception)
     deletes the temporary files, so a failed run never leaves a half-written dataset and
-    never touches an existing one.
+    never touches an existing one. A run killed before it could clean up leaves its temporary
+    files; the next writer into the same directory removes them
+    (:func:`~lightning_megatron.data._io.remove_stale_temporaries`).
 
     Used as a context manager, a clean exit finalizes and commits::
 
@@ -239,6 +243,7 @@ class IndexedDatasetWriter:
         self.dtype = self.dtype.newbyteorder("<")
         directory = Path(self.prefix).parent
         directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(directory)   # what killed runs left behind
         tag = f"tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         name = Path(self.prefix).name
         self._tmp_bin = directory / f".{name}.bin.{tag}"

@@ -10,11 +10,13 @@ line of the input is one JSON object; its ``text`` (or each ``--json-keys``) str
 document (a list of strings is joined into one document, as Megatron does without
 ``--split-sentences``). Blank lines are ignored.
 
-A bad line (not JSON, not an object, key missing, value not a string) stops the run with
-an error naming ``file:line``; with ``--skip-bad-lines`` it is skipped, counted and reported
-at the end. Outputs are written under temporary names and renamed only after the whole
-input is processed, so a failed or interrupted run leaves no partial files behind (and
-does not touch existing outputs).
+A bad line (not UTF-8, not JSON, not an object, key missing, value not a string, text the
+tokenizer cannot encode such as a lone surrogate ``"\ud800"``) stops the run with an error
+naming ``file:line``; with ``--skip-bad-lines`` it is skipped, counted and reported at the
+end. Outputs are written under temporary names in the output directory and renamed only
+after the whole input is processed, so a failed run leaves no partial files behind (and does
+not touch existing outputs); the temporary files of a killed run are removed by the next run
+writing into that directory.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import numpy as np
 
@@ -77,10 +79,31 @@ def _init_worker(tokenizer_type: str, tokenizer_model: str | None, json_keys: tu
     _WORKER["dtype"] = np.dtype(dtype)
 
 
-def _encode_line(item: tuple[int, str]) -> tuple[int, str | None, list[np.ndarray] | None, int]:
+def _encode_text(tokenizer: Tokenizer, key: str, text: str) -> tuple[list[int] | None, str | None]:
+    """Token ids of ``text``, or an error naming what the tokenizer could not take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return None, (f"key {key!r} holds {text[err.start:err.end]!r} at character {err.start}, which is not "
+                      f"encodable as UTF-8 ({err.reason})")
+    try:
+        return list(tokenizer.encode(text)), None
+    except Exception as err:  # noqa: BLE001 - any tokenizer failure becomes a file:line error
+        return None, f"the tokenizer failed on key {key!r}: {type(err).__name__}: {err}"
+
+
+def _encode_line(item: tuple[int, bytes | str]) -> tuple[int, str | None, list[np.ndarray] | None, int]:
     """Return ``(line_no, error, arrays_per_key, n_bytes)``; ``error`` ``"blank"`` for a blank line."""
-    line_no, line = item
-    n_bytes = len(line.encode("utf-8"))
+    line_no, raw = item
+    if isinstance(raw, bytes):
+        n_bytes = len(raw)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return line_no, (f"not valid UTF-8 ({err.reason}: byte {raw[err.start:err.start + 1]!r} at byte "
+                             f"{err.start + 1} of the line)"), None, n_bytes
+    else:
+        line, n_bytes = raw, len(raw.encode("utf-8", "surrogatepass"))
     if not line.strip():
         return line_no, "blank", None, n_bytes
     try:
@@ -100,9 +123,14 @@ def _encode_line(item: tuple[int, str]) -> tuple[int, str | None, list[np.ndarra
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             ids: list[int] = []
             for part in value:
-                ids.extend(tokenizer.encode(part))
+                part_ids, error = _encode_text(tokenizer, key, part)
+                if error is not None:
+                    return line_no, error, None, n_bytes
+                ids.extend(part_ids)
         elif isinstance(value, str):
-            ids = tokenizer.encode(value)
+            ids, error = _encode_text(tokenizer, key, value)
+            if error is not None:
+                return line_no, error, None, n_bytes
         else:
             return line_no, f"key {key!r} is {type(value).__name__}, expected a string", None, n_bytes
         if ids and _WORKER["append_eod"]:
@@ -111,7 +139,9 @@ def _encode_line(item: tuple[int, str]) -> tuple[int, str | None, list[np.ndarra
     return line_no, None, arrays, n_bytes
 
 
-def _numbered_lines(stream: TextIO) -> Iterator[tuple[int, str]]:
+def _numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw bytes)``: lines are split on ``\\n`` and decoded one by one, so an encoding fault is
+    reported (or skipped) as its ``file:line``, not as an offset into a read buffer."""
     for i, line in enumerate(stream, start=1):
         yield i, line
 
@@ -220,7 +250,7 @@ def preprocess_jsonl(
         if workers > 1:  # start the workers before any progress-bar thread exists
             pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
         bar = _Progress(progress, log_interval, stream)
-        with open(path, encoding="utf-8") as fin:
+        with open(path, "rb") as fin:
             if pool is None:
                 _init_worker(*init_args)
                 results: Iterator[Any] = map(_encode_line, _numbered_lines(fin))

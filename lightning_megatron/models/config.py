@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
@@ -10,6 +11,53 @@ from lightning_megatron.moe.config import MoEConfig, moe_layer_pattern
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+#: fields filled in from others when not given (``None``): recomputed by ``replace`` unless given there
+DERIVED_FIELDS = ("num_query_groups", "ffn_hidden_size", "kv_channels", "max_position_embeddings",
+                  "moe_ffn_hidden_size")
+
+
+class _Derived(int):
+    """An int that ``GPTConfig`` filled in itself (a derived size). It behaves as the int it is; only
+    ``replace`` (ours or ``dataclasses.replace``) tells it from a value the user gave, and recomputes it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    __str__ = __repr__
+
+
+#: sizes that must be integers >= 1 (the derived ones are checked once filled in)
+POSITIVE_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "rotary_base",
+                  "make_vocab_size_divisible_by")
+#: annotation -> (accepted types, what the error says)
+_FIELD_TYPES = {"int": (numbers.Integral, "an integer"), "bool": (bool, "True or False"),
+                "float": (numbers.Real, "a number"), "str": (str, "a string")}
+
+
+def check_field_types(config: Any) -> None:
+    """Raise ValueError for a field of the dataclass ``config`` whose value does not match its annotation
+    (``int``, ``bool``, ``float``, ``str``, or ``Optional`` of one; a bool is not taken as a number, nor a string
+    such as ``'64'`` as an int). Other annotations are left to the field's own checks."""
+    for f in fields(config):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        optional = kind.startswith("Optional[")
+        kind = kind[len("Optional["):-1] if optional else kind
+        if not f.init or kind not in _FIELD_TYPES:
+            continue
+        value = getattr(config, f.name)
+        if value is None and optional:
+            continue
+        types, what = _FIELD_TYPES[kind]
+        if not isinstance(value, types) or (kind != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{f.name}={value!r} must be {'None or ' if optional else ''}{what}, got "
+                             f"{type(value).__name__}")
+
+
+def _derive(value: Any, derived: int) -> Any:
+    """``value`` when it was given (not None and not filled in by a previous config), else ``derived``."""
+    return _Derived(derived) if value is None or isinstance(value, _Derived) else value
 
 
 @dataclass
@@ -17,7 +65,9 @@ class GPTConfig:
     """Decoder-only transformer shape (GPT / LLaMA style), Megatron's ``TransformerConfig`` names.
 
     ``num_query_groups=None`` means multi-head attention (= heads); ``ffn_hidden_size=None`` means
-    ``4*hidden_size``; ``kv_channels=None`` means ``hidden_size // num_attention_heads``.
+    ``4*hidden_size``; ``kv_channels=None`` means ``hidden_size // num_attention_heads``;
+    ``max_position_embeddings=None`` means ``seq_length``. These derived sizes (:data:`DERIVED_FIELDS`) are
+    recomputed by :meth:`replace` and ``dataclasses.replace`` unless given there or at construction.
     ``make_vocab_size_divisible_by``: the embedding is padded to a multiple of this times tp (Megatron's
     rule); padded logits are masked out of the loss, so padding never changes the numbers.
 
@@ -71,19 +121,39 @@ class GPTConfig:
     moe_token_dispatcher_type: str = MoEConfig.moe_token_dispatcher_type
 
     def __post_init__(self) -> None:
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.kv_channels is None:
+        check_field_types(self)
+        for name in POSITIVE_SIZES:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        self.num_query_groups = _derive(self.num_query_groups, self.num_attention_heads)
+        self.ffn_hidden_size = _derive(self.ffn_hidden_size, 4 * self.hidden_size)
+        if self.kv_channels is None or isinstance(self.kv_channels, _Derived):
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
                     f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                     f"{self.num_attention_heads}; set kv_channels explicitly"
                 )
-            self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            self.kv_channels = _Derived(self.hidden_size // self.num_attention_heads)
+        self.max_position_embeddings = _derive(self.max_position_embeddings, self.seq_length)
+        for name, rule in (("num_query_groups", "None means num_attention_heads"),
+                           ("ffn_hidden_size", "None means 4 * hidden_size; 0 would train without MLP"),
+                           ("kv_channels", "None means hidden_size // num_attention_heads"),
+                           ("max_position_embeddings", "None means seq_length")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 or None ({rule})")
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length={self.seq_length} is larger than max_position_embeddings={self.max_position_embeddings}: "
+                "learned absolute position embeddings hold one row per position; raise max_position_embeddings "
+                "(None follows seq_length) or shorten seq_length"
+            )
+        if self.norm_epsilon <= 0:
+            raise ValueError(f"norm_epsilon={self.norm_epsilon} must be > 0")
+        if self.init_method_std < 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be >= 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
@@ -95,12 +165,8 @@ class GPTConfig:
             raise ValueError(
                 f"position_embedding_type={self.position_embedding_type!r} is not one of {POSITION_EMBEDDINGS}"
             )
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_moe_experts is not None:
-            if self.moe_ffn_hidden_size is None:
-                self.moe_ffn_hidden_size = self.ffn_hidden_size
+            self.moe_ffn_hidden_size = _derive(self.moe_ffn_hidden_size, self.ffn_hidden_size)
             self.moe_config()  # validates the moe_* fields (ValueError naming the field)
             moe_layer_pattern(self)
 
@@ -121,12 +187,20 @@ class GPTConfig:
         return MoEConfig(**shared, gated_linear_unit=self.swiglu)
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """Every field as plain Python values (derived sizes as the ints they are)."""
+        return {k: int(v) if isinstance(v, _Derived) else v for k, v in asdict(self).items()}
 
     def replace(self, **changes: Any) -> "GPTConfig":
-        """A copy with some fields changed (derived fields recomputed unless given)."""
+        """A copy with some fields changed. The derived sizes (:data:`DERIVED_FIELDS`: ``kv_channels``,
+        ``ffn_hidden_size``, ``num_query_groups``, ``max_position_embeddings``, ``moe_ffn_hidden_size``) are
+        recomputed from the new fields unless given in ``changes`` or at construction (``dataclasses.replace``
+        does the same)."""
         check_keywords("GPTConfig.replace", changes, [f.name for f in fields(self) if f.init])
         return replace(self, **changes)
+
+    def is_derived(self, name: str) -> bool:
+        """Whether field ``name`` was filled in by the config (and ``replace`` will recompute it)."""
+        return isinstance(getattr(self, name), _Derived)
 
     @property
     def num_parameters(self) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -38,6 +38,62 @@ def megatron_lr_lambda(step: int, lr: float, min_lr: float, warmup_iters: int, d
     else:
         raise ValueError(f"lr_decay_style={decay_style!r} is not one of 'cosine', 'linear', 'constant'")
     return (min_lr + coeff * (lr - min_lr)) / lr
+
+
+def check_token_ids(batch: Any, vocab_size: int) -> None:
+    """Raise ValueError when ``batch["tokens"]`` or ``batch["labels"]`` hold an id outside ``[0, vocab_size)``.
+
+    One min/max per tensor. On host tensors (the batch before it moves to the device) this costs no device sync;
+    on device tensors it syncs once. Without it an id at or above ``vocab_size`` would index a padding row of the
+    vocabulary-parallel embedding at tp > 1 (a zero vector: a finite, meaningless loss) and a label there gives an
+    infinite loss. Batches that are not mappings, and other keys, are left alone.
+    """
+    if not isinstance(batch, Mapping):
+        return
+    for key in ("tokens", "labels"):
+        ids = batch.get(key)
+        if not isinstance(ids, Tensor) or ids.numel() == 0:
+            continue
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"batch[{key!r}] has dtype {ids.dtype}: token ids must be an integer tensor (int64)")
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= vocab_size:
+            what = "every label (masked or not)" if key == "labels" else "every token id"
+            raise ValueError(
+                f"batch[{key!r}] holds ids from {low} to {high}, outside the vocabulary [0, {vocab_size}) of "
+                f"GPTConfig.vocab_size={vocab_size}: {what} must be in it. Check the tokenizer's vocabulary against "
+                "GPTConfig.vocab_size (--vocab-size; a NullTokenizer needs vocab_size + 1 for its end-of-document "
+                "id) and the dataset the batch came from"
+            )
+
+
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def check_optimizer_arguments(*, lr: float, min_lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float,
+                              adam_eps: float, lr_warmup_iters: int, lr_decay_iters: Optional[int],
+                              lr_decay_style: str) -> None:
+    """Raise ValueError naming the first bad optimizer / schedule argument of :class:`ParallelGPTModule`."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name, value, low in (("lr", lr, 0.0), ("min_lr", min_lr, 0.0), ("weight_decay", weight_decay, 0.0),
+                             ("adam_eps", adam_eps, 0.0)):
+        if not number(value) or value < low:
+            raise ValueError(f"{name}={value!r} must be a finite number >= {low:g}")
+    for name, value in (("adam_beta1", adam_beta1), ("adam_beta2", adam_beta2)):
+        if not number(value) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}={value!r} must be in [0, 1)")
+    if min_lr > lr:
+        raise ValueError(f"min_lr={min_lr} is larger than lr={lr}")
+    for name, value in (("lr_warmup_iters", lr_warmup_iters), ("lr_decay_iters", lr_decay_iters)):
+        if value is None and name == "lr_decay_iters":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an integer >= 0" + (" or None (Trainer.max_steps)"
+                                                                          if name == "lr_decay_iters" else ""))
+    if lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
 
 
 class ParallelGPTModule(pl.LightningModule):
@@ -77,8 +133,9 @@ class ParallelGPTModule(pl.LightningModule):
         lr_decay_style: str = "cosine",
     ) -> None:
         super().__init__()
-        if min_lr > lr:
-            raise ValueError(f"min_lr={min_lr} is larger than lr={lr}")
+        check_optimizer_arguments(lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+                                  adam_beta2=adam_beta2, adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
+                                  lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.config = config
@@ -98,6 +155,12 @@ class ParallelGPTModule(pl.LightningModule):
         if self.model is None:
             self.configure_model()
         return self.model(tokens, position_ids, labels)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Check the token ids and labels against the vocabulary (:func:`check_token_ids`) while the batch is still
+        on the host, under every strategy and layout. An override should call ``super()``."""
+        check_token_ids(batch, self.config.vocab_size)
+        return batch
 
     # ---------------------------------------------------------------- the step pieces (ParallelLightningModule)
     def set_parallel_context(self, context: ParallelContext) -> None:

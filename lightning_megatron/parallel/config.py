@@ -14,6 +14,11 @@ A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 CP_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "math")
 
 
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (``tp=True`` is a mistake, not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_cp_kernel_options(attention_kernel: Any, compile_merge: Any, sm_carveout: Any, prefix: str = "cp_") -> None:
     """Validate the context-parallel kernel options (names in errors: ``prefix`` + ``attention_kernel``, ...).
 
@@ -75,6 +80,9 @@ class ParallelConfig:
             False keeps it eager, e.g. where no compiler works; a failed compile warns and falls back anyway).
         cp_sm_carveout: SMs that the delayed weight-gradient GEMMs (``delay_wgrad_compute``) leave free while an
             a2a exchange is in flight. None (default): 16 on CUDA, none elsewhere; 0: no carveout.
+        check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
+            gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
+            default on; :mod:`lightning_megatron.parallel.nonfinite`).
     """
 
     tp: int = 1
@@ -96,19 +104,27 @@ class ParallelConfig:
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
+    check_for_nan_in_loss_and_grad: bool = True
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.etp is None:
             self.etp = self.tp
-        if not isinstance(self.etp, int) or self.etp < 1:
+        if not _is_int(self.etp) or self.etp < 1:
             raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
+        for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False (a string such as 'no' "
+                                 "would count as True)")
+        if self.delay_wgrad_compute is not None and not isinstance(self.delay_wgrad_compute, bool):
+            raise ValueError(f"delay_wgrad_compute={self.delay_wgrad_compute!r} must be None (where it applies), "
+                             "True or False")
         if self.vp is not None:
-            if not isinstance(self.vp, int) or self.vp < 1:
+            if not _is_int(self.vp) or self.vp < 1:
                 raise ValueError(f"vp must be a positive integer or None, got {self.vp!r}")
             if self.vp > 1 and self.pp == 1:
                 raise ValueError(
@@ -153,19 +169,34 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
+        if not isinstance(self.check_for_nan_in_loss_and_grad, bool):
+            raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
+                             "(stop at a NaN/inf loss or gradient norm) or False")
         self._resolved = False
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.pipeline import check_schedule, default_schedule
 
+        given = self.pipeline_schedule
         if self.pipeline_schedule is None:
             self.pipeline_schedule = default_schedule(self.vp)
         if self.pp > 1:
             check_schedule(self.pipeline_schedule, self.pp, self.vp)
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if self.pp == 1:
+            from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
+
+            if given is not None and given not in SCHEDULE_NAMES:
+                raise ValueError(f"pipeline_schedule={given!r} is not one of {SCHEDULE_NAMES}")
+            unused = [f"{name}={getattr(self, name)!r}" for name in (
+                "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+                if getattr(self, name) is not None] + ([f"pipeline_schedule={given!r}"] if given is not None else [])
+            if unused:
+                warnings.warn(f"{', '.join(unused)} has no effect with pp=1 (no pipeline); set pp > 1 or drop it",
+                              UserWarning, stacklevel=4)
 
     @property
     def cp_comm_types(self) -> list:

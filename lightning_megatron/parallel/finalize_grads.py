@@ -15,6 +15,7 @@ from lightning_megatron.parallel.grad_sync import (
     allreduce_sequence_parallel_grads,
 )
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.nonfinite import NonFiniteGuard
 from lightning_megatron.parallelize import ParallelizedModel
 
 
@@ -25,7 +26,9 @@ class GradientFinalizer:
     stages' gradients over dp x cp (stages are not wrapped in DDP); expert gradients summed over expert data
     parallel (``edp``) and divided by dp x cp; SP-replicated gradients summed over ``tp``; the tied word-embedding
     gradient summed over the ``embedding`` group (first and last pipeline stage).
-    :meth:`clip` scales gradients to a global L2 norm counted over tp, pp and the ep x etp block.
+    :meth:`clip` scales gradients to a global L2 norm counted over tp, pp and the ep x etp block; a non-finite
+    norm raises (``guard``: :class:`~lightning_megatron.parallel.nonfinite.NonFiniteGuard`, on with
+    ``config.check_for_nan_in_loss_and_grad``) before anything is scaled.
     """
 
     def __init__(self, parallelized: ParallelizedModel, mesh: ParallelMesh) -> None:
@@ -36,6 +39,7 @@ class GradientFinalizer:
         stages = parallelized.pipeline
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
+        self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
 
     def finalize(self) -> None:
         """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply)."""
@@ -66,7 +70,8 @@ class GradientFinalizer:
         counted = [p for p in params if id(p) not in self.excluded_from_norm]
         pp_groups = [mesh.group("pp")] if mesh.config.pp > 1 else []
         norm = clip_grad_norm_(counted, float(max_norm), self.parallelized.sharded_params, mesh.group("tp"),
-                               pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"))
+                               pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"),
+                               check=self.guard.check_grad_norm)
         excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]
         if excluded:
             with torch.no_grad():

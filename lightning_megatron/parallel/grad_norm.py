@@ -1,7 +1,7 @@
 """Gradient norm and clipping by the true global norm of a model split over TP, PP and EP/ETP."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Set
+from typing import Callable, Iterable, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -73,14 +73,18 @@ def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
                     model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
-                    expert: Optional[Set[int]] = None, expert_group: Group = None) -> Tensor:
+                    expert: Optional[Set[int]] = None, expert_group: Group = None,
+                    check: Optional[Callable[[Tensor], None]] = None) -> Tensor:
     """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
-    but with the norm from :func:`global_grad_norm`.
+    but with the norm from :func:`global_grad_norm`. ``check(norm)`` runs before any gradient is scaled (the
+    non-finite guard raises there, so a NaN norm never reaches the gradients).
     """
     params = list(params)
     norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group)
+    if check is not None:
+        check(norm)
     params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     if params:

@@ -70,14 +70,62 @@ def _strip_canonical_padding(mod: TensorParallelModule, pname: str, t: Tensor) -
     return t[:rows] if rows is not None and dim == 0 else t
 
 
-def shard_model_state_dict(module: nn.Module, full: Dict[str, Any]) -> Dict[str, Any]:
-    """This rank's part of the full state ``full``: its pipeline stage's keys, TP-sharded."""
+def _full_shapes(mod: nn.Module, pname: str) -> List[Tuple[int, ...]]:
+    """The shapes a full (checkpoint) tensor of sharded parameter ``pname`` may have: the global shape, with a
+    vocabulary dim either as the true vocabulary or padded as at tp=1 (how :func:`full_model_state_dict` writes it)."""
+    shape = tuple(mod.global_shape(pname))
+    rows, canonical = getattr(mod, "_vocab_rows", None), getattr(mod, "_canonical_rows", None)
+    dim = getattr(mod, "_partition", {}).get(pname, (None, None))[0]
+    if rows is not None and canonical is not None and dim == 0:
+        return [shape, (canonical,) + shape[1:]]
+    return [shape]
+
+
+def _quoted(keys: List[str]) -> str:
+    return ", ".join(f'"{k}"' for k in keys)
+
+
+def shard_model_state_dict(module: nn.Module, full: Dict[str, Any], strict: bool = True,
+                           pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """This rank's part of the full state ``full``: its pipeline stage's keys, TP-sharded.
+
+    ``strict`` (Lightning's ``strict_loading``, as ``nn.Module.load_state_dict``): a key of the model missing from
+    ``full``, or a key of ``full`` that no pipeline stage of the model has, raises RuntimeError naming them (torch's
+    wording); without it missing keys are left out (load with ``strict=False``) and unexpected ones ignored. A
+    full tensor whose shape is not the model's global shape (e.g. another vocabulary or hidden size) raises in
+    either mode. Every rank of ``pp_group`` (the pipeline group, whose stages hold different keys) decides on the
+    union of their keys and problems (one ``all_gather_object``), so all raise together.
+    """
     owners = tensor_parallel_owners(module)
-    local_keys = module.state_dict().keys()
-    missing = [k for k in local_keys if k not in full]
-    if missing:
-        raise KeyError(f"checkpoint has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    state = {k: full[k] for k in local_keys}
+    local_keys = list(module.state_dict().keys())
+    bad_shapes = []
+    for key, (mod, pname) in owners.items():
+        value = full.get(key)
+        if isinstance(value, Tensor) and tuple(value.shape) not in _full_shapes(mod, pname):
+            bad_shapes.append(f'size mismatch for "{key}": the checkpoint holds shape {tuple(value.shape)}, the '
+                              f"model's full tensor has shape {_full_shapes(mod, pname)[-1]}")
+    model_keys, problems = set(local_keys), bad_shapes
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        gathered: List[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, (local_keys, bad_shapes), group=pp_group)
+        model_keys = {k for keys, _ in gathered for k in keys}
+        problems = [p for _, shapes in gathered for p in shapes]
+    errors = list(dict.fromkeys(problems))
+    shapes_wrong = bool(errors)
+    if strict:
+        missing = sorted(k for k in model_keys if k not in full)
+        unexpected = [k for k in full if k not in model_keys]
+        if missing:
+            errors.insert(0, f"Missing key(s) in state_dict: {_quoted(missing)}.")
+        if unexpected:
+            errors.insert(len(missing) > 0, f"Unexpected key(s) in state_dict: {_quoted(unexpected)}.")
+    if errors:
+        hint = ("The checkpoint is of a model of another shape (layers, vocabulary, sizes, MoE, tied embeddings); "
+                "build the model it was saved from" + (", or load the common keys with strict_loading=False"
+                                                        if not shapes_wrong else ""))
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+                           + "\n\t".join(errors) + f"\n{hint}")
+    state = {k: full[k] for k in local_keys if k in full}
     for key, (mod, pname) in owners.items():
         if key in state:
             state[key] = mod.shard_global(pname, _strip_canonical_padding(mod, pname, state[key]))

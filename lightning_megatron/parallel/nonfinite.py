@@ -1,0 +1,146 @@
+"""Non-finite guard (Megatron's ``--check-for-nan-in-loss-and-grad``, on by default).
+
+A NaN or inf in the step's loss, in the global gradient norm or in the weights about to be checkpointed stops the
+run with a :class:`NonFiniteError` naming the step, the ranks and the first offending parameter on each, instead
+of training on and writing NaN checkpoints over good ones. Every check decides on a value that is the same on
+every rank (the step loss and the global norm are reduced already; the local checks are summed over the world
+first), so all ranks raise together and none is left waiting in a collective. Finding the parameter names costs a
+pass over the local tensors and one ``all_gather_object``, on the failure path only.
+
+:class:`NonFiniteGuard` holds the module (for parameter names) and the step; the strategy calls
+:meth:`~NonFiniteGuard.check_loss` after the step's forward and backward,
+:meth:`~NonFiniteGuard.check_grad_norm` on the norm that clipping computed (before it scales anything) or
+:meth:`~NonFiniteGuard.check_grads` without clipping, and :meth:`~NonFiniteGuard.check_weights` before a
+checkpoint is written.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+#: what the error tells the user to do
+_FIX = ("lower the learning rate (or warm it up), clip gradients (gradient_clip_val), check the data, or use a "
+        "wider precision; check_for_nan_in_loss_and_grad=False (--no-check-for-nan-in-loss-and-grad) turns this "
+        "check off")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf loss, gradient norm or weight; raised on every rank together."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
+    """Sum over ``tensors`` of their largest absolute value, in float32 (NaN and inf propagate; an empty list
+    gives 0): finite exactly when every element of every tensor is finite. One fused pass."""
+    tensors = [t.detach() for t in tensors if t is not None and t.is_floating_point() and t.numel() > 0]
+    if not tensors:
+        return torch.zeros(())
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return torch.stack([n.float() for n in norms]).sum()
+
+
+def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
+    """``(name, "nan" or "inf")`` of the first tensor holding a non-finite value, or None."""
+    for name, t in named:
+        if t is None or not t.is_floating_point():
+            continue
+        if torch.isnan(t).any():
+            return name, "nan"
+        if torch.isinf(t).any():
+            return name, "inf"
+    return None
+
+
+def _kind(value: float) -> str:
+    return "nan" if math.isnan(value) else "inf"
+
+
+class NonFiniteGuard:
+    """Stops a run at the first non-finite loss, gradient norm or checkpointed weight (see the module docstring).
+
+    Args:
+        module: the (parallelised) module whose parameters are named in errors.
+        enabled: False turns every check into a no-op.
+        grads: False turns the gradient checks off only (fp16 with a loss scaler: an overflow there is the
+            scaler's business, it skips the step).
+
+    Attributes:
+        step: the optimizer step being run (``trainer.global_step``: steps done before it), named in errors.
+    """
+
+    def __init__(self, module: nn.Module, enabled: bool = True, grads: bool = True) -> None:
+        self.module, self.enabled, self.grads = module, enabled, grads
+        self.step: Optional[int] = None
+
+    # ------------------------------------------------------------------ checks
+    def check_loss(self, loss: Tensor) -> None:
+        """``loss``: the step's loss, the same on every rank. Raises :class:`NonFiniteError` when it is not finite
+        (one host sync)."""
+        if self.enabled and not bool(torch.isfinite(loss.detach()).all()):
+            self._raise(f"the loss is {_kind(float(loss))}", grads=True)
+
+    def check_grad_norm(self, norm: Tensor) -> None:
+        """``norm``: the global gradient norm, the same on every rank (before clipping scales anything)."""
+        if self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):
+            self._raise(f"the global gradient norm is {_kind(float(norm))}", grads=True)
+
+    def check_grads(self, params: Optional[List[nn.Parameter]] = None) -> None:
+        """Check every gradient of ``params`` (default: the module's) without computing the norm: the largest
+        absolute values summed over the world (one all-reduce of a scalar, one host sync)."""
+        if not (self.enabled and self.grads):
+            return
+        params = list(self.module.parameters()) if params is None else params
+        value = self._world_sum(local_max_abs(p.grad for p in params))
+        if not math.isfinite(value):
+            self._raise(f"a gradient is {_kind(value)}", grads=True)
+
+    def check_weights(self) -> None:
+        """Check every floating-point parameter and buffer of the module (collective over the world); raises
+        :class:`NonFiniteError` before a checkpoint holding them is written."""
+        if not self.enabled:
+            return
+        value = self._world_sum(local_max_abs(self.module.state_dict().values()))
+        if not math.isfinite(value):
+            self._raise("a weight is non-finite; no checkpoint was written", grads=False)
+
+    # ------------------------------------------------------------------ helpers
+    def _world_sum(self, value: Tensor) -> float:
+        device = next((p.device for p in self.module.parameters()), value.device)
+        value = value.to(device)
+        if _distributed():
+            dist.all_reduce(value)
+        return float(value)
+
+    def _raise(self, what: str, grads: bool) -> None:
+        """Name the first non-finite weight (and gradient) on every rank, then raise (collective over the world:
+        every rank gets here together)."""
+        named = list(self.module.named_parameters())
+        found = first_non_finite(named)
+        weight = f"weight {found[0]} ({found[1]})" if found else None
+        grad = None
+        if grads:
+            found = first_non_finite((name, p.grad) for name, p in named)
+            grad = f"gradient of {found[0]} ({found[1]})" if found else None
+        if weight is None and grads:
+            buffers = first_non_finite(self.module.named_buffers())
+            weight = f"buffer {buffers[0]} ({buffers[1]})" if buffers else None
+        local = "; ".join(x for x in (grad, weight) if x) or None
+        if _distributed():
+            gathered: List[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        where = [f"rank {r}: {text}" for r, text in enumerate(gathered) if text]
+        first = ("first non-finite values: " + ", ".join(where)) if where else (
+            "no single gradient or weight is non-finite: the sum of squares overflowed (gradients are huge)")
+        step = f"at step {self.step} (trainer.global_step)" if self.step is not None else "in this step"
+        stopped = ("the optimizer step was not taken, so the weights and the checkpoints written so far are the "
+                   "last finite ones" if grads else "the last checkpoint written is the last finite one")
+        raise NonFiniteError(f"non-finite value {step}: {what}; {first}. {stopped.capitalize()}. To go on: {_FIX}")
