@@ -75,6 +75,14 @@ class ParallelConfig:
             False keeps it eager, e.g. where no compiler works; a failed compile warns and falls back anyway).
         cp_sm_carveout: SMs that the delayed weight-gradient GEMMs (``delay_wgrad_compute``) leave free while an
             a2a exchange is in flight. None (default): 16 on CUDA, none elsewhere; 0: no carveout.
+        recompute_granularity: activation recompute (:mod:`lightning_megatron.parallel.recompute`): None (off),
+            ``"selective"`` (the parts named in ``recompute_modules``) or ``"full"`` (whole layers).
+        recompute_method: with ``"full"``: ``"uniform"`` (every layer, in groups of ``recompute_num_layers``
+            checkpointed as one unit) or ``"block"`` (the first ``recompute_num_layers`` layers of each pipeline
+            stage / virtual chunk).
+        recompute_num_layers: with ``"full"``: layers per group (uniform) or per stage (block).
+        recompute_modules: with ``"selective"``: Megatron's names, any of ``"core_attn"`` (the default),
+            ``"mlp"``, ``"layernorm"``, ``"moe"``, ``"moe_act"``, ``"shared_experts"``.
     """
 
     tp: int = 1
@@ -96,6 +104,10 @@ class ParallelConfig:
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[Sequence[str]] = None
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +165,10 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
+        from lightning_megatron.parallel.recompute import check_recompute_options
+
+        self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
+                                                         self.recompute_num_layers, self.recompute_modules)
         self._resolved = False
 
     def _check_pipeline(self) -> None:
@@ -262,6 +278,9 @@ class ParallelConfig:
                 f"sequence over the tensor-parallel ranks"
             )
         self.validate_moe(model_config)
+        from lightning_megatron.parallel.recompute import check_recompute_model
+
+        check_recompute_model(self, model_config)
 
     def validate_moe(self, model_config: Any) -> None:
         """Check the expert layout against the model (``num_moe_experts``, ``moe_ffn_hidden_size``, ...).
