@@ -219,6 +219,7 @@ def _replay_aware(module: nn.Module) -> List[nn.Module]:
     return [m for m in module.modules() if isinstance(m, ReplayAware)]
 
 
+@torch.compiler.disable
 def checkpointed(fn: Callable[..., Any], *args: Any, tp_rng: Optional[TensorParallelRNG] = None,
                  aware: Sequence[nn.Module] = (), **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant :func:`torch.utils.checkpoint.checkpoint`: only the inputs are
@@ -346,6 +347,7 @@ class _OutputDiscardingCall:
     def __init__(self, function: Callable[..., Tensor], scope: _DiscardScope) -> None:
         self.function, self.scope = function, scope
 
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, *args: Any) -> Tensor:
         out = self.function(module, *args)
         if self.scope.records is None or not torch.is_grad_enabled() or not isinstance(out, Tensor):
