@@ -17,7 +17,7 @@ Nothing here imports the strategy; the strategy and ``parallelize`` import this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -97,6 +97,17 @@ class PipelineModel(Protocol):
         """Final norm and LM head: hidden -> logits ``[s, b, V/tp]``."""
 
 
+class RecomputeTarget(NamedTuple):
+    """One call activation recompute covers: ``getattr(module, method)``. ``single_consumer``: its output feeds one
+    op that computes in the autocast dtype (a linear layer), so output-discarding recompute may hand the output on
+    in that dtype under autocast (the op would cast it anyway; with several consumers the gradients would then be
+    summed in that dtype instead of float32, so it is not)."""
+
+    module: nn.Module
+    method: str
+    single_consumer: bool = False
+
+
 @runtime_checkable
 class RecomputeModel(Protocol):
     """A model whose activations :func:`lightning_megatron.parallel.recompute.apply_recompute` can recompute in
@@ -105,7 +116,7 @@ class RecomputeModel(Protocol):
     ``layer_keys()``: the keys of its transformer layers, in order. ``run_layers(keys, x, rotary)``: runs
     consecutive layers (``keys``, in order) on hidden ``x`` ``[s, b, h]``; every caller of the layer stack goes
     through it (the whole model's forward, each pipeline stage), so full recompute can checkpoint groups of them.
-    ``recompute_targets(name)``: the ``(module, method name)`` calls that one of Megatron's ``recompute_modules``
+    ``recompute_targets(name)``: the calls (:class:`RecomputeTarget`) that one of Megatron's ``recompute_modules``
     names covers in this model (``[]`` where it has none), e.g. ``"core_attn"`` -> each attention's
     ``core_attention``. Recompute changes how these calls run, never what they compute.
     """
@@ -116,7 +127,7 @@ class RecomputeModel(Protocol):
     def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
         """Run the consecutive layers ``keys`` on hidden ``x`` -> same shape."""
 
-    def recompute_targets(self, name: str) -> List[Tuple[nn.Module, str]]:
+    def recompute_targets(self, name: str) -> List[RecomputeTarget]:
         """The calls a ``recompute_modules`` name covers."""
 
 

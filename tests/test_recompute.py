@@ -78,9 +78,10 @@ def saved_bytes_hooks(total: Dict[str, int]):
 
 
 def run_step(config: Dict[str, Any], recompute: Optional[Dict[str, Any]], tp_stream: bool = True,
-             replay_stream: bool = True, split_backward: bool = False) -> Dict[str, Any]:
+             replay_stream: bool = True, split_backward: bool = False, autocast: bool = False) -> Dict[str, Any]:
     """One forward/backward of a freshly initialised GPTModel (dropout on; attention dropout on a
-    TensorParallelRNG stream when ``tp_stream``) with ``recompute`` (ParallelConfig fields) applied."""
+    TensorParallelRNG stream when ``tp_stream``) with ``recompute`` (ParallelConfig fields) applied; ``autocast``:
+    the forward under CPU bfloat16 autocast (bf16-mixed)."""
     cfg = GPTConfig(**config)
     model = GPTModel(cfg)
     model.init_weights(seed=5)
@@ -94,7 +95,7 @@ def run_step(config: Dict[str, Any], recompute: Optional[Dict[str, Any]], tp_str
     torch.manual_seed(17)
     calls, kept = BackwardCalls(), {"bytes": 0}
     with calls.watching():
-        with saved_bytes_hooks(kept):
+        with saved_bytes_hooks(kept), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids[:, :-1], None, ids[:, 1:]).mean()
         calls.in_backward = True
         params = [p for p in model.parameters()]
@@ -218,6 +219,21 @@ def test_moe_act_recomputes_every_expert_activation():
         phase["backward"] = True
         loss.backward()
     assert forward and sorted(backward) == sorted(n for n in forward if n > 0)
+
+
+@pytest.mark.parametrize("config, recompute, norms", [
+    (DENSE, selective("layernorm", "core_attn"), 2 * L),
+    (DENSE, full("uniform", 2), 2 * L),
+    (MOE, selective("layernorm", "moe_act"), L),
+], ids=["dense-layernorm", "dense-uniform2", "moe-layernorm"])
+def test_recompute_is_exact_under_autocast(config, recompute, norms):
+    """bf16 autocast: a norm's float32 output that feeds one linear is handed on in bfloat16 (what the linear casts
+    it to) and recomputed; the pre-MLP norm of an MoE layer (router, dispatcher, shared experts) stays float32, so
+    its gradient is still summed in float32: bit-for-bit the run without recompute either way."""
+    want = run_step(config, None, autocast=True)
+    got = run_step(config, recompute, autocast=True)
+    assert_identical(got, want)
+    assert got["calls"]["rms_norm"] == norms
 
 
 def test_recompute_groups():

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.contract import RecomputeTarget
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
@@ -463,25 +464,29 @@ class GPTModel(nn.Module):
             x = self.decoder.layers[key](x, rotary)
         return x
 
-    def recompute_targets(self, name: str) -> List[Tuple[nn.Module, str]]:
-        """The ``(module, method name)`` calls one of Megatron's ``recompute_modules`` names covers here (see
+    def recompute_targets(self, name: str) -> List[RecomputeTarget]:
+        """The calls one of Megatron's ``recompute_modules`` names covers here (see
         :mod:`lightning_megatron.parallel.recompute`): ``core_attn`` each attention's ``core_attention``,
         ``layernorm`` both norms of every layer, ``mlp`` the dense MLPs, ``moe`` the MoE layers,
-        ``shared_experts`` their shared experts, ``moe_act`` the experts' activation; ``[]`` for any other name."""
+        ``shared_experts`` their shared experts, ``moe_act`` the experts' activation; ``[]`` for any other name.
+        The pre-MLP norm of an MoE layer feeds the router, the dispatcher and the shared experts (not a single
+        consumer)."""
         layers = list(self.decoder.layers.values())
         moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoELayer)]
         if name == "core_attn":
-            return [(layer.self_attention, "core_attention") for layer in layers]
+            return [RecomputeTarget(layer.self_attention, "core_attention") for layer in layers]
         if name == "layernorm":
-            return [(norm, "forward") for layer in layers for norm in (layer.input_layernorm, layer.pre_mlp_layernorm)]
+            return [target for layer in layers for target in (
+                RecomputeTarget(layer.input_layernorm, "forward", single_consumer=True),
+                RecomputeTarget(layer.pre_mlp_layernorm, "forward", single_consumer=isinstance(layer.mlp, MLP)))]
         if name == "mlp":
-            return [(layer.mlp, "forward") for layer in layers if isinstance(layer.mlp, MLP)]
+            return [RecomputeTarget(layer.mlp, "forward") for layer in layers if isinstance(layer.mlp, MLP)]
         if name == "moe":
-            return [(m, "forward") for m in moe]
+            return [RecomputeTarget(m, "forward") for m in moe]
         if name == "shared_experts":
-            return [(m.shared_experts, "forward") for m in moe if m.shared_experts is not None]
+            return [RecomputeTarget(m.shared_experts, "forward") for m in moe if m.shared_experts is not None]
         if name == "moe_act":
-            return [(m.experts, "activation") for m in moe]
+            return [RecomputeTarget(m.experts, "activation", single_consumer=True) for m in moe]
         return []
 
     def head(self, x: Tensor) -> Tensor:

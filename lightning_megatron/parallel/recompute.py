@@ -17,8 +17,10 @@
   and ``moe_act`` (the experts' activation) use *output-discarding* recompute, as Megatron does: the function runs
   normally, and where a later op keeps its output for backward (the next linear's input), the kept tensor is
   replaced by a recipe that recomputes it, once, when backward first needs it (torch saved-tensor hooks around the
-  layers). Under autocast a discarded float32 output is handed on in the autocast dtype (what its consumers cast
-  it to anyway), so the kept copy is the output itself; under sequence parallelism the column-parallel layers
+  layers). Under autocast a discarded float32 output that feeds a single linear layer is handed on in the autocast
+  dtype (what that layer casts it to anyway), so the kept copy is the output itself (a norm before an MoE layer
+  feeds several consumers and stays float32, saving memory only without autocast); under sequence parallelism the
+  column-parallel layers
   next to a recomputed norm then keep only their local input and all-gather it again in backward
   (``recompute_input_gather``, Megatron's behaviour), else they would keep the gathered copy.
 
@@ -344,8 +346,8 @@ class _OutputDiscardingCall:
     """Replaces a module's method: the class's method, its output registered for discarding (see the module
     docstring)."""
 
-    def __init__(self, function: Callable[..., Tensor], scope: _DiscardScope) -> None:
-        self.function, self.scope = function, scope
+    def __init__(self, function: Callable[..., Tensor], scope: _DiscardScope, single_consumer: bool) -> None:
+        self.function, self.scope, self.single_consumer = function, scope, single_consumer
 
     @torch.compiler.disable
     def __call__(self, module: nn.Module, *args: Any) -> Tensor:
@@ -355,7 +357,8 @@ class _OutputDiscardingCall:
         device_type = out.device.type
         enabled = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type)
-        cast = dtype if enabled and out.dtype == torch.float32 and dtype != out.dtype else None
+        cast = (dtype if self.single_consumer and enabled and out.dtype == torch.float32 and dtype != out.dtype
+                else None)
         if cast is not None:
             out = out.to(cast)
         whole = (out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0
@@ -448,15 +451,16 @@ def apply_recompute(module: nn.Module, config: "ParallelConfig",
             if not targets:
                 raise ValueError(f"recompute_modules contains {name!r} but {type(model).__name__} has no "
                                  f"{_WHAT.get(name, name)} to recompute")
-            for target, method in targets:
-                function = getattr(type(target), method)
+            for target in targets:
+                function = getattr(type(target.module), target.method)
                 if name in OUTPUT_DISCARDING:
                     scope = scope or _DiscardScope()
-                    _override(target, method, _OutputDiscardingCall(function, scope))
+                    call: Any = _OutputDiscardingCall(function, scope, target.single_consumer)
                 else:
-                    _override(target, method, _CheckpointedCall(function, tp_rng))
+                    call = _CheckpointedCall(function, tp_rng)
+                _override(target.module, target.method, call)
             if name == "layernorm":
-                _regather_next_to([t for t, _ in targets], model)
+                _regather_next_to([t.module for t in targets], model)
         if scope is not None:
             _override(model, "run_layers", _DiscardingRun(type(model).run_layers, scope))
     return models
