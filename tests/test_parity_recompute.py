@@ -3,7 +3,7 @@
 - tp2 + SP with hidden and attention dropout: selective and full (uniform, block) recompute give bit-for-bit the
   losses and final weights of the same run without recompute (the dropout masks of the recomputed forwards come
   from the replayed default and tensor-parallel streams);
-- recompute composed with pp2 (1f1b; interleaved with virtual chunks; the zero-bubble schedule, whose backward
+- recompute composed with pp2 (1f1b; interleaved with virtual chunks; the zero-bubble schedules, whose backward
   runs in two passes), cp2 (p2p, and a2a with the delayed weight-gradient GEMMs) and ep2 (MoE) matches the
   single-process run (fp32 AdamW, loss per step and final weights at 1e-5, :mod:`tests.parity`).
 
@@ -85,6 +85,8 @@ PARITY_CASES = {
     "pp2-vp2-interleaved-block1": (dict(pp=2, vp=2, **full("block", 1)), dict(num_layers=4), 2),
     "pp2-vp2-zero-bubble-uniform1": (dict(pp=2, vp=2, pipeline_schedule="interleaved_zero_bubble",
                                           **full("uniform", 1)), dict(num_layers=4), 2),
+    "pp2-vp2-zbv-selective": (dict(pp=2, vp=2, pipeline_schedule="zbv", **selective("core_attn", "mlp")),
+                              dict(num_layers=4), 2),
     "cp2-p2p-uniform2": (dict(cp=2, **full("uniform", 2)), {}, 1),
     "cp2-p2p-selective": (dict(cp=2, **selective("core_attn", "layernorm")), {}, 1),
     "cp2-a2a-delay-wgrad-block1": (dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=True, **full("block", 1)),
