@@ -17,7 +17,8 @@ Nothing here imports the strategy; the strategy and ``parallelize`` import this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import (Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 from torch import Tensor, nn
 
