@@ -38,7 +38,9 @@ def build_strategy(args) -> MegatronStrategy:
                             use_distributed_optimizer=args.use_distributed_optimizer,
                             delay_wgrad_compute=args.delay_wgrad_compute, cp_attention_kernel=args.cp_attention_kernel,
                             cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout,
-                            compile=args.compile)
+                            compile=args.compile, recompute_granularity=args.recompute_granularity,
+                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                            recompute_modules=args.recompute_modules)
 
 
 def layout_prefix(args) -> str:
@@ -55,7 +57,16 @@ def option_suffix(args) -> str:
     return ((f"-cp{args.cp}-{args.cp_comm_type}{cp_options}" if args.cp > 1 else "")
             + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
             + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
-            + ("-compile" if args.compile else ""))
+            + ("-compile" if args.compile else "") + recompute_suffix(args))
+
+
+def recompute_suffix(args) -> str:
+    """``[-rc-full-<method><N>|-rc-<modules joined by +>]``: the activation recompute of the run."""
+    if args.recompute_granularity == "full":
+        return f"-rc-full-{args.recompute_method}{args.recompute_num_layers}"
+    if args.recompute_granularity == "selective":
+        return "-rc-" + "+".join(args.recompute_modules or ["core_attn"])
+    return ""
 
 
 class RandomTokens(Dataset):
@@ -338,6 +349,12 @@ if __name__ == "__main__":
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accelerator", default="gpu")
     p.add_argument("--recompute-gather", action="store_true", help="SP: all-gather the input again in backward")
+    p.add_argument("--recompute-granularity", default=None, choices=["selective", "full"],
+                   help="activation recompute (MegatronStrategy(recompute_granularity=...))")
+    p.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="selective: Megatron's names (default core_attn)")
     p.add_argument("--watchdog", type=float, default=300.0,
                    help="seconds after which every process prints its Python stacks and exits (0: off)")
     a = p.parse_args()

@@ -18,6 +18,8 @@
 #   pretrain  examples/pretrain_gpt.py on preprocessed data: MFUMonitor against an independent timer
 #   compile   1 GPU: plain PyTorch eager and compiled (the peers), ours eager and with compile=True
 #   distopt   distributed optimizer at dp=2: NCCL numerics against 1 GPU, speed and memory with and without
+#   recompute 1 GPU: no activation recompute, selective (core_attn; core_attn+layernorm+mlp), full (uniform 1,
+#             block 8): tokens/s, peak and activation memory
 # Environment: WATCHDOG (seconds before a hung run dumps its stacks and exits, default 240), ARM_TIMEOUT
 # (seconds per command, default 330), OUT (where the log goes, default /tmp).
 LOG_NAME=tp_bench
@@ -92,8 +94,15 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --use-distributed-optimizer --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --watchdog $WD ;;
+    recompute)
+      run python3 benchmarks/bench_tp.py ours --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --recompute-granularity selective --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --recompute-granularity selective --recompute-modules core_attn layernorm mlp --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --recompute-granularity full --recompute-method block --recompute-num-layers 8 --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --watchdog $WD ;;
     *)
-      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt" >&2
+      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt recompute" >&2
       exit 2 ;;
   esac
 done

@@ -17,7 +17,8 @@ Nothing here imports the strategy; the strategy and ``parallelize`` import this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import (Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 from torch import Tensor, nn
 
@@ -76,8 +77,8 @@ class PipelineModel(Protocol):
     """The GPT layout :func:`lightning_megatron.parallel.pipeline.split_model` cuts into stages.
 
     Besides these methods the model holds ``embedding`` (run by ``embed``), ``decoder.layers`` (a ``ModuleDict`` keyed
-    by global layer index, each called as ``layer(x, rotary)``), ``decoder.final_layernorm`` and ``output_layer`` (run
-    by ``head``). They are submodules, which ``isinstance`` cannot see on every Python (3.12 looks attributes up
+    by global layer index, run by ``run_layers``), ``decoder.final_layernorm`` and ``output_layer`` (run by
+    ``head``). They are submodules, which ``isinstance`` cannot see on every Python (3.12 looks attributes up
     statically), so the protocol names only the methods.
     """
 
@@ -90,8 +91,54 @@ class PipelineModel(Protocol):
     def rotary(self, pos: Tensor, like: Tensor) -> Any:
         """RoPE tables for ``pos`` (None without RoPE)."""
 
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
+        """Run the consecutive layers ``keys`` (global indices, in order) on hidden ``x`` -> same shape."""
+
     def head(self, x: Tensor) -> Tensor:
         """Final norm and LM head: hidden -> logits ``[s, b, V/tp]``."""
+
+
+class RecomputeTarget(NamedTuple):
+    """One call activation recompute covers: ``getattr(module, method)``. ``single_consumer``: its output feeds one
+    op that computes in the autocast dtype (a linear layer), so output-discarding recompute may hand the output on
+    in that dtype under autocast (the op would cast it anyway; with several consumers the gradients would then be
+    summed in that dtype instead of float32, so it is not)."""
+
+    module: nn.Module
+    method: str
+    single_consumer: bool = False
+
+
+@runtime_checkable
+class RecomputeModel(Protocol):
+    """A model whose activations :func:`lightning_megatron.parallel.recompute.apply_recompute` can recompute in
+    backward (Megatron's ``recompute_granularity`` / ``recompute_method`` / ``recompute_modules``).
+
+    ``layer_keys()``: the keys of its transformer layers, in order. ``run_layers(keys, x, rotary)``: runs
+    consecutive layers (``keys``, in order) on hidden ``x`` ``[s, b, h]``; every caller of the layer stack goes
+    through it (the whole model's forward, each pipeline stage), so full recompute can checkpoint groups of them.
+    ``recompute_targets(name)``: the calls (:class:`RecomputeTarget`) that one of Megatron's ``recompute_modules``
+    names covers in this model (``[]`` where it has none), e.g. ``"core_attn"`` -> each attention's
+    ``core_attention``. Recompute changes how these calls run, never what they compute.
+    """
+
+    def layer_keys(self) -> List[str]:
+        """Keys of the transformer layers, in order."""
+
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
+        """Run the consecutive layers ``keys`` on hidden ``x`` -> same shape."""
+
+    def recompute_targets(self, name: str) -> List[RecomputeTarget]:
+        """The calls a ``recompute_modules`` name covers."""
+
+
+@runtime_checkable
+class ReplayAware(Protocol):
+    """A module whose training forward records state besides computing its output (token counters, loss
+    histories, ...). Activation recompute sets ``recomputing`` to True while it runs the forward again in backward;
+    the module must then compute the same outputs and record nothing (else every replay would count twice)."""
+
+    recomputing: bool
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_tp         tensor (+ sequence) parallel layers          parallel/tensor_parallel/plan.py
     apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
-    apply_recompute  activation recompute            (slot: none yet)
+    apply_recompute  activation recompute                         parallel/recompute.py
     apply_fp8        FP8 GEMMs                       (slot: none yet)
     apply_compile    torch.compile of each transformer layer (compile=True)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
@@ -34,8 +34,10 @@ from lightning_megatron.parallel.expert_parallel import apply_ep, expert_paramet
 from lightning_megatron.parallel.grad_sync import defer_sequence_parallel_grad_reduce, owned_parameters
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
+from lightning_megatron.parallel.recompute import apply_recompute
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
 from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
+from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 
 
 @dataclass
@@ -61,10 +63,6 @@ class ParallelizedModel:
     pipeline: Optional[PipelineStages] = None
     delay_wgrad: bool = False
     layout: str = ""
-
-
-def apply_recompute(module: nn.Module, config: ParallelConfig) -> None:
-    """Slot for activation recompute (Megatron's ``--recompute-*``): nothing to apply yet."""
 
 
 def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
@@ -127,7 +125,8 @@ def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,
                 tp_fork: Optional[Callable[[], ContextManager]] = None,
-                forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> ParallelizedModel:
+                forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                tp_rng: Optional[TensorParallelRNG] = None) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -138,13 +137,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         device: where this rank's parameters live; ``seed``: the base seed of layout-independent initialisation.
         tp_fork: context factory entering the per-TP-rank RNG stream (dropout); ``forward_context``: entered by
             each pipeline stage's forward (the precision plugin's autocast).
+        tp_rng: the per-TP-rank stream itself (its ``fork`` is the default ``tp_fork``); activation recompute
+            replays it in recomputed forwards.
 
     Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
     returned as it is, with the record of the first call, when the layout is the same.
 
     Raises:
         ValueError: a parallelism is asked for that the module's models do not implement (naming the contract); the
-            module was already parallelised under another layout.
+            module was already parallelised under another layout; activation recompute with a ``tp_fork`` but no
+            ``tp_rng`` to replay.
     """
     done = module.__dict__.get(_RECORD)
     if isinstance(done, ParallelizedModel):
@@ -153,6 +155,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
                 f"{type(module).__name__} is already parallelised as {done.layout} and cannot be re-split as "
                 f"{_layout(config)}: save a checkpoint (full and layout-independent) and load it into a fresh module")
         return done
+    if tp_fork is None and tp_rng is not None:
+        tp_fork = tp_rng.fork
+    if config.recompute_granularity is not None and tp_fork is not None and tp_rng is None:
+        raise ValueError(
+            f"recompute_granularity={config.recompute_granularity!r} replays dropout's tensor-parallel stream in "
+            "recomputed forwards: pass tp_rng= (the TensorParallelRNG whose fork is tp_fork) instead of tp_fork=")
     models = [m for m in module.modules() if isinstance(m, TensorParallelModel)]
     if config.tp > 1:
         if not models:
@@ -166,7 +174,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             apply_tp(model, mesh.group("tp"), config.sequence_parallel, tp_fork=tp_fork)
     delay_wgrad = apply_cp(models, mesh, config)
     apply_ep(models, mesh, config)
-    apply_recompute(module, config)
+    apply_recompute(module, config, tp_rng)
     apply_fp8(module, config)
     apply_compile(models, config)
     pipeline = None

@@ -218,7 +218,7 @@ class MegatronStrategy(DDPStrategy):
                 "strategy runs the schedule and needs the module's step pieces (see ParallelGPTModule)"
             )
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed,
-                                        tp_fork=self.tp_rng.fork if self.tp_rng else None,
+                                        tp_rng=self.tp_rng,
                                         forward_context=self.precision_plugin.forward_context)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         self._grads.guard.grads = not self._loss_scaled()

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_misspelt_strategy_keyword_names_the_right_one(layout):
     with pytest.raises(TypeError, match=r"unexpected keyword argument `sequence_paralel`; did you mean `sequence_parallel`"):
         MegatronStrategy(**layout, sequence_paralel=True)
-    with pytest.raises(TypeError, match="`recompute_granularity`"):
-        MegatronStrategy(**layout, recompute_granularity="bogus")
+    with pytest.raises(TypeError, match="`tp_comm_overlap`"):
+        MegatronStrategy(**layout, tp_comm_overlap=True)
 
 
 def test_misspelt_config_keyword_names_the_right_one():

@@ -18,6 +18,7 @@ from lightning_megatron.callbacks import (
     device_peak_flops,
     flops_per_token,
     num_floating_point_operations,
+    peak_memory_gib,
     precision_kind,
 )
 from tests._dist import run_distributed
@@ -247,6 +248,7 @@ def test_single_process_without_peak_logs_all_but_mfu():
         trainer.fit(new_module(cfg, 2), DataLoader(ListDataset(samples), batch_size=MICRO_BATCH))
     metrics = trainer.callback_metrics
     assert "mfu" not in metrics and "mfu" not in monitor.last_metrics
+    assert "peak_memory_gib" not in metrics and "peak_memory_gib" not in monitor.last_metrics  # CUDA only
     assert monitor.peak_flops is None
     last = monitor.last_metrics
     step_tokens = MICRO_BATCH * cfg.seq_length * ACCUMULATE
@@ -276,3 +278,19 @@ def test_monitor_needs_a_config():
 
     with pytest.raises(ValueError, match="config"):
         trainer.fit(NoConfig(), DataLoader(torch.randn(4, 2), batch_size=2))
+
+
+def test_peak_memory_is_cuda_max_allocated_in_gib(monkeypatch):
+    """``peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of the device in GiB; None off CUDA (the logged
+    value on a GPU run is checked in tests/gpu/test_recompute_memory.py)."""
+    asked = []
+
+    def fake_max_allocated(device):
+        asked.append(device)
+        return 3 * 2**30 + 2**29
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake_max_allocated)
+    assert peak_memory_gib(torch.device("cuda", 1)) == 3.5
+    assert asked == [torch.device("cuda", 1)]
+    assert peak_memory_gib("cpu") is None and peak_memory_gib(torch.device("meta")) is None
+    assert len(asked) == 1

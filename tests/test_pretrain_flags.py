@@ -308,6 +308,20 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--delay-wgrad-compute"], "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--tensor-model-parallel-size", "1",
       "--global-batch-size", "16"], "pipeline_schedule='zbv' places two stages per rank in a V: it needs vp=2"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "5"],
+     "recompute_num_layers=5 is larger than the model's num_layers (4)"),
+    (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
+      "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+     "the layers of each of the pp*vp = 2 pipeline chunks [2, 2] (2)"),
+    (["--recompute-granularity", "full"], "recompute_granularity='full' needs recompute_method"),
+    (["--recompute-method", "block", "--recompute-num-layers", "1"],
+     "they need recompute_granularity='full', got recompute_granularity=None"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "got recompute_granularity='selective'"),
+    (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations means"),
+    (["--recompute-modules", "mlp"], "recompute_modules=['mlp'] needs recompute_granularity='selective'"),
+    (["--recompute-activations", "--recompute-modules", "moe"], "recompute_modules ['moe'] recompute parts of "
+                                                                "mixture-of-experts layers, but the model is dense"),
+    (["--recompute-activations", "--recompute-modules", "mla_up_proj"], "no multi-latent attention"),
 ])
 def test_bad_combinations_exit_before_launch(capsys, argv, needle):
     assert needle in exit_message(argv, capsys)
@@ -321,10 +335,8 @@ def test_unknown_flags_are_listed(capsys):
 
 
 NOT_SUPPORTED = [
-    ["--fp8-hybrid"], ["--fp8-format", "hybrid"], ["--recompute-granularity", "full"],
-    ["--recompute-granularity", "selective"], ["--recompute-activations"], ["--recompute-method", "uniform"],
-    ["--recompute-num-layers", "2"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
+    ["--fp8-hybrid"], ["--fp8-format", "hybrid"], ["--overlap-grad-reduce"], ["--overlap-param-gather"],
+    ["--tp-comm-overlap"], ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
 ]
 
 
@@ -397,6 +409,7 @@ TP1 = ["--tensor-model-parallel-size", "1"]
 PP2 = TP1 + ["--global-batch-size", "16"]  # with --pipeline-model-parallel-size 2: 2 micro-batches
 MOE = ["--num-experts", "4"]
 EOD = ["--data-path", "x", "--eod-mask-loss", "--tokenizer-type", "ByteTokenizer"]
+RECOMPUTE_FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
 # (context, argv, {target: value}), the flag under test being argv[0]: added to the context, it must give each
 # target that value, which must differ from the context's alone (a parsed flag whose value goes nowhere fails)
 CASES = [
@@ -423,6 +436,12 @@ CASES = [
      {"MegatronStrategy.delay_wgrad_compute": False}),
     ([], ["--grad-reduce-in-bf16"], {"MegatronStrategy.grad_reduce_in_bf16": True}),
     ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
+    ([], ["--recompute-activations"], {"MegatronStrategy.recompute_granularity": "selective"}),
+    ([], ["--recompute-granularity", "selective"], {"MegatronStrategy.recompute_granularity": "selective"}),
+    (RECOMPUTE_FULL, ["--recompute-method", "block"], {"MegatronStrategy.recompute_method": "block"}),
+    (RECOMPUTE_FULL, ["--recompute-num-layers", "1"], {"MegatronStrategy.recompute_num_layers": 1}),
+    (["--recompute-activations"], ["--recompute-modules", "core_attn", "mlp", "layernorm"],
+     {"MegatronStrategy.recompute_modules": ["core_attn", "mlp", "layernorm"]}),
     ([], ["--accelerator", "gpu"], {"Trainer.accelerator": "gpu"}),
     ([], ["--devices", "4"], {"Trainer.devices": 4}),
     ([], ["--num-nodes", "2"], {"Trainer.num_nodes": 2}),

@@ -1,6 +1,6 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count."""
 from lightning_megatron.callbacks.flops import flops_per_token, num_floating_point_operations
-from lightning_megatron.callbacks.mfu import PEAK_FLOPS, MFUMonitor, device_peak_flops, precision_kind
+from lightning_megatron.callbacks.mfu import PEAK_FLOPS, MFUMonitor, device_peak_flops, peak_memory_gib, precision_kind
 
 __all__ = [
     "MFUMonitor",
@@ -8,5 +8,6 @@ __all__ = [
     "flops_per_token",
     "device_peak_flops",
     "precision_kind",
+    "peak_memory_gib",
     "PEAK_FLOPS",
 ]

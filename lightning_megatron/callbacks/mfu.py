@@ -22,10 +22,14 @@ built with ``world_size=1`` and fed the *global* sequence and token counts and t
 It is updated only at logging steps, so ``window_size=2`` (the default) gives the rates over the last
 ``log_every_n_steps`` optimizer steps.
 
+Memory: on CUDA, ``peak_memory_gib`` is the peak memory allocated by tensors on one GPU since training started
+(``torch.cuda.max_memory_allocated``; the statistics are reset at ``on_train_start``, so setup does not count),
+the largest over the ranks. Nothing is logged for it on other devices.
+
 Timing: ``time.perf_counter`` at logging steps only, after ``torch.cuda.synchronize`` when the device is
 CUDA (never a synchronisation on the other steps). The interval is reduced with MAX over all ranks (the step
-is as slow as its slowest rank), together with the counts, in one all-reduce of four numbers per logging
-step, so every logged value is identical on every rank. Validation time inside an interval is left out.
+is as slow as its slowest rank), together with the counts and the peak memory, in one all-reduce of five numbers
+per logging step, so every logged value is identical on every rank. Validation time inside an interval is left out.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_megatron.callbacks.flops import num_floating_point_operations
 
-__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "precision_kind"]
+__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "precision_kind"]
 
 # Dense (no structured sparsity) peak tensor FLOP/s of one GPU, from NVIDIA's datasheets (datasheet values
 # "with sparsity" halved). fp16 is the same as bf16. fp32 is the plain (non-tensor-core) rate. The SXM
@@ -121,6 +125,15 @@ def precision_kind(plugin: Any) -> str:
     return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
 
 
+def peak_memory_gib(device: Union[str, torch.device]) -> Optional[float]:
+    """Peak memory allocated by tensors on CUDA ``device`` since its statistics were last reset
+    (``torch.cuda.max_memory_allocated``), in GiB; None on any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
 def _data_parallel_size(trainer: "pl.Trainer") -> int:
     strategy = trainer.strategy
     mesh = getattr(strategy, "mesh", None)
@@ -137,8 +150,9 @@ def _data_parallel_size(trainer: "pl.Trainer") -> int:
 
 class MFUMonitor(Callback):
     """Logs ``step_time`` (s per optimizer step), ``tokens_per_sec`` (global), ``tokens_per_sec_per_gpu``,
-    ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage) every ``log_every_n_steps``
-    optimizer steps through ``pl_module.log`` (the same value on every rank).
+    ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage), and on CUDA ``peak_memory_gib``
+    (the largest per-GPU peak of allocated memory since training started), every ``log_every_n_steps`` optimizer
+    steps through ``pl_module.log`` (the same value on every rank).
 
     Args:
         config: the model shape (:class:`~lightning_megatron.GPTConfig` or an object with its fields); default
@@ -156,6 +170,8 @@ class MFUMonitor(Callback):
     """
 
     KEYS = ("step_time", "tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu")
+    #: logged on CUDA devices only
+    MEMORY_KEYS = ("peak_memory_gib",)
 
     def __init__(self, config: Any = None, peak_flops: Optional[float] = None,
                  log_every_n_steps: Optional[int] = None, causal: bool = True, precision: Optional[str] = None,
@@ -218,6 +234,8 @@ class MFUMonitor(Callback):
         self._world_size = int(trainer.world_size)
         self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         self._device = trainer.strategy.root_device
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
         self._last_global_step = trainer.global_step
         self.peak_flops = self._resolve_peak(trainer)
         self._throughput = Throughput(available_flops=None, world_size=1, window_size=self.window_size)
@@ -292,13 +310,15 @@ class MFUMonitor(Callback):
     def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         now = self._now()
         interval = now - self._t_last - self._paused
-        # one all-reduce (MAX) of four numbers: the slowest rank's interval, and counts any rank has seen
+        # one all-reduce (MAX) of five numbers: the slowest rank's interval, counts any rank has seen, the largest
+        # peak memory
         dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        packed = torch.tensor([interval, self._tokens, self._sequences, self._model_flops], dtype=dtype,
-                              device=self._device)
+        memory = peak_memory_gib(self._device)
+        packed = torch.tensor([interval, self._tokens, self._sequences, self._model_flops, memory or 0.0],
+                              dtype=dtype, device=self._device)
         if self._world_size > 1:
             packed = trainer.strategy.reduce(packed, reduce_op="max")
-        interval, tokens, sequences, model_flops = packed.tolist()
+        interval, tokens, sequences, model_flops, max_memory = packed.tolist()
         if tokens <= 0:
             if not self._warned_no_shape:
                 self._warned_no_shape = True
@@ -330,6 +350,8 @@ class MFUMonitor(Callback):
         }
         if self.peak_flops:
             metrics["mfu"] = metrics["tflops_per_gpu"] * 1e12 / self.peak_flops
+        if memory is not None:
+            metrics["peak_memory_gib"] = max_memory
         self.last_metrics = metrics
         for key, value in metrics.items():
             pl_module.log(self.prefix + key, value, on_step=True, on_epoch=False, prog_bar=self.prog_bar,

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from lightning_megatron.parallel.config import CP_COMM_TYPES
 from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
+from lightning_megatron.parallel.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
 __all__ = ["DESCRIPTION", "FLAG_MAPPING", "TINY", "TINY_LR", "add_flag", "add_refused_flag", "build_parser", "flag_targets", "refused_flags"]
 
@@ -137,6 +138,16 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--check-for-nan-in-loss-and-grad", "MegatronStrategy.check_for_nan_in_loss_and_grad",
              action=argparse.BooleanOptionalAction, default=None,
              help="stop at a NaN/inf loss or gradient norm, naming the step and parameter (default on)")
+    add_flag(g, "--recompute-activations", "MegatronStrategy.recompute_granularity", action="store_true",
+             help="= --recompute-granularity selective")
+    add_flag(g, "--recompute-granularity", "MegatronStrategy.recompute_granularity", choices=RECOMPUTE_GRANULARITIES,
+             default=None, help="activation recompute: the --recompute-modules parts, or whole layers")
+    add_flag(g, "--recompute-method", "MegatronStrategy.recompute_method", choices=RECOMPUTE_METHODS, default=None,
+             help="full: uniform (all layers, groups of --recompute-num-layers) or block (the first "
+                  "--recompute-num-layers of each pipeline stage)")
+    add_flag(g, "--recompute-num-layers", "MegatronStrategy.recompute_num_layers", type=int, default=None)
+    add_flag(g, "--recompute-modules", "MegatronStrategy.recompute_modules", nargs="+", choices=RECOMPUTE_MODULES,
+             default=None, help="selective: the parts to recompute (default core_attn)")
     add_flag(g, "--accelerator", "Trainer.accelerator", default="cpu")
     add_flag(g, "--devices", "Trainer.devices", type=int, default=2, help="processes per node")
     add_flag(g, "--num-nodes", "Trainer.num_nodes", type=int, default=1)
@@ -242,10 +253,6 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     g = p.add_argument_group("not supported yet (refused with a message)")
     add_refused_flag(g, "--fp8-hybrid", "FP8 training", action="store_true")
     add_refused_flag(g, "--fp8-format", "FP8 training", choices=("e4m3", "hybrid"), default=None)
-    add_refused_flag(g, "--recompute-granularity", "activation recompute", choices=("full", "selective"), default=None)
-    add_refused_flag(g, "--recompute-activations", "activation recompute", action="store_true")
-    add_refused_flag(g, "--recompute-method", "activation recompute", choices=("uniform", "block"), default=None)
-    add_refused_flag(g, "--recompute-num-layers", "activation recompute", type=int, default=None)
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
     add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")
     add_refused_flag(g, "--tp-comm-overlap", "tensor-parallel communication overlap", action="store_true")

@@ -180,6 +180,11 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
         tp=tp, pp=args.pipeline_model_parallel_size, vp=args.virtual_pipeline_model_parallel_size,
         cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
         sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity not in (None, "selective"):
+            raise FlagError(f"--recompute-activations means --recompute-granularity selective, not {granularity}")
+        granularity = "selective"
     cp_comm = args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else list(args.cp_comm_type)
     optional = (("etp", args.expert_tensor_parallel_size), ("pipeline_schedule", args.pipeline_schedule),
                 ("num_layers_in_first_pipeline_stage", args.decoder_first_pipeline_num_layers),
@@ -189,7 +194,10 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                 ("grad_reduce_in_bf16", args.grad_reduce_in_bf16 or None),
                 ("use_distributed_optimizer", args.use_distributed_optimizer or None),
                 ("delay_wgrad_compute", args.delay_wgrad_compute),
-                ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad))
+                ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad),
+                ("recompute_granularity", granularity),
+                ("recompute_method", args.recompute_method), ("recompute_num_layers", args.recompute_num_layers),
+                ("recompute_modules", args.recompute_modules))
     strategy_kwargs.update({k: v for k, v in optional if v is not None})
     world = args.devices * args.num_nodes
     try:

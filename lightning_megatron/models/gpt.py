@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Callable, ContextManager, Dict, Optional
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.contract import RecomputeTarget
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
@@ -124,18 +125,24 @@ class SelfAttention(nn.Module):
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
         into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
         q, k, v = self._split_heads(self.linear_qkv(x), rotary)
-        s, b, hpg = q.shape[0], q.shape[1], self.heads_per_group
+        s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        out = self.core_attention(q, k, v, wgrad)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, wgrad: Optional[DeferredWgrad] = None) -> Tensor:
+        """Causal ``softmax(q k^T / sqrt(d)) v`` with attention dropout (on the TP stream), over the CP group when
+        set: ``q`` ``[b, n, s, d]``, ``k``/``v`` ``[b, g, s, d]`` -> ``[b, n, s, d]`` (Megatron's core attention:
+        what selective recompute's ``"core_attn"`` recomputes)."""
         dropout = self.attention_dropout if self.training else 0.0
         with self.tp_fork():
             if self.context_parallel_attention is not None:
                 if dropout > 0.0:
                     raise NotImplementedError("attention_dropout > 0 is not supported with context parallelism yet")
-                out = self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=hpg > 1)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
+                return self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                  enable_gqa=self.heads_per_group > 1)
 
     def _split_heads(self, qkv: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """``linear_qkv``'s output ``[s, b, groups * (heads_per_group + 2) * d]`` (Megatron's per-group layout)
@@ -446,6 +453,42 @@ class GPTModel(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else like.dtype
         return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)
 
+    def layer_keys(self) -> List[str]:
+        """Keys (global indices) of the transformer layers this model (or pipeline rank) holds, in order."""
+        return list(self.decoder.layers.keys())
+
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+        """Run the consecutive layers ``keys`` in order on hidden ``x`` ``[s(/tp), b, h]`` -> same shape. The whole
+        model and each pipeline stage run their layers through here (full activation recompute groups them)."""
+        for key in keys:
+            x = self.decoder.layers[key](x, rotary)
+        return x
+
+    def recompute_targets(self, name: str) -> List[RecomputeTarget]:
+        """The calls one of Megatron's ``recompute_modules`` names covers here (see
+        :mod:`lightning_megatron.parallel.recompute`): ``core_attn`` each attention's ``core_attention``,
+        ``layernorm`` both norms of every layer, ``mlp`` the dense MLPs, ``moe`` the MoE layers,
+        ``shared_experts`` their shared experts, ``moe_act`` the experts' activation; ``[]`` for any other name.
+        The pre-MLP norm of an MoE layer feeds the router, the dispatcher and the shared experts (not a single
+        consumer)."""
+        layers = list(self.decoder.layers.values())
+        moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoELayer)]
+        if name == "core_attn":
+            return [RecomputeTarget(layer.self_attention, "core_attention") for layer in layers]
+        if name == "layernorm":
+            return [target for layer in layers for target in (
+                RecomputeTarget(layer.input_layernorm, "forward", single_consumer=True),
+                RecomputeTarget(layer.pre_mlp_layernorm, "forward", single_consumer=isinstance(layer.mlp, MLP)))]
+        if name == "mlp":
+            return [RecomputeTarget(layer.mlp, "forward") for layer in layers if isinstance(layer.mlp, MLP)]
+        if name == "moe":
+            return [RecomputeTarget(m, "forward") for m in moe]
+        if name == "shared_experts":
+            return [RecomputeTarget(m.shared_experts, "forward") for m in moe if m.shared_experts is not None]
+        if name == "moe_act":
+            return [RecomputeTarget(m.experts, "activation", single_consumer=True) for m in moe]
+        return []
+
     def head(self, x: Tensor) -> Tensor:
         """Final norm and LM head: hidden ``[s(/tp), b, h]`` -> logits ``[s, b, V_pad/tp]``."""
         x = self.decoder.final_layernorm(x)
@@ -462,8 +505,7 @@ class GPTModel(nn.Module):
         pos = self.positions(tokens, position_ids)
         x = self.embed(tokens, pos)
         rotary = self.rotary(pos, x)
-        for layer in self.decoder.layers.values():
-            x = layer(x, rotary)
+        x = self.run_layers(self.layer_keys(), x, rotary)
         return self.head(x)
 
     def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:

@@ -8,7 +8,7 @@ without GLU) and ``weight2 [E_local, f, h]``. Under expert tensor parallelism (`
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -123,19 +123,25 @@ class GroupedMLPExperts(nn.Module):
             try:
                 offs = torch.cumsum(counts, 0).to(device=tokens.device, dtype=torch.int32)
                 h = torch._grouped_mm(tokens, w1, offs=offs)
-                out = torch._grouped_mm(_activation(h, self.swiglu), w2, offs=offs)
+                out = torch._grouped_mm(self.activation(h), w2, offs=offs)
                 self.last_used_grouped_mm = True
                 return out
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
         self.last_used_grouped_mm = False
-        return _loop_experts(tokens, counts.tolist(), list(w1.unbind(0)), list(w2.unbind(0)), self.swiglu)
+        return _loop_experts(tokens, counts.tolist(), list(w1.unbind(0)), list(w2.unbind(0)), self.activation)
+
+    def activation(self, h: Tensor) -> Tensor:
+        """The experts' activation: ``silu(gate) * up`` of ``h [N, 2f]`` (SwiGLU) or ``gelu(h)``, ``-> [N, f]``
+        (what selective recompute's ``"moe_act"`` recomputes)."""
+        return _activation(h, self.swiglu)
 
 
-def _loop_experts(tokens: Tensor, counts: List[int], w1s: List[Tensor], w2s: List[Tensor], swiglu: bool) -> Tensor:
+def _loop_experts(tokens: Tensor, counts: List[int], w1s: List[Tensor], w2s: List[Tensor],
+                  activation: Callable[[Tensor], Tensor]) -> Tensor:
     outs = []
     for chunk, w1, w2 in zip(torch.split(tokens, counts, dim=0), w1s, w2s):
-        outs.append(_activation(chunk @ w1, swiglu) @ w2)
+        outs.append(activation(chunk @ w1) @ w2)
     if not outs:
         return tokens.new_zeros(0, w2s[0].shape[-1] if w2s else tokens.shape[-1])
     return torch.cat(outs, dim=0)
@@ -159,4 +165,8 @@ class SequentialMLPExperts(nn.Module):
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         counts = tokens_per_expert.to("cpu", torch.int64).tolist()
         return _loop_experts(tokens, counts, [w.to(tokens.dtype) for w in self.fc1],
-                             [w.to(tokens.dtype) for w in self.fc2], self.swiglu)
+                             [w.to(tokens.dtype) for w in self.fc2], self.activation)
+
+    def activation(self, h: Tensor) -> Tensor:
+        """The experts' activation (see :meth:`GroupedMLPExperts.activation`)."""
+        return _activation(h, self.swiglu)

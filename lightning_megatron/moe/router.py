@@ -128,6 +128,8 @@ class TopKRouter(nn.Module):
             each rank routes its own part of the sequence; its gradient is summed over the group (in backward,
             or deferred by the strategy like the norms').
         aux_loss_scale: gradient the aux / z losses get in backward (``None``: :func:`set_aux_loss_scale`'s).
+        recomputing: True while activation recompute runs this forward again in backward: the routing is
+            computed again but nothing is recorded (token counts, aux-loss records, ``aux_losses``).
         sequence_groups / batch_groups: see :meth:`set_token_groups` (all-reduces of ``[E]`` or ``[b*E]``
             counts in forward while training).
     """
@@ -152,6 +154,7 @@ class TopKRouter(nn.Module):
         self._aux_history: List[Dict[str, Tensor]] = []     # one dict per training forward
         self._count_history: List[Tensor] = []              # expert-bias token counts, one per training forward
         self.aux_loss_scale: Optional[float] = None
+        self.recomputing = False
         self.sequence_parallel_group = None
         self.sequence_groups: List = []
         self.batch_groups: List = []
@@ -238,7 +241,9 @@ class TopKRouter(nn.Module):
             weight = copy_to_tensor_model_parallel_region(weight, self.sequence_parallel_group)
         logits = F.linear(x, weight.to(x.dtype))
         cfg = self.config
-        self.aux_losses = {}
+        record = not self.recomputing
+        if record:
+            self.aux_losses = {}
         train = self.training and torch.is_grad_enabled()
         token_groups = self.batch_groups + self.sequence_groups
         num_tokens_global = logits.shape[0] * _product(token_groups)
@@ -246,7 +251,8 @@ class TopKRouter(nn.Module):
         if cfg.moe_z_loss_coeff and train:
             zl = z_loss(logits, cfg.moe_z_loss_coeff) * (logits.shape[0] / num_tokens_global)
             logits = attach_aux_loss(logits, zl, self.aux_loss_scale)
-            self._record("z_loss", zl)
+            if record:
+                self._record("z_loss", zl)
 
         probs, indices = self.topk_routing(logits)
         num_tokens = logits.shape[0]
@@ -260,7 +266,7 @@ class TopKRouter(nn.Module):
             probs = torch.gather(dense_probs, 1, indices)
             indices = torch.where(kept, indices, torch.full_like(indices, -1))
 
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and record:
             valid = indices[indices >= 0]
             counts = torch.bincount(valid, minlength=self.num_experts).float()
             self.local_tokens_per_expert += counts
@@ -282,8 +288,9 @@ class TopKRouter(nn.Module):
                 aux = (s_scores.sum(0) * s_counts).sum() * (E * cfg.moe_aux_loss_coeff
                                                             / (self.topk * seq_global * seq_global)) / bsz_global
             probs = attach_aux_loss(probs, aux, self.aux_loss_scale)
-            self._record(lb, aux)
-        if train and self.aux_losses:
+            if record:
+                self._record(lb, aux)
+        if train and record and self.aux_losses:
             self._aux_history.append(dict(self.aux_losses))
         return probs, indices
 

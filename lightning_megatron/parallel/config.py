@@ -83,6 +83,14 @@ class ParallelConfig:
         check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
             gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
             default on; :mod:`lightning_megatron.parallel.nonfinite`).
+        recompute_granularity: activation recompute (:mod:`lightning_megatron.parallel.recompute`): None (off),
+            ``"selective"`` (the parts named in ``recompute_modules``) or ``"full"`` (whole layers).
+        recompute_method: with ``"full"``: ``"uniform"`` (every layer, in groups of ``recompute_num_layers``
+            checkpointed as one unit) or ``"block"`` (the first ``recompute_num_layers`` layers of each pipeline
+            stage / virtual chunk).
+        recompute_num_layers: with ``"full"``: layers per group (uniform) or per stage (block).
+        recompute_modules: with ``"selective"``: Megatron's names, any of ``"core_attn"`` (the default),
+            ``"mlp"``, ``"layernorm"``, ``"moe"``, ``"moe_act"``, ``"shared_experts"``.
     """
 
     tp: int = 1
@@ -105,6 +113,10 @@ class ParallelConfig:
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
     check_for_nan_in_loss_and_grad: bool = True
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[Sequence[str]] = None
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +184,10 @@ class ParallelConfig:
         if not isinstance(self.check_for_nan_in_loss_and_grad, bool):
             raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
                              "(stop at a NaN/inf loss or gradient norm) or False")
+        from lightning_megatron.parallel.recompute import check_recompute_options
+
+        self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
+                                                         self.recompute_num_layers, self.recompute_modules)
         self._resolved = False
 
     def _check_pipeline(self) -> None:
@@ -293,6 +309,9 @@ class ParallelConfig:
                 f"sequence over the tensor-parallel ranks"
             )
         self.validate_moe(model_config)
+        from lightning_megatron.parallel.recompute import check_recompute_model
+
+        check_recompute_model(self, model_config)
 
     def validate_moe(self, model_config: Any) -> None:
         """Check the expert layout against the model (``num_moe_experts``, ``moe_ffn_hidden_size``, ...).

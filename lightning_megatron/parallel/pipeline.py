@@ -2,7 +2,7 @@
 schedules on them.
 
 A model follows the *GPT layout* when it has ``embedding`` (called as ``model.embed(tokens, pos)``),
-``decoder.layers`` (an ``nn.ModuleDict`` keyed by global layer index, each called as ``layer(x, rotary)``),
+``decoder.layers`` (an ``nn.ModuleDict`` keyed by global layer index, run as ``model.run_layers(keys, x, rotary)``),
 ``decoder.final_layernorm`` + ``output_layer`` (called as ``model.head(x)``), and ``positions`` / ``rotary``
 helpers, as :class:`lightning_megatron.GPTModel` does.
 
@@ -128,8 +128,7 @@ class PipelineStageModule(nn.Module):
                 s = x.shape[0] * (self.tp_size if getattr(model, "sequence_parallel", False) else 1)
                 pos = torch.arange(s, device=x.device).unsqueeze(1).expand(s, x.shape[1])
             rotary = model.rotary(pos, x)
-            for layer in self.layers.values():
-                x = layer(x, rotary)
+            x = model.run_layers(list(self.layers.keys()), x, rotary)
             if self.is_last:
                 return model.head(x)
             return x

@@ -62,6 +62,15 @@ class TensorParallelRNG:
         self._set_state(saved)
         return state
 
+    def get_state(self) -> torch.Tensor:
+        """This stream's current state (a new tensor each time the stream is used; safe to keep as a snapshot).
+        Activation recompute keeps one per checkpointed region and replays the region from it."""
+        return self._state
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Continue this stream from ``state`` (one :meth:`get_state` returned)."""
+        self._state = state
+
     @contextmanager
     def fork(self) -> Iterator[None]:
         """Run the block on this stream; the default stream is left exactly as it was."""
