@@ -8,7 +8,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute            (slot: none yet)
-    apply_fp8        FP8 GEMMs                       (slot: none yet)
+    apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  fp8.py
     apply_compile    torch.compile of blocks         (slot: none yet)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
     materialize      allocate this rank's shards, initialise them layout-independently
@@ -27,7 +27,9 @@ from typing import Callable, ContextManager, List, Optional, Set
 import torch
 from torch import nn
 
+from lightning_megatron import fp8 as fp8_layers
 from lightning_megatron.contract import InitialisableModel, TensorParallelModel
+from lightning_megatron.fp8 import Float8Config, Float8Layers
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
@@ -50,6 +52,7 @@ class ParallelizedModel:
         expert_params: routed-expert parameters (reduced over expert data parallel, not by DDP).
         pipeline: this rank's pipeline stages (pp > 1), else None.
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
+        fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
     """
 
     module: nn.Module
@@ -59,14 +62,21 @@ class ParallelizedModel:
     expert_params: List[nn.Parameter] = field(default_factory=list)
     pipeline: Optional[PipelineStages] = None
     delay_wgrad: bool = False
+    fp8: Optional[Float8Layers] = None
 
 
 def apply_recompute(module: nn.Module, config: ParallelConfig) -> None:
     """Slot for activation recompute (Megatron's ``--recompute-*``): nothing to apply yet."""
 
 
-def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
-    """Slot for FP8 GEMMs (Transformer Engine or torch-native): nothing to apply yet."""
+def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
+              mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
+    """FP8 local GEMMs for the linear layers (:func:`lightning_megatron.fp8.apply_fp8`) when ``fp8`` is given (its
+    backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups of ``mesh``."""
+    if fp8 is None:
+        return None
+    groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
+    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups)
 
 
 def apply_compile(module: nn.Module, config: ParallelConfig) -> None:
@@ -106,7 +116,8 @@ def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,
                 tp_fork: Optional[Callable[[], ContextManager]] = None,
-                forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> ParallelizedModel:
+                forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                fp8: Optional[Float8Config] = None) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -117,6 +128,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         device: where this rank's parameters live; ``seed``: the base seed of layout-independent initialisation.
         tp_fork: context factory entering the per-TP-rank RNG stream (dropout); ``forward_context``: entered by
             each pipeline stage's forward (the precision plugin's autocast).
+        fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.fp8.Float8Config`, backend resolved;
+            :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
 
     Raises:
         ValueError: a parallelism is asked for that the module's models do not implement (naming the contract).
@@ -135,7 +148,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     delay_wgrad = apply_cp(models, mesh, config)
     apply_ep(models, mesh, config)
     apply_recompute(module, config)
-    apply_fp8(module, config)
+    fp8_applied = apply_fp8(module, config, fp8, mesh)
     apply_compile(module, config)
     pipeline = None
     if config.pp > 1:
@@ -148,5 +161,5 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     return ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
-        pipeline=pipeline, delay_wgrad=delay_wgrad,
+        pipeline=pipeline, delay_wgrad=delay_wgrad, fp8=fp8_applied,
     )

@@ -55,6 +55,7 @@ from lightning_megatron.parallel.state_dict import (
 )
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
+from lightning_megatron.precision import MegatronPrecision
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class MegatronStrategy(DDPStrategy):
         self._grads: Optional[GradientFinalizer] = None
         self._pipeline: Optional[PipelineRunner] = None
         self._microbatches: List[Any] = []
+        self._step_microbatches: Optional[int] = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -238,9 +240,11 @@ class MegatronStrategy(DDPStrategy):
                 "ParallelLightningModule (forward_step, loss_sum, token_count, ...): under pipeline parallelism the "
                 "strategy runs the schedule and needs the module's step pieces (see ParallelGPTModule)"
             )
+        plugin = self.precision_plugin
+        fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed,
                                         tp_fork=self.tp_rng.fork if self.tp_rng else None,
-                                        forward_context=self.precision_plugin.forward_context)
+                                        forward_context=self.precision_plugin.forward_context, fp8=fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         stages = self.parallelized.pipeline
         self._pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
@@ -336,10 +340,13 @@ class MegatronStrategy(DDPStrategy):
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return torch.zeros((), device=self.root_device)
         microbatches, self._microbatches = self._microbatches, []
+        self._step_microbatches = len(microbatches)
         lm, m, dp = self.lightning_module, len(microbatches), self.mesh.size("dp_cp")
         for optimizer in self.optimizers:   # Lightning's zero_grad is off with its backward
             optimizer.zero_grad(set_to_none=True)
-        lm.set_moe_aux_loss_scale(float(dp) if self._pipeline is not None else dp / m)
+        scaler = getattr(self.precision_plugin, "scaler", None)   # fp16: aux losses get the loss scale too
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        lm.set_moe_aux_loss_scale((float(dp) if self._pipeline is not None else dp / m) * loss_scale)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) else contextlib.nullcontext
         loss = step.forward_backward(microbatches, self._step_functions(self.precision_plugin.train_step_context),
                                      device=self.root_device, dp_group=self.mesh.group("dp_cp"), dp=dp,
@@ -384,7 +391,7 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
-        self._grads.finalize()
+        self._grads.finalize(self._step_microbatches)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
