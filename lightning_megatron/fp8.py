@@ -435,6 +435,14 @@ class Float8Layers:
     gemms: List[Any] = field(default_factory=list)
     amax_groups: List[Any] = field(default_factory=list)
 
+    def retain(self, module: nn.Module) -> None:
+        """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
+        present = {name for name, _ in module.named_modules()}
+        keep = [i for i, name in enumerate(self.converted) if name in present]
+        self.converted = [self.converted[i] for i in keep]
+        self.gemms = [self.gemms[i] for i in keep]
+        self.kept = {name: why for name, why in self.kept.items() if name in present}
+
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
         step, reduced (max) over the amax groups in one all-reduce per group, becomes the newest history entry.

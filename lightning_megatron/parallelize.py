@@ -155,6 +155,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         if len(models) != 1:
             raise ValueError(f"pp={config.pp} needs exactly one model with the GPT layout, found {len(models)}")
         pipeline = split_pipeline(models[0], mesh.rank("pp"), config, forward_context)
+        if fp8_applied is not None:
+            fp8_applied.retain(module)
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     # after materialisation: to_empty() replaced the meta Parameter objects
