@@ -37,7 +37,8 @@ def build_strategy(args) -> MegatronStrategy:
                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                             use_distributed_optimizer=args.use_distributed_optimizer,
                             delay_wgrad_compute=args.delay_wgrad_compute, cp_attention_kernel=args.cp_attention_kernel,
-                            cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout)
+                            cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout,
+                            compile=args.compile)
 
 
 def layout_prefix(args) -> str:
@@ -53,7 +54,8 @@ def option_suffix(args) -> str:
                   + (f"-carveout{args.cp_sm_carveout}" if args.cp_sm_carveout is not None else ""))
     return ((f"-cp{args.cp}-{args.cp_comm_type}{cp_options}" if args.cp > 1 else "")
             + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
-            + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute])
+            + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
+            + ("-compile" if args.compile else ""))
 
 
 class RandomTokens(Dataset):
@@ -319,6 +321,7 @@ if __name__ == "__main__":
     p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
                    help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
                         "on where it applies; --no-delay-wgrad-compute: the plain backward)")
+    p.add_argument("--compile", action="store_true", help="MegatronStrategy(compile=True): torch.compile each layer")
     p.add_argument("--cp-attention-kernel", default="auto", choices=["auto", "cudnn", "flash", "math"],
                    help="CP block kernel on CUDA half types (MegatronStrategy(cp_attention_kernel=...))")
     p.add_argument("--cp-compile-merge", action=argparse.BooleanOptionalAction, default=True,

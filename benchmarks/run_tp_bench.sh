@@ -16,6 +16,7 @@
 #             1 GPU measured first and last
 #   moe       Mixtral-shaped model: NCCL numerics ep=2 vs 1 GPU, then tokens/s of ep=1 and ep=2
 #   pretrain  examples/pretrain_gpt.py on preprocessed data: MFUMonitor against an independent timer
+#   compile   1 GPU: plain PyTorch eager and compiled (the peers), ours eager and with compile=True
 #   distopt   distributed optimizer at dp=2: NCCL numerics against 1 GPU, speed and memory with and without
 # Environment: WATCHDOG (seconds before a hung run dumps its stacks and exits, default 240), ARM_TIMEOUT
 # (seconds per command, default 330), OUT (where the log goes, default /tmp).
@@ -38,6 +39,11 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2
       run python3 benchmarks/peer_x2.py tp2 ;;
+    compile)
+      run python3 benchmarks/peer_baseline.py eager compile
+      run python3 benchmarks/bench_tp.py ours --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --compile --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --compile --accumulate 8 --watchdog $WD ;;
     peers)
       run python3 benchmarks/peer_baseline.py eager
       run python3 benchmarks/peer_x2.py tp2 ;;
@@ -87,7 +93,7 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --watchdog $WD ;;
     *)
-      echo "unknown arm '$arm': expected one of check ours tp2 peers ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt" >&2
+      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt" >&2
       exit 2 ;;
   esac
 done

@@ -75,22 +75,23 @@ class ExpertParallelModel(Protocol):
 class PipelineModel(Protocol):
     """The GPT layout :func:`lightning_megatron.parallel.pipeline.split_model` cuts into stages.
 
-    ``embedding`` (run by ``embed(tokens [b, s], pos [s, b]) -> [s, b, h]``), ``decoder.layers`` (a ``ModuleDict``
-    keyed by global layer index, each ``layer(x, rotary)``), ``decoder.final_layernorm`` + ``output_layer`` (run by
-    ``head(x) -> logits [s, b, V/tp]``), ``positions(tokens, position_ids) -> [s, b]`` and ``rotary(pos, like)``.
+    Besides these methods the model holds ``embedding`` (run by ``embed``), ``decoder.layers`` (a ``ModuleDict`` keyed
+    by global layer index, each called as ``layer(x, rotary)``), ``decoder.final_layernorm`` and ``output_layer`` (run
+    by ``head``). They are submodules, which ``isinstance`` cannot see on every Python (3.12 looks attributes up
+    statically), so the protocol names only the methods.
     """
 
-    embedding: nn.Module
-    decoder: nn.Module
-    output_layer: nn.Module
+    def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Position ids ``[s, b]``."""
 
-    def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor: ...
+    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        """``tokens [b, s]`` -> hidden ``[s(/tp under SP), b, h]``."""
 
-    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor: ...
+    def rotary(self, pos: Tensor, like: Tensor) -> Any:
+        """RoPE tables for ``pos`` (None without RoPE)."""
 
-    def rotary(self, pos: Tensor, like: Tensor) -> Any: ...
-
-    def head(self, x: Tensor) -> Tensor: ...
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and LM head: hidden -> logits ``[s, b, V/tp]``."""
 
 
 @runtime_checkable
@@ -101,6 +102,14 @@ class InitialisableModel(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------- LightningModule
+@runtime_checkable
+class ConfiguredModule(Protocol):
+    """A LightningModule carrying its model's shape (``config``, Megatron's field names): the strategy checks it
+    against the layout (heads, query groups, layers, sequence length, experts) before the model is built."""
+
+    config: Any
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """What a LightningModule learns about the layout from the strategy (:meth:`set_parallel_context`).

@@ -9,7 +9,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute            (slot: none yet)
     apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  fp8.py
-    apply_compile    torch.compile of blocks         (slot: none yet)
+    apply_compile    torch.compile of each transformer layer (compile=True)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
     materialize      allocate this rank's shards, initialise them layout-independently
     apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_megatron import fp8 as fp8_layers
-from lightning_megatron.contract import InitialisableModel, TensorParallelModel
+from lightning_megatron.contract import InitialisableModel, PipelineModel, TensorParallelModel
 from lightning_megatron.fp8 import Float8Config, Float8Layers
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
@@ -52,6 +52,7 @@ class ParallelizedModel:
         expert_params: routed-expert parameters (reduced over expert data parallel, not by DDP).
         pipeline: this rank's pipeline stages (pp > 1), else None.
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
+        layout: the layout it was split under (a second call with another layout is refused).
         fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
     """
 
@@ -62,6 +63,7 @@ class ParallelizedModel:
     expert_params: List[nn.Parameter] = field(default_factory=list)
     pipeline: Optional[PipelineStages] = None
     delay_wgrad: bool = False
+    layout: str = ""
     fp8: Optional[Float8Layers] = None
 
 
@@ -79,8 +81,27 @@ def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Con
     return fp8_layers.apply_fp8(module, fp8, amax_groups=groups)
 
 
-def apply_compile(module: nn.Module, config: ParallelConfig) -> None:
-    """Slot for ``torch.compile`` of transformer blocks: nothing to apply yet."""
+def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
+    """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
+    (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
+    ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
+    materialisation. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number
+    of layers compiled."""
+    if not config.compile:
+        return 0
+    gpt = [m for m in models if isinstance(m, PipelineModel)]
+    layers = [layer for m in gpt for layer in m.decoder.layers.values()]
+    if not layers:
+        raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
+                         "(lightning_megatron.contract.PipelineModel); none was found")
+    for layer in layers:
+        layer.compile()
+    for model in gpt:
+        # instance attributes shadow the methods; the pipeline stages call them through the model too
+        model.head = torch.compile(model.head)
+        if callable(getattr(type(model), "per_token_loss", None)):
+            model.per_token_loss = torch.compile(model.per_token_loss)
+    return len(layers)
 
 
 def materialize(module: nn.Module, models: List[nn.Module], device: torch.device, seed: int) -> None:
@@ -131,9 +152,20 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.fp8.Float8Config`, backend resolved;
             :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
 
+    Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
+    returned as it is, with the record of the first call, when the layout is the same.
+
     Raises:
-        ValueError: a parallelism is asked for that the module's models do not implement (naming the contract).
+        ValueError: a parallelism is asked for that the module's models do not implement (naming the contract); the
+            module was already parallelised under another layout.
     """
+    done = module.__dict__.get(_RECORD)
+    if isinstance(done, ParallelizedModel):
+        if done.layout != _layout(config):
+            raise ValueError(
+                f"{type(module).__name__} is already parallelised as {done.layout} and cannot be re-split as "
+                f"{_layout(config)}: save a checkpoint (full and layout-independent) and load it into a fresh module")
+        return done
     models = [m for m in module.modules() if isinstance(m, TensorParallelModel)]
     if config.tp > 1:
         if not models:
@@ -149,7 +181,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     apply_ep(models, mesh, config)
     apply_recompute(module, config)
     fp8_applied = apply_fp8(module, config, fp8, mesh)
-    apply_compile(module, config)
+    apply_compile(models, config)
     pipeline = None
     if config.pp > 1:
         if len(models) != 1:
@@ -160,8 +192,21 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     # after materialisation: to_empty() replaced the meta Parameter objects
-    return ParallelizedModel(
+    record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
-        pipeline=pipeline, delay_wgrad=delay_wgrad, fp8=fp8_applied,
+        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
     )
+    module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
+    return record
+
+
+_RECORD = "_lightning_megatron_parallelized"
+
+
+def _layout(config: ParallelConfig) -> str:
+    """The sizes and options that decide how a module is split (compared when a module is parallelised again)."""
+    c = config
+    return (f"tp={c.tp} pp={c.pp} vp={c.vp} cp={c.cp} ep={c.ep} etp={c.etp} sp={c.sequence_parallel} "
+            f"schedule={c.pipeline_schedule} first/last={c.num_layers_in_first_pipeline_stage}/"
+            f"{c.num_layers_in_last_pipeline_stage} world={c.world_size if c._resolved else None}")

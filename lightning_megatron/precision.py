@@ -144,6 +144,7 @@ class MegatronPrecision(MixedPrecision):
         self._device: Optional[torch.device] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._fp8_context: Callable[[], Any] = contextlib.nullcontext
+        self._amax_group: Any = None
 
     # ------------------------------------------------------------------ binding to the layout / device
     @property
@@ -167,10 +168,9 @@ class MegatronPrecision(MixedPrecision):
         if self.fp8_config is None:
             return None
         self.fp8_config = self.fp8_config.resolve_backend(self._device)
-        amax_group = None
-        if self.fp8_config.backend == "te" and mesh is not None:
-            amax_group = mesh.dense["dp", "cp", "tp"]._flatten("fp8_amax").get_group()
-        self._fp8_context = fp8_forward_context(self.fp8_config, amax_group)
+        if self.fp8_config.backend == "te" and mesh is not None and self._amax_group is None:
+            self._amax_group = mesh.dense["dp", "cp", "tp"]._flatten("fp8_amax").get_group()
+        self._fp8_context = fp8_forward_context(self.fp8_config, self._amax_group)
         return self.fp8_config
 
     def _ensure_scaler(self) -> None:

@@ -12,13 +12,13 @@ tensors (:mod:`lightning_megatron.parallel.state_dict`).
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -32,21 +32,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_megatron.contract import ParallelContext, ParallelLightningModule
+from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule
 from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
-from lightning_megatron.parallel import forward_backward as step
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import (
     gathered_state_dict,
     is_sharded_optimizer,
-    rebind_lr_scheduler,
-    shard_optimizer,
+    shard_optimizers,
 )
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.mesh import ParallelMesh
-from lightning_megatron.parallel.pipeline import PipelineRunner
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -56,6 +53,7 @@ from lightning_megatron.parallel.state_dict import (
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
 from lightning_megatron.precision import MegatronPrecision
+from lightning_megatron.step_path import StepPath
 
 log = logging.getLogger(__name__)
 
@@ -63,29 +61,22 @@ log = logging.getLogger(__name__)
 _DDP_STRATEGY_KEYWORDS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 #: ``DistributedDataParallel`` arguments the strategy sets itself
 _DDP_SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
-
-
-def _check_keywords(extra: Dict[str, Any], own: Sequence[str]) -> None:
-    """Raise TypeError for a keyword that is neither the strategy's nor torch DDP's (naming the closest valid one)."""
-    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _DDP_SET_BY_STRATEGY]
-    own = [n for n in own if n not in ("self", "ddp_kwargs")]
-    check_keywords("MegatronStrategy", extra, own + list(_DDP_STRATEGY_KEYWORDS) + ddp)
+#: the layout options (every init field of ParallelConfig) a MegatronStrategy keyword may set
+LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
 
 
 class MegatronStrategy(DDPStrategy):
     """Tensor (+sequence), pipeline (incl. virtual stages), context, expert and data parallelism for Lightning.
 
     Args:
-        tp, pp, vp, cp, ep, etp, sequence_parallel, cp_comm_type, hierarchical_context_parallel_sizes,
-        pipeline_schedule, num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage,
-        grad_reduce_in_bf16, use_distributed_optimizer, delay_wgrad_compute, cp_attention_kernel, cp_compile_merge,
-        cp_sm_carveout: the layout and its options, the fields
-            of :class:`ParallelConfig` (Megatron's names and meaning; validated there). dp is
-            ``world / (tp * pp * cp)``; ep is carved out of the dp x cp x tp ranks.
+        tp, pp, vp, cp, ep, etp, sequence_parallel: the layout (dp is ``world / (tp * pp * cp)``; ep is carved out of
+            the dp x cp x tp ranks).
+        options: any other field of :class:`ParallelConfig` (``cp_comm_type``, ``pipeline_schedule``,
+            ``use_distributed_optimizer``, ...: Megatron's names, validated there); else arguments of
+            ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) or Lightning's DDP hook options
+            (``ddp_comm_hook``, ...). Any other keyword raises TypeError naming the closest valid one.
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
-        ddp_kwargs: arguments for ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) and
-            Lightning's DDP hook options (``ddp_comm_hook``, ...). Any other keyword raises TypeError.
 
     The mesh (``strategy.mesh``) exists after ``setup_environment``. The DataLoader is sharded by data-parallel
     rank: TP, PP and CP peers see identical batches (CP ranks then keep their part, :meth:`batch_to_device`).
@@ -106,17 +97,7 @@ class MegatronStrategy(DDPStrategy):
         ep: int = 1,
         etp: Optional[int] = None,
         sequence_parallel: bool = False,
-        cp_comm_type: Union[str, Sequence[str]] = "p2p",
-        hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
-        pipeline_schedule: Optional[str] = None,
-        grad_reduce_in_bf16: bool = False,
-        use_distributed_optimizer: bool = False,
-        delay_wgrad_compute: Optional[bool] = None,
-        cp_attention_kernel: str = "auto",
-        cp_compile_merge: bool = True,
-        cp_sm_carveout: Optional[int] = None,
-        num_layers_in_first_pipeline_stage: Optional[int] = None,
-        num_layers_in_last_pipeline_stage: Optional[int] = None,
+        *,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -125,38 +106,32 @@ class MegatronStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
+        **options: Any,
     ) -> None:
-        if "overlap_cp_a2a" in ddp_kwargs:
+        if "overlap_cp_a2a" in options:
             raise ValueError("overlap_cp_a2a was removed: splitting the a2a layers' projections around their "
                              "exchanges measured no gain on 2xH200 (benchmarks/RESULTS.md). The a2a layers overlap "
                              "their backward exchanges by default (delay_wgrad_compute); drop overlap_cp_a2a")
-        _check_keywords(ddp_kwargs, list(inspect.signature(MegatronStrategy.__init__).parameters))
-        self.parallel_config = ParallelConfig(
-            tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            pipeline_schedule=pipeline_schedule, grad_reduce_in_bf16=grad_reduce_in_bf16,
-            use_distributed_optimizer=use_distributed_optimizer, delay_wgrad_compute=delay_wgrad_compute,
-            num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
-            cp_attention_kernel=cp_attention_kernel, cp_compile_merge=cp_compile_merge, cp_sm_carveout=cp_sm_carveout,
-        )
-        if grad_reduce_in_bf16 and ddp_kwargs.get("ddp_comm_hook") is not None:
+        layout = {k: options.pop(k) for k in list(options) if k in LAYOUT_OPTIONS}
+        ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _DDP_SET_BY_STRATEGY]
+        own = [n for n in inspect.signature(MegatronStrategy.__init__).parameters if n not in ("self", "options")]
+        check_keywords("MegatronStrategy", options, own + list(LAYOUT_OPTIONS) + list(_DDP_STRATEGY_KEYWORDS) + ddp)
+        self.parallel_config = ParallelConfig(tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
+                                              sequence_parallel=sequence_parallel, **layout)
+        if self.parallel_config.grad_reduce_in_bf16 and options.get("ddp_comm_hook") is not None:
             raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
-                             f"{ddp_kwargs['ddp_comm_hook']!r} or grad_reduce_in_bf16")
+                             f"{options['ddp_comm_hook']!r} or grad_reduce_in_bf16")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **ddp_kwargs,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **options,
         )
         self.mesh: Optional[ParallelMesh] = None
         self.tp_rng: Optional[TensorParallelRNG] = None
         self.seed: int = global_seed()
         self.parallelized: Optional[ParallelizedModel] = None
         self._grads: Optional[GradientFinalizer] = None
-        self._pipeline: Optional[PipelineRunner] = None
-        self._microbatches: List[Any] = []
-        self._step_microbatches: Optional[int] = None
+        self._steps: Optional[StepPath] = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -181,9 +156,8 @@ class MegatronStrategy(DDPStrategy):
         """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type)
-        model_config = getattr(self.lightning_module, "config", None)
-        if model_config is not None:
-            self.parallel_config.validate_model(model_config)
+        if isinstance(self.lightning_module, ConfiguredModule):
+            self.parallel_config.validate_model(self.lightning_module.config)
         self.seed = global_seed()
         pp_rank, tp_rank = self.mesh.rank("pp"), self.mesh.rank("tp")
         torch.manual_seed(default_seed(self.seed, pp_rank))
@@ -225,7 +199,7 @@ class MegatronStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             if self.parallel_config.use_distributed_optimizer and self.mesh.size("dp_cp") > 1:
-                self._shard_optimizers()
+                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"))
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -247,23 +221,14 @@ class MegatronStrategy(DDPStrategy):
                                         forward_context=self.precision_plugin.forward_context, fp8=fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         stages = self.parallelized.pipeline
-        self._pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
+        pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
+        self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
         if isinstance(module, ParallelLightningModule):
             tokens = [mesh.group("dp_cp")] + ([mesh.group("tp")] if cfg.sequence_parallel else [])
             module.set_parallel_context(ParallelContext(
                 dp_group=mesh.group("dp_cp"), dp_size=mesh.size("dp_cp"), token_groups=tokens,
                 pp_group=mesh.group("pp") if cfg.pp > 1 else None))
         return self.parallelized
-
-    def _shard_optimizers(self) -> None:
-        """Replace each optimizer by its states-sharded version over dp x cp; LR schedulers follow."""
-        assert self.mesh is not None
-        sharded = [shard_optimizer(opt, self.mesh.group("dp_cp")) for opt in self.optimizers]
-        for old, new in zip(self.optimizers, sharded):
-            for config in self.lr_scheduler_configs:
-                if getattr(config.scheduler, "optimizer", None) is old:
-                    rebind_lr_scheduler(config.scheduler, new)
-        self.optimizers = sharded
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence.
@@ -288,93 +253,35 @@ class MegatronStrategy(DDPStrategy):
                 split[key] = zigzag_split(split[key], cfg.cp, self.mesh.rank("cp"), dim=1)
         return split
 
-    # ------------------------------------------------------------------ the one step path
-    def _uses_step_path(self) -> bool:
-        return isinstance(self.lightning_module, ParallelLightningModule)
-
-    def _step_functions(self, context: Callable[[], Any]) -> step.StepFunctions:
-        """The module's step pieces; without a pipeline its forward and loss run inside ``context`` (the precision
-        plugin's autocast; pipeline stages enter it themselves) and backward outside it."""
-        lm = self.lightning_module
-
-        def forward(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-            with context():
-                if isinstance(self.model, DistributedDataParallel) and lm.trainer.training:
-                    return self._forward_redirection(self.model, lm, "forward_step", batch)   # DDP's reducer hooks
-                return lm.forward_step(batch)
-
-        def loss_sum(output: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-            if self._pipeline is not None:
-                return lm.loss_sum(output, batch)
-            with context():
-                return lm.loss_sum(output, batch)
-
-        def scale_loss(loss: torch.Tensor) -> torch.Tensor:
-            return self.precision_plugin.pre_backward(loss, lm)
-
-        def backward(loss: torch.Tensor) -> None:
-            self.precision_plugin.backward(loss, lm, None)
-            self.precision_plugin.post_backward(loss, lm)
-
-        return step.StepFunctions(forward, loss_sum, lm.token_count, scale_loss, backward)
-
+    # ------------------------------------------------------------------ the one step path (step_path.py)
     def on_train_start(self) -> None:
         """The step path runs forward and backward inside ``training_step``: Lightning's own backward is off."""
         super().on_train_start()
-        if self._uses_step_path():
+        if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = True
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self._uses_step_path():
+        if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Collect the step's micro-batches (one per Lightning batch, ``accumulate_grad_batches`` of them) and run
-        :func:`forward_backward` on the last one. Returns the step's loss (the same on every rank)."""
-        if not self._uses_step_path():
-            return super().training_step(*args, **kwargs)
-        assert self.mesh is not None
-        self._microbatches.append(args[0])
-        trainer = self.lightning_module.trainer
-        if trainer.fit_loop.epoch_loop._should_accumulate():
-            return torch.zeros((), device=self.root_device)
-        microbatches, self._microbatches = self._microbatches, []
-        self._step_microbatches = len(microbatches)
-        lm, m, dp = self.lightning_module, len(microbatches), self.mesh.size("dp_cp")
-        for optimizer in self.optimizers:   # Lightning's zero_grad is off with its backward
-            optimizer.zero_grad(set_to_none=True)
-        scaler = getattr(self.precision_plugin, "scaler", None)   # fp16: aux losses get the loss scale too
-        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        lm.set_moe_aux_loss_scale((float(dp) if self._pipeline is not None else dp / m) * loss_scale)
-        no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) else contextlib.nullcontext
-        loss = step.forward_backward(microbatches, self._step_functions(self.precision_plugin.train_step_context),
-                                     device=self.root_device, dp_group=self.mesh.group("dp_cp"), dp=dp,
-                                     pipeline=self._pipeline, no_sync=no_sync)
-        lm.log_train_step(loss, m)
-        return loss
-
-    def _eval_step(self, batch: Any, context: Callable[[], Any]) -> None:
-        totals = step.eval_totals(batch, self._step_functions(context), device=self.root_device,
-                                  pipeline=self._pipeline)
-        self.lightning_module.accumulate_eval_totals(totals)
+        """Collect the step's micro-batches and run them at the last one (:meth:`StepPath.train`)."""
+        return self._steps.train(args[0]) if self._steps else super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._uses_step_path():
+        if self._steps is None:
             return super().validation_step(*args, **kwargs)
-        return self._eval_step(args[0], self.precision_plugin.val_step_context)
+        return self._steps.evaluate(args[0], self.precision_plugin.val_step_context)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._uses_step_path():
+        if self._steps is None:
             return super().test_step(*args, **kwargs)
-        return self._eval_step(args[0], self.precision_plugin.test_step_context)
+        return self._steps.evaluate(args[0], self.precision_plugin.test_step_context)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
-        if not self._uses_step_path():
-            return super().predict_step(*args, **kwargs)
-        fns = self._step_functions(self.precision_plugin.predict_step_context)
-        return step.predict(args[0], fns, self.lightning_module.per_token_loss, pipeline=self._pipeline)
+        return self._steps.predict(args[0]) if self._steps else super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ gradients
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -391,7 +298,7 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
-        self._grads.finalize(self._step_microbatches)
+        self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""

@@ -17,3 +17,22 @@ def _no_leftover_process_group():
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--mutations", action="store_true",
+                     help="run the tests marked 'mutations' (tests/test_mutations.py: plants bugs in a copy of the "
+                          "tree and runs test selections against each; minutes)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mutations: the mutation check (minutes); skipped unless --mutations")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--mutations"):
+        return
+    skip = pytest.mark.skip(reason="minutes long: run with --mutations, or python tests/mutations.py")
+    for item in items:
+        if item.get_closest_marker("mutations") is not None:
+            item.add_marker(skip)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +21,7 @@ from lightning_megatron.data import (
     ByteTokenizer,
     GPTDataModule,
     GPTDataset,
+    HuggingFaceTokenizer,
     IndexedDataset,
     IndexedDatasetWriter,
     MegatronPretrainingSampler,
@@ -32,8 +34,10 @@ from lightning_megatron.data import (
     preprocess_jsonl,
     read_corpus,
     split_ranges,
+    train_sentencepiece,
     train_sentencepiece_from_jsonl,
 )
+from lightning_megatron.data import train_tokenizer
 from lightning_megatron.data.gpt_dataset import build_sample_index
 from lightning_megatron.data.preprocess import main as preprocess_main
 
@@ -211,16 +215,101 @@ def test_sentencepiece_from_jsonl_then_preprocess(tmp_path: Path) -> None:
         assert ids[-1] == tok.eod and tok.decode(ids) == docs[i]
 
 
-def test_tokenizer_errors() -> None:
+def test_train_tokenizer_cli_on_the_shipped_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m lightning_megatron.data.train_tokenizer``: reads the JSONL's text (skipping bad lines, up to
+    --max-documents), writes the same model as training on exactly those documents, and round-trips text."""
+    docs = [p for chapter in read_corpus()[:2] for p in chapter.split("\n\n") if p.strip()][:120]
+    src = tmp_path / "c.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        f.write("not json\n\n[1, 2]\n")  # skipped: not JSON, blank, not an object
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"text": d, "id": i}) + "\n")
+    assert list(train_tokenizer.iter_jsonl_texts(src, max_documents=100)) == docs[:100]
+    rc = train_tokenizer.main(["--input", str(src), "--model-prefix", str(tmp_path / "cli"), "--vocab-size", "400",
+                               "--max-documents", "100"])
+    assert rc == 0 and "wrote" in capsys.readouterr().err
+    direct = train_sentencepiece(docs[:100], str(tmp_path / "direct"), vocab_size=400)
+    assert (tmp_path / "cli.model").read_bytes() == Path(direct).read_bytes()
+    tok = build_tokenizer("SentencePieceTokenizer", tmp_path / "cli.model")
+    assert tok.vocab_size == 400 and tok.eod == 2
+    for text in (docs[0], docs[119], "Unseen: naïve 漢字 🙂\n\ttabs  and   spaces"):
+        ids = tok.encode(text)
+        assert all(0 <= i < 400 for i in ids) and tok.decode(ids + [tok.eod]) == text
+    plain = "The compiler checks that every reference is valid before the program runs."
+    assert len(tok.encode(plain)) < 0.8 * len(plain)  # it learned pieces, not bytes (measured: 48 for 74 bytes)
+    # list values under several keys
+    multi = write_jsonl(tmp_path / "m.jsonl", ["a"])
+    multi.write_text(json.dumps({"text": "a", "extra": ["b", 3, "c"]}) + "\n", encoding="utf-8")
+    assert list(train_tokenizer.iter_jsonl_texts(multi, json_keys=("text", "extra"))) == ["a", "b", "c"]
+    # no text under the key: exit code 1 and the reason
+    rc = train_tokenizer.main(["--input", str(multi), "--model-prefix", str(tmp_path / "x"), "--json-keys", "body"])
+    assert rc == 1
+    assert "no text under keys ['body']" in capsys.readouterr().err
+    assert not (tmp_path / "x.model").exists()
+
+
+def test_tokenizer_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown tokenizer type"):
         build_tokenizer("GPT2BPETokenizer")
     with pytest.raises(ValueError, match="needs a tokenizer model"):
         build_tokenizer("SentencePieceTokenizer")
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="pip install tokenizers"):
-            build_tokenizer("HuggingFaceTokenizer", "tokenizer.json")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
+    with pytest.raises(ImportError, match="pip install tokenizers"):
+        build_tokenizer("HuggingFaceTokenizer", "tokenizer.json")
+
+
+def _hf_tokenizer_file(directory: Path, specials: list[str]) -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained here on part of the shipped corpus (no download)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(read_corpus()[:2], trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_huggingface_tokenizer_local_file(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = _hf_tokenizer_file(tmp_path / "hf", ["<unk>", "<|endoftext|>"])
+    raw = HFTokenizer.from_file(str(path))
+    for source in (path, path.parent):  # the file or its directory
+        tok = build_tokenizer("HuggingFaceTokenizer", source)
+        assert isinstance(tok, HuggingFaceTokenizer)
+        assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True) == 500
+        assert tok.eod == raw.token_to_id("<|endoftext|>") == 1
+    text = "Ownership is Rust's most unique feature — déjà vu, 42 €.\n\nNext  paragraph."
+    ids = tok.encode(text)
+    assert ids == raw.encode(text, add_special_tokens=False).ids
+    assert tok.eod not in ids and all(0 <= i < tok.vocab_size for i in ids)
+    plain = "The compiler checks that every reference is valid before the program runs."
+    assert len(tok.encode(plain)) < 0.8 * len(plain)  # merges learned from the corpus
+    assert tok.decode(ids) == text and tok.decode(ids + [tok.eod]) == text
+    # the eos of a tokenizer_config.json beside the file wins over the built-in candidates
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<unk>"}}))
+    assert HuggingFaceTokenizer(path).eod == 0
+    assert HuggingFaceTokenizer(path, eod_token="<|endoftext|>").eod == 1
+    # preprocessing with it: each document's ids then the eod (now <unk>, id 0, from tokenizer_config.json)
+    src = write_jsonl(tmp_path / "d.jsonl", [text, "second"])
+    res = preprocess_jsonl(src, tmp_path / "out" / "hf", tokenizer_type="HuggingFaceTokenizer",
+                           tokenizer_model=path, append_eod=True, progress=False)
+    ds = IndexedDataset(res.outputs["text"])
+    assert ds[0].tolist() == ids + [0] and ds[1].tolist() == tok.encode("second") + [0]
+
+
+def test_huggingface_tokenizer_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no Hugging Face tokenizer file"):
+        build_tokenizer("HuggingFaceTokenizer", tmp_path)
+    path = _hf_tokenizer_file(tmp_path / "noeod", ["<unk>"])
+    with pytest.raises(ValueError, match="no end-of-document token"):
+        HuggingFaceTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- GPTDataset indices

@@ -31,17 +31,36 @@ CASES = {
     "pp4-gpipe": (4, dict(pp=4, pipeline_schedule="gpipe"), dict(num_layers=4), 4, None),
     "pp2-vp2-interleaved": (2, dict(pp=2, vp=2), dict(num_layers=4), 4, 0.05),
     "pp2-zbv": (2, dict(pp=2, vp=2, pipeline_schedule="zbv"), dict(num_layers=4), 4, None),
+    "pp2-dualpipev": (2, dict(pp=2, vp=2, pipeline_schedule="dualpipev"), dict(num_layers=4), 4, None),
+    "pp2-vp2-looped-bfs": (2, dict(pp=2, vp=2, pipeline_schedule="looped_bfs"), dict(num_layers=4), 4, None),
+    "pp2-vp2-interleaved-zb": (2, dict(pp=2, vp=2, pipeline_schedule="interleaved_zero_bubble"), dict(num_layers=4),
+                               4, 0.05),
     "pp2-uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), dict(num_layers=3), 2, None),
+    "pp2-uneven-last": (2, dict(pp=2, num_layers_in_last_pipeline_stage=1), dict(num_layers=3), 2, 0.05),
     "pp2-tied": (2, dict(pp=2), dict(untie_embeddings_and_output_weights=False), 2, 0.05),
     "tp2xpp2-sp": (4, dict(tp=2, pp=2, sequence_parallel=True), dict(num_query_groups=4), 2, 0.05),
     "tp2xpp2xdp2": (8, dict(tp=2, pp=2, sequence_parallel=True), dict(num_query_groups=4), 2, 0.05),
 }
 
 
+# Cases whose final weights sit above the 1e-5 default, with the measured reason.
+STATE_RTOL = {
+    # looped BFS runs a stage's backwards for all micro-batches in reverse micro-batch order (torch's
+    # ScheduleLoopedBFS: reversed(range(n_microbatches))), so the micro-batch gradients are summed in reverse
+    # order: the first step's gradients differ from the reference by 4.7e-9 relative (9.3e-10 absolute at most).
+    # AdamW's first steps move each weight by about lr * sign(grad), which amplifies that where gradients are
+    # near zero: after 3 steps the word embeddings differ by 1.39e-5 relative, every other tensor by 4.7e-7 at
+    # most, the losses by 6.7e-8. A single-process loop that backpropagates the micro-batches in reverse order
+    # lands on the same 1.39e-5 (other orders on 3e-6 to 7e-6): summation order, not a schedule error.
+    "pp2-vp2-looped-bfs": 3e-5,
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_matches_single_process(case):
     world, kwargs, overrides, accumulate, clip = CASES[case]
-    check_layout_matches_single_process(world, kwargs, tiny_config(**overrides), accumulate, clip, STEPS)
+    check_layout_matches_single_process(world, kwargs, tiny_config(**overrides), accumulate, clip, STEPS,
+                                        state_rtol=STATE_RTOL.get(case, 1e-5))
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

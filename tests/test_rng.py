@@ -6,6 +6,12 @@ At model level, a ``GPTModel`` with attention dropout under ``apply_tp(tp=2, tp_
 different attention probabilities on each TP rank: with both ranks' local attention weights made
 identical, their core-attention outputs may then differ only through the dropout masks; a model given no
 ``tp_fork`` (the control) must produce identical ones.
+
+Hidden (and embedding) dropout, as Megatron: without sequence parallelism the activations are replicated over
+TP and dropped on the default stream, so every TP rank drops the same elements and a tp2 run draws exactly
+the masks of a tp1 run (training under tp2 matches tp1 with ``hidden_dropout > 0``); under sequence
+parallelism each TP rank holds its own part of the sequence and drops it on its TP stream, which no tp1 run
+reproduces, but a run repeats exactly.
 """
 from __future__ import annotations
 
@@ -91,6 +97,19 @@ def _rng_worker(rank: int, world: int) -> Dict[str, object]:
                 out["tp_fork_draw_after_forward"] = torch.rand(4)
     torch.manual_seed(99)
     out["default_untouched"] = torch.rand(4)
+
+    # ---- embedding dropout: the default stream without SP, this rank's TP stream under SP
+    cfg = cfg.replace(attention_dropout=0.0, hidden_dropout=0.5)
+    tokens = torch.arange(2 * 16).view(2, 16) % 200
+    for sp in (False, True):
+        torch.manual_seed(SEED)
+        rng = TensorParallelRNG(tensor_parallel_seed(SEED, tp_rank), torch.device("cpu"))
+        model = apply_tp(GPTModel(cfg), group, sequence_parallel=sp, tp_fork=rng.fork)
+        pos = model.positions(tokens)
+        with torch.no_grad():
+            before = model.embedding(tokens.t(), pos)  # [s(/tp under SP), b, h], before dropout
+            torch.manual_seed(99)
+            out[f"embed_sp{sp}"] = (before, model.embed(tokens, pos))
     return out
 
 
@@ -130,3 +149,63 @@ def test_gpt_attention_dropout_uses_tp_stream(results):
     assert not torch.allclose(r0["wired_train"], r1["wired_train"])
     torch.testing.assert_close(r0["control_train"], r1["control_train"], rtol=0, atol=0)
     assert not torch.allclose(r0["control_train"], r0["control_eval"])
+
+
+def _dropout_from(seed: int, x: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return torch.nn.functional.dropout(x, 0.5, True)
+
+
+def test_embedding_dropout_stream(results):
+    r0, r1 = results
+    # without SP: the default stream (the one seeded before the call), the same elements on both TP ranks
+    for r in results:
+        before, got = r["embed_spFalse"]
+        assert torch.equal(got, _dropout_from(99, before))
+        assert 0.3 < (got == 0).float().mean() < 0.7
+    assert torch.equal(r0["embed_spFalse"][1], r1["embed_spFalse"][1])
+    # under SP: each rank's sequence part on its own TP stream (its first draw)
+    for r in results:
+        before, got = r["embed_spTrue"]
+        assert before.shape[0] == 16 // 2
+        assert torch.equal(got, _dropout_from(SEED + MEGATRON_TP_OFFSET + r["tp_rank"], before))
+        assert not torch.equal(got, _dropout_from(99, before))
+
+
+# ------------------------------------------------------------------------------ training with hidden dropout
+DROPOUT_STEPS, DROPOUT_BATCH = 3, 4
+
+
+def _dropout_runs(rank: int, world: int, cfg, samples):
+    """tp2 without SP, then tp2 + SP twice, in the same processes."""
+    from tests.parity import layout_run
+
+    runs = [layout_run(rank, world, cfg, dict(tp=2), samples, DROPOUT_BATCH, 1, None, DROPOUT_STEPS)]
+    for _ in range(2):
+        runs.append(layout_run(rank, world, cfg, dict(tp=2, sequence_parallel=True), samples, DROPOUT_BATCH, 1, None,
+                               DROPOUT_STEPS))
+    return runs
+
+
+def test_hidden_dropout_training():
+    from tests.parity import assert_state_close, layout_run, make_samples, reference_loop, tiny_config
+
+    cfg = tiny_config(hidden_dropout=0.2)
+    samples = make_samples(cfg, DROPOUT_STEPS * DROPOUT_BATCH)
+    tp1 = layout_run(0, 1, cfg, {}, samples, DROPOUT_BATCH, 1, None, DROPOUT_STEPS)  # one process, same strategy
+    no_dropout = reference_loop(tiny_config(), samples, DROPOUT_STEPS, DROPOUT_BATCH)["losses"]
+    tp2, sp_a, sp_b = zip(*run_distributed(_dropout_runs, 2, cfg, samples))
+    # dropout is on: every loss moves away from the run without it by far more than round-off
+    assert all(abs(a - b) > 1e-5 * abs(b) for a, b in zip(tp1["losses"], no_dropout)), (tp1["losses"], no_dropout)
+    assert max(abs(a - b) / abs(b) for a, b in zip(tp1["losses"], no_dropout)) > 1e-3, (tp1["losses"], no_dropout)
+    # tp2 without SP draws the tp1 masks: the same run to float32 round-off
+    for r in tp2:
+        for got, want in zip(r["losses"], tp1["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], tp1["losses"])
+    assert_state_close(tp2[0]["state"], tp1["state"])
+    # tp2 + SP: other masks (per-rank TP streams), but the same ones on every run
+    for a, b in zip(sp_a, sp_b):
+        assert a["losses"] == b["losses"]
+    assert all(torch.equal(v, sp_b[0]["state"][k]) for k, v in sp_a[0]["state"].items())
+    assert sp_a[0]["losses"] != tp1["losses"]

@@ -1,5 +1,5 @@
-"""MegatronStrategy end to end on CPU/gloo: checkpoint resharding and resume, validation loss, the spawn
-launcher, error messages and gradient accumulation, each against a single-process reference.
+"""MegatronStrategy end to end on CPU/gloo: checkpoint resharding and resume, validation and test loss, the
+spawn launcher, error messages and gradient accumulation, each against a single-process reference.
 
 How Lightning 2.6 resumes (what the resume reference is built on): ``trainer.fit(max_steps=2)`` ends with
 the epoch counter advanced (``current_epoch == 1``) although the epoch was cut short, so the checkpoint that
@@ -196,6 +196,55 @@ def test_validate_is_global_token_mean(world, kwargs):
         assert abs(g - want) <= 1e-5 * abs(want), (got, want)
 
 
+TEST_STEPS, TEST_ACCUMULATE, TEST_MICRO_BATCH = 2, 2, 2
+
+
+def run_test_stages(rank, world, cfg, strategy_kwargs, samples, test_samples):
+    """``trainer.test`` of a fresh module, then ``trainer.fit`` and ``trainer.test`` of another module on one
+    Trainer (Lightning's usual order). Returns both test losses; a stage that raised returns its error."""
+    pl.seed_everything(SEED, verbose=False)
+    loader = DataLoader(ListDataset(test_samples), batch_size=TEST_MICRO_BATCH)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), TEST_STEPS)
+    fresh = trainer.test(new_module(cfg, TEST_STEPS), loader)
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, TEST_STEPS)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), TEST_STEPS,
+                          accumulate_grad_batches=TEST_ACCUMULATE)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=TEST_MICRO_BATCH))
+    try:
+        after_fit = trainer.test(module, loader)[0]["test_loss"]
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        after_fit = f"{type(e).__name__}: {e}"
+    return {"fresh": fresh[0]["test_loss"], "after_fit": after_fit}
+
+
+@pytest.fixture(scope="module", params=[(2, dict(tp=2)), (2, dict(pp=2))], ids=["tp2", "pp2"])
+def stages(request):
+    world, kwargs = request.param
+    cfg = tiny_config()
+    samples = make_samples(cfg, TEST_STEPS * TEST_ACCUMULATE * TEST_MICRO_BATCH)
+    test = make_samples(cfg, N_VAL, seed=11)
+    ref = reference_loop(cfg, samples, TEST_STEPS, TEST_MICRO_BATCH, accumulate=TEST_ACCUMULATE)
+    initial = reference_loop(cfg, samples, TEST_STEPS, TEST_MICRO_BATCH, stop_after=0)["module"]
+    return {"results": run_distributed(run_test_stages, world, cfg, kwargs, samples, test),
+            "want_fresh": reference_val_loss(initial, test), "want_after_fit": reference_val_loss(ref["module"], test)}
+
+
+def test_test_loss_is_global_token_mean(stages):
+    """``trainer.test`` logs ``test_loss``, the token-mean over the whole test set, as one process does."""
+    want = stages["want_fresh"]
+    for r in stages["results"]:
+        assert abs(r["fresh"] - want) <= 1e-5 * abs(want), (r["fresh"], want)
+
+
+def test_test_after_fit_on_the_same_trainer(stages):
+    """``trainer.fit(model); trainer.test(model)``: the test loss of the trained weights, as one process."""
+    want = stages["want_after_fit"]
+    for r in stages["results"]:
+        assert isinstance(r["after_fit"], float), r["after_fit"]
+        assert abs(r["after_fit"] - want) <= 1e-5 * abs(want), (r["after_fit"], want)
+
+
 class ValRecorder(pl.Callback):
     def __init__(self) -> None:
         self.values = []
@@ -267,12 +316,6 @@ def test_spawn_launcher_returns_full_weights_to_main_process():
 
 
 # ---------------------------------------------------------------------------------------------- 4. errors
-def test_expert_parallel_sizes_are_accepted():
-    """ep/etp landed (issue #5): the strategy takes them; layout errors come at setup (tests/test_parity_moe.py)."""
-    strategy = MegatronStrategy(ep=2, etp=1)
-    assert (strategy.parallel_config.ep, strategy.parallel_config.etp) == (2, 1)
-
-
 class PlainModule(pl.LightningModule):
     """A LightningModule whose model has no ``tensor_parallel_plan``."""
 

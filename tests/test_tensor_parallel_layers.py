@@ -7,6 +7,9 @@ weights, input and upstream gradient, runs the plain reference (``F.linear`` / `
 the full ``[s, b, h]`` input split along dim 0), and returns (parallel, reference) pairs: outputs and the
 gradients of inputs, weights and biases. The reference shards are cut with index arithmetic written here,
 independently of the library's ``shard_tensor``. The tests then compare them in the main process.
+
+``apply_tp`` with a user plan is checked the same way on a model that is not a GPT: a stack of residual MLP
+blocks whose ``up`` / ``down`` linears are named to ``ColwiseParallel`` / ``RowwiseParallel`` by pattern.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def _ids(prefix: str, variants) -> List[str]:
 COLUMN_CASES = _ids("column", COLUMN_VARIANTS)
 COLUMN_BF16_CASES = _ids("column_bf16", [""])
 ROW_CASES = _ids("row", ["bias", "nobias"])
+PLAN_CASES = _ids("plan", [""])
 EMBEDDING_CASES = _ids("embedding", [""])
 CE_CASES = [f"ce-tp{tp}" for tp in TPS] + [f"ce-tp{tp}-bf16" for tp in TPS]
 CE_FP64_CASES = [f"ce-tp{tp}-fp64" for tp in TPS]
@@ -168,6 +172,72 @@ def _row_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> N
             out[case] = res
 
 
+class _Block(torch.nn.Module):
+    """``x + down(gelu(up(x)))`` on ``[s, b, H]``: a residual MLP block, not a GPT layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(H, OUT)
+        self.down = torch.nn.Linear(OUT, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class _MLPStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(H, 4)  # left out of the plan: stays a plain, replicated nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _plan_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
+    """``apply_tp(model, group, sp, plan={"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})``
+    on a copy of a plain model holding the same weights: outputs and every gradient against the plain model."""
+    import copy
+
+    from lightning_megatron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
+    from lightning_megatron.parallel.tensor_parallel.plan import ColwiseParallel, RowwiseParallel
+
+    for sp in (False, True):
+        case = f"plan-tp{tp}-{'sp' if sp else 'nosp'}"
+        torch.manual_seed(900 + tp + sp)
+        ref = _MLPStack()
+        x, up = torch.randn(S, B, H), torch.randn(S, B, 4)
+        x_ref = _leaf(x)
+        (ref(x_ref) * up).sum().backward()
+        model = apply_tp(copy.deepcopy(ref), group, sp,
+                         plan={"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
+        seq = _rows(S, tp, rank) if sp else slice(None)
+        x_par = _leaf(x[seq])
+        model.zero_grad()
+        y = model(x_par)
+        (y * up[seq]).sum().backward()
+        cols = _cols(OUT, tp, rank)
+        head_grad = model.head.weight.grad.clone()
+        if sp:  # outside the plan, the head saw this rank's part of the sequence: the TP sum is its gradient
+            torch.distributed.all_reduce(head_grad, group=group)
+        res = {
+            "layer_types": ([type(m).__name__ for b in model.blocks for m in (b.up, b.down)]
+                            + [type(model.head).__name__],
+                            [ColumnParallelLinear.__name__, RowParallelLinear.__name__] * 2 + ["Linear"]),
+            "output": (y, ref(x)[seq].detach()),
+            "input_grad": (x_par.grad, x_ref.grad[seq]),
+            "head_weight_grad": (head_grad, ref.head.weight.grad),
+        }
+        for i, (block, block_ref) in enumerate(zip(model.blocks, ref.blocks)):
+            res[f"up{i}_weight_grad"] = (block.up.weight.grad, block_ref.up.weight.grad[cols])
+            res[f"up{i}_bias_grad"] = (block.up.bias.grad, block_ref.up.bias.grad[cols])
+            res[f"down{i}_weight_grad"] = (block.down.weight.grad, block_ref.down.weight.grad[:, cols])
+            res[f"down{i}_bias_grad"] = (block.down.bias.grad, block_ref.down.bias.grad)
+        out[case] = res
+
+
 def _embedding_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
     from lightning_megatron.parallel.tensor_parallel import VocabParallelEmbedding, pad_vocab_size
 
@@ -247,7 +317,7 @@ def _worker(rank: int, world: int) -> Dict[str, Dict[str, Tuple]]:
         group = mesh.group("tp")
         assert mesh.ranks("tp") == list(range(rank // tp * tp, rank // tp * tp + tp))
         tp_rank = dist.get_rank(group)
-        for build in (_column_cases, _column_bf16_cases, _row_cases, _embedding_cases, _ce_cases):
+        for build in (_column_cases, _column_bf16_cases, _row_cases, _embedding_cases, _ce_cases, _plan_cases):
             build(group, tp, tp_rank, out)
     return {case: {k: tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in pair)
                    for k, pair in res.items()} for case, res in out.items()}
@@ -289,6 +359,11 @@ def test_column_parallel_linear_bf16_autocast(results, case):
 
 @pytest.mark.parametrize("case", ROW_CASES)
 def test_row_parallel_linear(results, case):
+    _check(results, case, **FP32)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_apply_tp_with_user_plan(results, case):
     _check(results, case, **FP32)
 
 

@@ -35,7 +35,7 @@ gated attention output, Mamba/hybrid layers.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from lightning_megatron.moe.config import moe_layer_pattern
 from lightning_megatron.parallel.tensor_parallel import pad_vocab_size

@@ -64,6 +64,8 @@ class ParallelConfig:
         num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: uneven pipeline splits.
         grad_reduce_in_bf16: reduce data-parallel gradients in bfloat16 (``--grad-reduce-in-bf16``).
         use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``).
+        compile: ``torch.compile`` each transformer layer (the ``apply_compile`` step of ``parallelize``; models
+            implementing the GPT layout), compiled lazily at its first call.
         delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
             applies (cp > 1, an a2a comm type, tp = 1), resolved against the model by ``parallelize``.
         cp_attention_kernel: kernel of the context-parallel attention blocks on CUDA fp16/bf16, one of
@@ -90,6 +92,7 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = False
     use_distributed_optimizer: bool = False
     delay_wgrad_compute: Optional[bool] = None
+    compile: bool = False
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
@@ -138,6 +141,8 @@ class ParallelConfig:
         elif "a2a+p2p" in types and self.cp > 1:
             raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
         self._check_pipeline()
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.use_distributed_optimizer and self.ep > 1:
             raise ValueError(f"use_distributed_optimizer=True with ep={self.ep} is not supported yet: expert weights "
                              "differ between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "

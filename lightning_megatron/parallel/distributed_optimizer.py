@@ -80,3 +80,15 @@ def gathered_state_dict(optimizer: ZeroRedundancyOptimizer) -> Dict[str, Any]:
     payload: List[Any] = [move_data_to_device(optimizer.state_dict(), cpu) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     return payload[0]
+
+
+def shard_optimizers(optimizers: List[Optimizer], lr_scheduler_configs: List[Any],
+                     group: dist.ProcessGroup) -> List[ZeroRedundancyOptimizer]:
+    """Each optimizer replaced by its states-sharded version over ``group`` (dp x cp); the LR schedulers of
+    ``lr_scheduler_configs`` (Lightning's) are rebound to the new optimizers."""
+    sharded = [shard_optimizer(opt, group) for opt in optimizers]
+    for old, new in zip(optimizers, sharded):
+        for config in lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is old:
+                rebind_lr_scheduler(config.scheduler, new)
+    return sharded

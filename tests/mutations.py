@@ -1,0 +1,346 @@
+"""Mutation check: plant known bugs, one at a time, in a temporary copy of the repository and show that the
+default suite catches each of them.
+
+Run from anywhere (a git checkout is needed: the copy is made from ``git ls-files``)::
+
+    python tests/mutations.py            # every mutation (3 to 4 minutes on 2 busy cores)
+    python tests/mutations.py --list     # the mutations and the tests each one runs
+    python tests/mutations.py --only sp-grads-summed-twice --keep
+
+What it does:
+
+1. copies the checkout's files (tracked, plus untracked ones that git does not ignore, as they are in the working
+   tree) into a temporary directory; the real tree is never written to;
+2. runs the union of the selections below once on the unmutated copy and requires every test to pass (so a broken
+   environment cannot pass for a catch);
+3. for each mutation, makes a fresh copy, applies its exact source replacements (each ``old`` text must occur
+   exactly once in its file, else the script stops: a refactor cannot silently stop the bug from being planted),
+   checks that ``lightning_megatron`` and ``tests`` resolve inside that copy, runs its tests there with
+   ``PYTHONPATH`` set to the copy, and requires pytest to report failed tests (exit status 1 with at least one
+   failure; collection errors or crashes of pytest itself count as "broken", not as a catch);
+4. prints a table (mutation, tests run, outcome, failing test ids) and exits non-zero if any mutation survived or
+   any run was broken.
+
+The selections are small, fast subsets of the default suite chosen to catch the planted bug: the float64 Hugging
+Face comparison (shuffled and gapped position ids) and the RoPE closed forms for RoPE; the float64 SGD tier
+(:mod:`tests.sharp`, weight change at 1e-10) for gradient scale, where a doubled gradient shows at ~1 unclipped
+and at 3e-7 under clipping. The fp32 AdamW tier (1e-5) is left out by default (``--with-fp32`` adds it): AdamW
+divides a constant factor out except through its ``eps``, so all gradients x2 leave the final weights 1.3e-4 off in
+the unclipped tp2-sp case (caught, 13x above the bar) and within the bar in the clipped tp2-sp-clip case (missed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace the one occurrence of ``old`` in ``path`` (relative to the repository root) by ``new``."""
+    path: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A planted bug: its ``edits`` and the pytest node ids that must catch it."""
+    name: str
+    bug: str
+    edits: Tuple[Edit, ...]
+    tests: Tuple[str, ...]
+    fp32_tests: Tuple[str, ...] = field(default=())   # run only with --with-fp32 (informative, not required)
+
+
+GPT = "lightning_megatron/models/gpt.py"
+GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
+STEP = "lightning_megatron/parallel/forward_backward.py"
+
+
+def sharp(case: str) -> str:
+    return f"tests/test_parity_sharp.py::test_layout_matches_float64_reference[{case}]"
+
+
+ROPE_TESTS = (
+    "tests/test_model_reference.py::test_llama_matches_hf",   # 3 cases; position ids shuffled and gapped
+    "tests/test_model_reference.py::test_rotary_rotates_each_pair_by_position_times_frequency",
+    "tests/test_model_reference.py::test_rotary_scores_depend_only_on_relative_position",
+)
+
+MUTATIONS: Tuple[Mutation, ...] = (
+    Mutation(
+        "rope-angles-zero", "rotary_cos_sin multiplies the positions by 0 (RoPE becomes the identity)",
+        (Edit(GPT, "    freqs = position_ids.to(compute).unsqueeze(-1) * inv_freq\n",
+              "    freqs = 0 * position_ids.to(compute).unsqueeze(-1) * inv_freq\n"),),
+        ROPE_TESTS),
+    Mutation(
+        "rope-arange", "GPTModel.rotary builds its tables from arange(s) instead of the given positions",
+        (Edit(GPT, "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)\n",
+              "        pos = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)\n"
+              "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)\n"),),
+        ROPE_TESTS),
+    Mutation(
+        "sp-grads-summed-twice", "allreduce_sequence_parallel_grads sums the SP norm/bias gradients over TP twice "
+        "(x tp)",
+        (Edit(GRAD_SYNC, "    _allreduce_grads(params, group, average=False)\n",
+              "    _allreduce_grads(params, group, average=False)\n"
+              "    _allreduce_grads(params, group, average=False)\n"),),
+        (sharp("tp2-sp"), sharp("tp2-sp-clip"))),
+    Mutation(
+        "loss-x2-plain-loop", "the plain (no pipeline) loop backpropagates twice the loss: every gradient x2",
+        (Edit(STEP, "fns.backward(fns.scale_loss(loss_sum * dp / counts[i] / m))",
+              "fns.backward(fns.scale_loss(2 * loss_sum * dp / counts[i] / m))"),),
+        (sharp("dp2"), sharp("tp2-sp-clip")),
+        fp32_tests=("tests/test_parity_tp_dp.py::test_matches_single_process[tp2-sp]",
+                    "tests/test_parity_tp_dp.py::test_matches_single_process[tp2-sp-clip]")),
+    Mutation(
+        "loss-x2-pipeline", "the pipeline loss_fn returns twice the loss: every gradient x2 under pp",
+        (Edit(STEP, "return fns.scale_loss(loss_sum * dp / counts[index])",
+              "return fns.scale_loss(2 * loss_sum * dp / counts[index])"),),
+        (sharp("pp2-1f1b"), sharp("pp2-tied-clip")),
+        fp32_tests=("tests/test_parity_pp.py::test_pipeline_matches_single_process[pp2-1f1b]",)),
+)
+
+
+# ------------------------------------------------------------------------------------------------ the copy
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+
+
+def checkout_files() -> List[str]:
+    """Tracked files and untracked, not ignored ones (relative paths) that exist in the working tree."""
+    try:
+        out = git("ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"{ROOT} must be a git checkout with git on PATH (the copy is made from git ls-files): "
+                           f"{e}") from e
+    files = sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
+    if not files:
+        raise RuntimeError(f"git ls-files listed no files under {ROOT}")
+    return files
+
+
+def make_copy(files: Sequence[str], dest: Path) -> Path:
+    for rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target, follow_symlinks=False)
+    return dest
+
+
+def check_edits(root: Path, edits: Sequence[Edit]) -> None:
+    """Every ``old`` text occurs exactly once in its file under ``root`` (raises RuntimeError otherwise)."""
+    for e in edits:
+        path = root / e.path
+        if not path.is_file():
+            raise RuntimeError(f"mutation target {e.path} does not exist under {root}")
+        n = path.read_text(encoding="utf-8").count(e.old)
+        if n != 1:
+            raise RuntimeError(f"mutation target text occurs {n} times (must be exactly 1) in {e.path}; update the "
+                               f"mutation in tests/mutations.py to the current source:\n{e.old}")
+
+
+def apply_edits(copy: Path, edits: Sequence[Edit]) -> None:
+    check_edits(copy, edits)
+    for e in edits:
+        path = (copy / e.path).resolve()
+        if copy.resolve() not in path.parents:
+            raise RuntimeError(f"refusing to edit {path}: outside the temporary copy {copy}")
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text.replace(e.old, e.new), encoding="utf-8")
+
+
+def child_env(copy: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy)
+    return env
+
+
+def check_imports_resolve_in(copy: Path) -> None:
+    """``lightning_megatron`` and ``tests`` must be found in ``copy`` (not in an installed or other checkout)."""
+    code = ("import importlib.util as u; "
+            "print(u.find_spec('lightning_megatron').origin); print(u.find_spec('tests').origin)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=child_env(copy), capture_output=True,
+                         text=True, check=True).stdout.split()
+    for origin in out:
+        if copy.resolve() not in Path(origin).resolve().parents:
+            raise RuntimeError(f"{origin} is imported instead of the copy in {copy}: an installed package shadows "
+                               f"PYTHONPATH; run with an environment where the checkout is not installed "
+                               f"non-editable")
+
+
+# ------------------------------------------------------------------------------------------------ pytest runs
+@dataclass
+class RunResult:
+    rc: int
+    passed: List[str]
+    failed: List[str]
+    errors: List[str]
+    skipped: List[str]
+    seconds: float
+    log: Path
+
+
+def node_id(case: ET.Element) -> str:
+    module, name = case.get("classname", ""), case.get("name", "")
+    return f"{module.replace('.', '/')}.py::{name}" if module else name   # no class name: a collection error
+
+
+def run_pytest(copy: Path, tests: Sequence[str], logdir: Path, label: str, timeout: float) -> RunResult:
+    report, log = logdir / f"{label}.xml", logdir / f"{label}.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", f"--junitxml={report}", *tests]
+    start = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(cmd, cwd=copy, env=child_env(copy), stdout=out, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+            out.write(f"\n[mutations] pytest killed after {timeout:.0f} s\n")
+    seconds = time.monotonic() - start
+    res = RunResult(rc, [], [], [], [], seconds, log)
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            bucket = (res.failed if "failure" in kinds else res.errors if "error" in kinds
+                      else res.skipped if "skipped" in kinds else res.passed)
+            bucket.append(node_id(case))
+    return res
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------------------------------------ main
+def short(test_id: str) -> str:
+    return test_id.replace("tests/", "", 1).replace("test_layout_matches_float64_reference", "sharp")
+
+
+def print_table(rows: List[Tuple[str, str, str, List[str]]]) -> None:
+    heads = ("mutation", "tests run", "outcome", "failing test ids")
+    w0 = max(len(heads[0]), *(len(r[0]) for r in rows))
+    w1 = max(len(heads[1]), *(len(r[1]) for r in rows))
+    w2 = max(len(heads[2]), *(len(r[2]) for r in rows))
+    line = f"{heads[0]:<{w0}}  {heads[1]:<{w1}}  {heads[2]:<{w2}}  {heads[3]}"
+    print(line)
+    print("-" * len(line))
+    for name, ran, outcome, failing in rows:
+        first, *rest = failing or ["-"]
+        print(f"{name:<{w0}}  {ran:<{w1}}  {outcome:<{w2}}  {short(first)}")
+        for f in rest:
+            print(f"{'':<{w0}}  {'':<{w1}}  {'':<{w2}}  {short(f)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=[m.name for m in MUTATIONS], metavar="NAME",
+                        help="run only this mutation (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    parser.add_argument("--with-fp32", action="store_true",
+                        help="also run the fp32 AdamW parity cases listed for the gradient-scale mutations "
+                             "(informative: the unclipped ones catch them narrowly, the clipped one does not)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies and pytest logs")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per pytest run")
+    args = parser.parse_args(argv)
+
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.bug}")
+            for e in m.edits:
+                print(f"  edit {e.path}: {e.old.strip()!r} -> {e.new.strip()!r}")
+            for t in m.tests:
+                print(f"  test {t}")
+            for t in m.fp32_tests:
+                print(f"  fp32 {t} (--with-fp32)")
+        return 0
+
+    files = checkout_files()
+    for m in chosen:   # fail before any run if a target moved
+        check_edits(ROOT, m.edits)
+    dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    commit = git("rev-parse", "--short=12", "HEAD").strip() + (" (+ uncommitted changes)" if dirty else "")
+    load = os.getloadavg()
+    print(f"mutation check of {ROOT} at {commit}; {len(files)} files copied per run")
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} "
+          f"{load[2]:.1f} at start", flush=True)
+
+    def selection(m: Mutation) -> Tuple[str, ...]:
+        return m.tests + (m.fp32_tests if args.with_fp32 else ())
+
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="lm-mutations-"))
+    logs = tmp / "logs"
+    logs.mkdir()
+    rows: List[Tuple[str, str, str, List[str]]] = []
+    survived = 0
+    try:
+        union = list(dict.fromkeys(t for m in chosen for t in selection(m)))
+        base = make_copy(files, tmp / "baseline")
+        check_imports_resolve_in(base)
+        res = run_pytest(base, union, logs, "baseline", args.timeout)
+        print(f"baseline: {len(res.passed)} passed, {len(res.failed)} failed, {len(res.errors)} errors, "
+              f"{len(res.skipped)} skipped, exit {res.rc} ({res.seconds:.0f} s)", flush=True)
+        if res.rc != 0 or not res.passed or res.failed or res.errors or res.skipped:
+            print(tail(res.log))
+            print(f"\nthe unmutated copy does not pass the selection (log: {res.log}); a catch would mean nothing. "
+                  f"Fix the tree or the environment first.")
+            args.keep = True
+            return 2
+        rows.append(("(none: baseline)", f"{len(res.passed)} test{'s' * (len(res.passed) != 1)}, {res.seconds:.0f} s",
+                     "passed", []))
+        if not args.keep:
+            shutil.rmtree(base)
+
+        for m in chosen:
+            copy = make_copy(files, tmp / m.name)
+            apply_edits(copy, m.edits)
+            check_imports_resolve_in(copy)
+            res = run_pytest(copy, selection(m), logs, m.name, args.timeout)
+            total = len(res.passed) + len(res.failed) + len(res.errors) + len(res.skipped)
+            if res.rc == 1 and res.failed:
+                outcome = "caught"
+            elif res.rc == 0:
+                outcome, survived = "SURVIVED", survived + 1
+            else:
+                outcome, survived = f"BROKEN (exit {res.rc})", survived + 1
+            ran = f"{total} test{'s' * (total != 1)}, {res.seconds:.0f} s"
+            rows.append((m.name, ran, outcome, res.failed + [f"{e} (error)" for e in res.errors]))
+            print(f"{m.name}: {outcome}, {len(res.failed)}/{total} failed ({res.seconds:.0f} s)", flush=True)
+            if outcome != "caught":
+                print(tail(res.log))
+            if not args.keep:
+                shutil.rmtree(copy)
+    finally:
+        if args.keep:
+            print(f"temporary copies and logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    load = os.getloadavg()
+    print(f"\ntotal {time.monotonic() - start:.0f} s; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at end\n")
+    print_table(rows)
+    print()
+    for m in chosen:
+        print(f"{m.name}: {m.bug}")
+    if survived:
+        print(f"\n{survived} mutation(s) not caught")
+        return 1
+    print(f"\nall {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
