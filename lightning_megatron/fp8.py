@@ -193,8 +193,25 @@ def _col_major(t: Tensor) -> Tensor:
 
 
 def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``(a / scale_a) @ (b / scale_b)``: ``a`` row-major, ``b`` column-major, scales are the quantisation scales."""
-    return torch._scaled_mm(a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+    """``(a / scale_a) @ (b / scale_b)``: ``a`` row-major, ``b`` column-major, scales are the quantisation scales.
+    Scales of one per row / column (rowwise) give bf16 out (what cuBLAS supports), cast to ``out_dtype``."""
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    out = torch._scaled_mm(a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=mm_dtype)
+    return out.to(out_dtype)
+
+
+def _pad_tokens(a_t: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Zero-pad the token dimension (the reduction dimension of the weight-gradient GEMM ``a_t [out, N] @ b [N, in]``)
+    to a multiple of :data:`GEMM_ALIGNMENT` (cuBLAS FP8 needs it; the zeros add nothing). Rowwise scales along N
+    (``scale_b [1, in]`` from N) are unchanged; ``b`` stays column-major."""
+    n = a_t.shape[1]
+    pad = -n % GEMM_ALIGNMENT
+    if pad == 0:
+        return a_t, b, scale_a, scale_b
+    a_t = torch.cat([a_t, a_t.new_zeros(a_t.shape[0], pad)], dim=1)
+    b = _col_major(torch.cat([b, b.new_zeros(pad, b.shape[1])], dim=0))
+    return a_t, b, scale_a, scale_b
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -325,8 +342,8 @@ class _Float8LinearFn(torch.autograd.Function):
                 gt = g2.t()
                 sg = _rowwise_scale(gt, 1, bwd, cfg.margin)                  # [out, 1]
                 sx = _rowwise_scale(x2, 0, fwd, cfg.margin)                  # [1, in]
-                grad_w = _scaled_mm(quantize(gt, sg, bwd).contiguous(), _col_major(quantize(x2, sx, fwd)), sg, sx,
-                                    out_dtype)
+                grad_w = _scaled_mm(*_pad_tokens(quantize(gt, sg, bwd).contiguous(),
+                                                 _col_major(quantize(x2, sx, fwd)), sg, sx), out_dtype)
         else:
             xq, wq, sx, sw = ctx.saved_tensors
             sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
@@ -334,7 +351,7 @@ class _Float8LinearFn(torch.autograd.Function):
             if need_x:
                 grad_x = _scaled_mm(gq, _col_major(wq), sg, sw, out_dtype)
             if need_w:
-                grad_w = _scaled_mm(gq.t().contiguous(), _col_major(xq), sg, sx, out_dtype)
+                grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), out_dtype)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if grad_w is not None:

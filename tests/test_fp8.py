@@ -88,6 +88,23 @@ def test_three_gemms_match_float64_at_fp8_error(recipe, fmt, grad_bound):
         assert gemm(x, w).dtype == torch.bfloat16   # the compute dtype of the step
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_token_count_not_a_multiple_of_16(recipe):
+    """21 tokens: the weight-gradient GEMM (reduction over tokens) pads them with zeros to 32 (cuBLAS FP8 needs
+    multiples of 16): the gradients equal those of the same tokens followed by 11 zero tokens, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(21, 32, generator=g), torch.randn(21, 48, generator=g)
+    w = torch.randn(48, 32, generator=g) * 0.05
+    grads = []
+    for rows in (21, 32):
+        xp = torch.cat([x, x.new_zeros(rows - 21, 32)]).requires_grad_()
+        wp = w.clone().requires_grad_()
+        Float8Gemm(Float8Config(recipe=recipe, backend="torch"))(xp, wp).backward(
+            torch.cat([dy, dy.new_zeros(rows - 21, 48)]))
+        grads.append((wp.grad, xp.grad[:21]))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_rowwise_scales_keep_small_rows_next_to_a_huge_one():
     """One row 1e5 times the others: one tensor scale pushes the others into e4m3's subnormals (measured error 0.57),
     a scale per row keeps them at FP8's usual 0.039."""
