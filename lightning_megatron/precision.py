@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Optional, Union
 
@@ -86,8 +87,6 @@ class MegatronPrecision(MixedPrecision):
         loss_scale_window: int = 1000,
         **unknown: Any,
     ) -> None:
-        import inspect
-
         check_keywords("MegatronPrecision", unknown,
                        [n for n in inspect.signature(MegatronPrecision.__init__).parameters
                         if n not in ("self", "unknown")])
