@@ -62,7 +62,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                 monitor)]
     if plan.checkpoint_kwargs is not None:  # --save: last.ckpt at the end, and every --save-interval steps
         callbacks.append(LastCheckpoint(**plan.checkpoint_kwargs))
-    trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, **plan.trainer_kwargs)
+    # --bf16 / --fp16 / --fp8-*: MegatronPrecision (mixed precision, fp16 loss scaling over all ranks, FP8 GEMMs)
+    plugins = [plan.precision] if plan.precision is not None else None
+    trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, plugins=plugins, **plan.trainer_kwargs)
 
     if trainer.is_global_zero:
         for note in plan.notes:

@@ -16,6 +16,7 @@ from lightning_megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
+from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.strategy import MegatronStrategy
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "ParallelMesh",
     "DeferredWgrad",
     "MegatronStrategy",
+    "MegatronPrecision",
     "parallelize",
     "ParallelizedModel",
     "ColumnParallelLinear",

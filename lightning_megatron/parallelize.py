@@ -8,7 +8,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute                         parallel/recompute.py
-    apply_fp8        FP8 GEMMs                       (slot: none yet)
+    apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  fp8.py
     apply_compile    torch.compile of each transformer layer (compile=True)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
     materialize      allocate this rank's shards, initialise them layout-independently
@@ -27,7 +27,9 @@ from typing import Callable, ContextManager, List, Optional, Set
 import torch
 from torch import nn
 
+from lightning_megatron import fp8 as fp8_layers
 from lightning_megatron.contract import InitialisableModel, PipelineModel, TensorParallelModel
+from lightning_megatron.fp8 import Float8Config, Float8Layers
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
@@ -53,6 +55,7 @@ class ParallelizedModel:
         pipeline: this rank's pipeline stages (pp > 1), else None.
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
         layout: the layout it was split under (a second call with another layout is refused).
+        fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
     """
 
     module: nn.Module
@@ -63,10 +66,17 @@ class ParallelizedModel:
     pipeline: Optional[PipelineStages] = None
     delay_wgrad: bool = False
     layout: str = ""
+    fp8: Optional[Float8Layers] = None
 
 
-def apply_fp8(module: nn.Module, config: ParallelConfig) -> None:
-    """Slot for FP8 GEMMs (Transformer Engine or torch-native): nothing to apply yet."""
+def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
+              mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
+    """FP8 local GEMMs for the linear layers (:func:`lightning_megatron.fp8.apply_fp8`) when ``fp8`` is given (its
+    backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups of ``mesh``."""
+    if fp8 is None:
+        return None
+    groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
+    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups)
 
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
@@ -126,7 +136,8 @@ def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,
                 tp_fork: Optional[Callable[[], ContextManager]] = None,
                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                tp_rng: Optional[TensorParallelRNG] = None) -> ParallelizedModel:
+                tp_rng: Optional[TensorParallelRNG] = None,
+                fp8: Optional[Float8Config] = None) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -139,6 +150,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             each pipeline stage's forward (the precision plugin's autocast).
         tp_rng: the per-TP-rank stream itself (its ``fork`` is the default ``tp_fork``); activation recompute
             replays it in recomputed forwards.
+        fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.fp8.Float8Config`, backend resolved;
+            :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
 
     Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
     returned as it is, with the record of the first call, when the layout is the same.
@@ -175,20 +188,22 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     delay_wgrad = apply_cp(models, mesh, config)
     apply_ep(models, mesh, config)
     apply_recompute(module, config, tp_rng)
-    apply_fp8(module, config)
+    fp8_applied = apply_fp8(module, config, fp8, mesh)
     apply_compile(models, config)
     pipeline = None
     if config.pp > 1:
         if len(models) != 1:
             raise ValueError(f"pp={config.pp} needs exactly one model with the GPT layout, found {len(models)}")
         pipeline = split_pipeline(models[0], mesh.rank("pp"), config, forward_context)
+        if fp8_applied is not None:
+            fp8_applied.retain(module)
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
-        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config),
+        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
     )
     module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
     return record

@@ -28,6 +28,8 @@ class StepPath:
     def __init__(self, strategy: "MegatronStrategy", pipeline: Optional[PipelineRunner]) -> None:
         self.strategy, self.pipeline = strategy, pipeline
         self.microbatches: List[Any] = []
+        #: micro-batches of the last optimizer step (the FP8 delayed recipe counts its last uses)
+        self.step_microbatches: Optional[int] = None
 
     def functions(self, context: Callable[[], Any]) -> step.StepFunctions:
         """The module's step pieces; without a pipeline its forward and loss run inside ``context`` (the precision
@@ -63,9 +65,12 @@ class StepPath:
             return torch.zeros((), device=strategy.root_device)
         microbatches, self.microbatches = self.microbatches, []
         m, dp = len(microbatches), mesh.size("dp_cp")
+        self.step_microbatches = m
         for optimizer in strategy.optimizers:   # Lightning's zero_grad is off with its backward
             optimizer.zero_grad(set_to_none=True)
-        lm.set_moe_aux_loss_scale(float(dp) if self.pipeline is not None else dp / m)
+        scaler = getattr(strategy.precision_plugin, "scaler", None)   # fp16: the aux losses get the loss scale too
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        lm.set_moe_aux_loss_scale((float(dp) if self.pipeline is not None else dp / m) * loss_scale)
         ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
         loss = step.forward_backward(microbatches, self.functions(strategy.precision_plugin.train_step_context),
                                      device=strategy.root_device, dp_group=mesh.group("dp_cp"), dp=dp,

@@ -53,6 +53,7 @@ from lightning_megatron.parallel.state_dict import (
 )
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
+from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.step_path import StepPath
 
 log = logging.getLogger(__name__)
@@ -217,9 +218,11 @@ class MegatronStrategy(DDPStrategy):
                 "ParallelLightningModule (forward_step, loss_sum, token_count, ...): under pipeline parallelism the "
                 "strategy runs the schedule and needs the module's step pieces (see ParallelGPTModule)"
             )
+        plugin = self.precision_plugin
+        fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed,
                                         tp_rng=self.tp_rng,
-                                        forward_context=self.precision_plugin.forward_context)
+                                        forward_context=self.precision_plugin.forward_context, fp8=fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline
@@ -300,7 +303,7 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
-        self._grads.finalize()
+        self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
         self._grads.guard.step = self.lightning_module.trainer.global_step
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
             self._grads.guard.check_grads()

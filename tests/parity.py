@@ -2,7 +2,7 @@
 (the reference) and under MegatronStrategy in several gloo processes."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -288,3 +288,65 @@ def model_loss_and_grads(cfg: GPTConfig, batch: Sequence[torch.Tensor], configur
     loss = model(batch[0], position_ids=batch[2], labels=batch[1]).sum()
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------- with a precision plugin
+class InitialState(pl.Callback):
+    """The full model state at the start of training (rank 0; collective on every rank)."""
+
+    def __init__(self) -> None:
+        self.state: Optional[Dict[str, torch.Tensor]] = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        state = trainer.strategy.lightning_module_state_dict()
+        self.state = {k: v.detach().cpu().clone() for k, v in state.items()} if trainer.global_rank == 0 else None
+
+
+def plugin_layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any],
+                      precision: Dict[str, Any], samples, micro_batch: int, accumulate: int, clip: Optional[float],
+                      steps: int) -> Dict[str, Any]:
+    """One rank of a ``steps``-step AdamW run under ``MegatronStrategy(**strategy_kwargs)`` with
+    ``MegatronPrecision(**precision)``: the loss of each step and (rank 0) the full ``initial`` and ``final``
+    states, on the CPU. ``world=1`` with ``strategy_kwargs={}`` is the one-process reference of runs whose numerics
+    the plain loop of :func:`reference_loop` does not reproduce (FP8, fp16)."""
+    from lightning_megatron import MegatronPrecision
+
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(cfg, steps)
+    recorder, initial = StepLossRecorder(accumulate), InitialState()
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, callbacks=[recorder, initial],
+                          plugins=[MegatronPrecision(**precision)], gradient_clip_val=clip,
+                          accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
+    final = trainer.strategy.lightning_module_state_dict()
+    fp8 = trainer.strategy.parallelized.fp8
+    return {"losses": recorder.losses, "initial": initial.state,
+            "final": {k: v.detach().cpu().clone() for k, v in final.items()} if rank == 0 else None,
+            "fp8_converted": fp8.converted if fp8 is not None else None}
+
+
+def run_plugin_cases(rank: int, world: int, cases: Sequence[Tuple[str, Tuple]]) -> Dict[str, Any]:
+    """Each ``(name, plugin_layout_run arguments)`` in turn in this one process group (one spawn for all); a
+    case that raises gives its traceback instead of a result."""
+    import traceback
+
+    out: Dict[str, Any] = {}
+    for name, args in cases:
+        try:
+            out[name] = plugin_layout_run(rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the case's test
+            out[name] = traceback.format_exc()
+    return out
+
+
+def weight_change_errors(result: Dict[str, Any], ref: Dict[str, Any]) -> Dict[str, float]:
+    """Per parameter ``||(final - initial) - (final_ref - initial_ref)|| / ||final_ref - initial_ref||`` after
+    checking that both runs started from the same weights (exactly)."""
+    assert result["initial"].keys() == ref["initial"].keys() == ref["final"].keys() == result["final"].keys()
+    errors = {}
+    for k, init in ref["initial"].items():
+        assert torch.equal(result["initial"][k], init), f"{k}: the runs start from different weights"
+        want = (ref["final"][k] - init).double()
+        got = (result["final"][k] - result["initial"][k]).double()
+        errors[k] = float((got - want).norm() / want.norm().clamp(min=1e-30))
+    return errors

@@ -153,6 +153,19 @@ def test_precision_kind():
         torch.set_float32_matmul_precision(before)
 
 
+def test_fp8_gemms_count_mfu_against_bf16_and_also_fp8():
+    """MegatronPrecision(fp8=...) keeps ``mfu`` against the bf16 peak; ``mfu_fp8`` uses the FP8 peak."""
+    from lightning_megatron import MegatronPrecision
+    from lightning_megatron.callbacks.mfu import fp8_mfu_peak
+
+    fp8 = MegatronPrecision("bf16-mixed", fp8="hybrid")
+    assert precision_kind(fp8) == "bf16"
+    assert fp8_mfu_peak(fp8, "NVIDIA H200") == device_peak_flops("NVIDIA H200", "fp8") == 1978e12
+    assert fp8_mfu_peak(MegatronPrecision("bf16-mixed"), "NVIDIA H200") is None
+    assert fp8_mfu_peak(fp8, "NVIDIA H200", precision="fp8") is None    # mfu already counts against fp8
+    assert fp8_mfu_peak(fp8, "NVIDIA A100-SXM4-80GB") is None           # no fp8 tensor cores
+
+
 # ------------------------------------------------------------------------------------------ the monitor
 MICRO_BATCH, ACCUMULATE, STEPS, EVERY = 2, 2, 4, 2
 PEAK = 1e11

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_megatron.strategy import LAYOUT_OPTIONS
-from lightning_megatron import GPTConfig, MegatronStrategy, MFUMonitor, ParallelGPTModule
+from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, MFUMonitor, ParallelGPTModule
 from lightning_megatron.cli import (
     FLAG_MAPPING,
     FlagError,
@@ -100,7 +100,8 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(tmp_path):
     assert plan.module_kwargs == dict(lr=3e-4, min_lr=3e-5, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.99,
                                       adam_eps=1e-8, lr_warmup_iters=10, lr_decay_iters=900, lr_decay_style="linear")
     t = plan.trainer_kwargs
-    assert (t["accelerator"], t["devices"], t["precision"], t["max_steps"]) == ("gpu", 8, "bf16-mixed", 1000)
+    assert (t["accelerator"], t["devices"], t["max_steps"]) == ("gpu", 8, 1000) and "precision" not in t
+    assert plan.precision_kwargs == dict(precision="bf16-mixed") and plan.precision.precision == "bf16-mixed"
     assert t["accumulate_grad_batches"] == 16
     assert t["val_check_interval"] == 50 * 16  # Lightning counts micro-batches, Megatron optimizer steps
     assert t["gradient_clip_val"] == 0.5 and t["log_every_n_steps"] == 5 and t["enable_checkpointing"]
@@ -299,6 +300,14 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--split", "9,1,0"], "--split needs --data-path"),
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--bf16", "--precision", "16-mixed"], "--bf16 means --precision bf16-mixed"),
+    (["--fp8-recipe", "tensorwise"], "precision flags: MegatronPrecision(fp8_recipe='tensorwise') sets FP8 options "
+                                     "without fp8"),
+    (["--fp8-format", "hybrid", "--fp8-backend", "te"], "Transformer Engine runs on CUDA GPUs only"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "fp8_recipe='mxfp8' needs fp8_backend='te'"),
+    (["--fp8-format", "hybrid", "--first-last-layers-bf16"], "does not work with fp8_recipe='delayed'"),
+    (["--fp8-format", "e4m3", "--fp8-hybrid"], "--fp8-hybrid contradicts --fp8-format e4m3"),
+    (["--fp8-format", "hybrid", "--precision", "bf16-true"], "MegatronPrecision keeps fp32 parameters"),
+    (["--bf16", "--initial-loss-scale", "1024"], "apply to precision='16-mixed' only"),
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt"),
     (["--min-lr", "1.0"], "--min-lr"),
@@ -335,8 +344,8 @@ def test_unknown_flags_are_listed(capsys):
 
 
 NOT_SUPPORTED = [
-    ["--fp8-hybrid"], ["--fp8-format", "hybrid"], ["--overlap-grad-reduce"], ["--overlap-param-gather"],
-    ["--tp-comm-overlap"], ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
+    ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
+    ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
 ]
 
 
@@ -352,15 +361,19 @@ def test_every_refused_flag_is_tested():
 
 
 def test_several_not_supported_flags_are_all_named(capsys):
-    err = exit_message(["--fp8-hybrid", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
-    for flag in ("--fp8-hybrid (FP8 training)", "--use-torch-fsdp2 (FSDP)",
+    err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
+    for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP)",
                  "--tp-comm-overlap (tensor-parallel communication overlap)"):
         assert flag in err
 
 
 def test_precision_tokenizers_and_load(tmp_path):
-    assert plan_of(["--bf16"]).trainer_kwargs["precision"] == "bf16-mixed"
-    assert plan_of(["--fp16"]).trainer_kwargs["precision"] == "16-mixed"
+    assert plan_of(["--bf16"]).precision_kwargs == dict(precision="bf16-mixed")
+    assert plan_of(["--fp16"]).precision.scaler is None and plan_of(["--fp16"]).precision.precision == "16-mixed"
+    assert plan_of(["--precision", "bf16-mixed"]).trainer_kwargs["precision"] == "bf16-mixed"   # Lightning's own
+    fp8 = plan_of(["--bf16", "--fp8-format", "hybrid"])
+    assert isinstance(fp8.precision, MegatronPrecision) and "precision" not in fp8.trainer_kwargs
+    assert (fp8.precision.fp8, fp8.precision.fp8_config.recipe) == ("hybrid", "delayed")
     byte = plan_of(["--tokenizer-type", "ByteTokenizer"])
     assert byte.data_kwargs["tokenizer"] == "byte" and byte.config.vocab_size == 257
     null = plan_of(["--data-path", "x", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--eod-mask-loss"])
@@ -382,6 +395,7 @@ TARGET_OWNERS = {  # "Class" of a "Class.argument" target -> the callable whose 
     "GPTConfig": GPTConfig, "MegatronStrategy": MegatronStrategy, "ParallelGPTModule": ParallelGPTModule,
     "Trainer": pl.Trainer, "TinyCorpusDataModule": TinyCorpusDataModule, "GPTDataModule": GPTDataModule,
     "MFUMonitor": MFUMonitor, "ModelCheckpoint": ModelCheckpoint, "seed_everything": pl.seed_everything,
+    "MegatronPrecision": MegatronPrecision,
     "Trainer.fit": pl.Trainer.fit,
 }
 
@@ -396,7 +410,7 @@ def value_at(plan, target):
     source = {
         "GPTConfig": dataclasses.asdict(plan.config), "MegatronStrategy": plan.strategy_kwargs,
         "ParallelGPTModule": plan.module_kwargs, "Trainer": plan.trainer_kwargs, "MFUMonitor": plan.mfu_kwargs,
-        "ModelCheckpoint": plan.checkpoint_kwargs,
+        "ModelCheckpoint": plan.checkpoint_kwargs, "MegatronPrecision": plan.precision_kwargs,
         "TinyCorpusDataModule": plan.data_kwargs if isinstance(plan.data_module, TinyCorpusDataModule) else None,
         "GPTDataModule": plan.data_kwargs if isinstance(plan.data_module, GPTDataModule) else None,
     }[owner]
@@ -410,6 +424,8 @@ PP2 = TP1 + ["--global-batch-size", "16"]  # with --pipeline-model-parallel-size
 MOE = ["--num-experts", "4"]
 EOD = ["--data-path", "x", "--eod-mask-loss", "--tokenizer-type", "ByteTokenizer"]
 RECOMPUTE_FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+FP8 = ["--bf16", "--fp8-format", "hybrid"]
+FP8_CS = FP8 + ["--fp8-recipe", "tensorwise"]
 # (context, argv, {target: value}), the flag under test being argv[0]: added to the context, it must give each
 # target that value, which must differ from the context's alone (a parsed flag whose value goes nowhere fails)
 CASES = [
@@ -489,9 +505,24 @@ CASES = [
     ([], ["--clip-grad", "0.5"], {"Trainer.gradient_clip_val": 0.5}),
     ([], ["--seed", "7"], {"seed_everything.seed": 7}),
     (GPT_DATA, ["--seed", "7"], {"GPTDataModule.seed": 7}),
-    ([], ["--bf16"], {"Trainer.precision": "bf16-mixed"}),
-    ([], ["--fp16"], {"Trainer.precision": "16-mixed"}),
+    ([], ["--bf16"], {"MegatronPrecision.precision": "bf16-mixed"}),
+    ([], ["--fp16"], {"MegatronPrecision.precision": "16-mixed"}),
     ([], ["--precision", "bf16-true"], {"Trainer.precision": "bf16-true"}),
+    (["--fp8-format", "hybrid"], ["--precision", "bf16-mixed"], {"MegatronPrecision.precision": "bf16-mixed"}),
+    (["--fp16"], ["--initial-loss-scale", "1024"], {"MegatronPrecision.initial_loss_scale": 1024.0}),
+    (["--fp16"], ["--loss-scale-window", "100"], {"MegatronPrecision.loss_scale_window": 100}),
+    ([], ["--fp8-format", "e4m3"], {"MegatronPrecision.fp8": "e4m3"}),
+    ([], ["--fp8-hybrid"], {"MegatronPrecision.fp8": "hybrid"}),
+    (FP8, ["--fp8-recipe", "tensorwise"], {"MegatronPrecision.fp8_recipe": "tensorwise"}),
+    (FP8, ["--fp8-margin", "1"], {"MegatronPrecision.fp8_margin": 1}),
+    (FP8, ["--fp8-amax-history-len", "16"], {"MegatronPrecision.fp8_amax_history_len": 16}),
+    (FP8, ["--fp8-amax-compute-algo", "max"], {"MegatronPrecision.fp8_amax_compute_algo": "max"}),
+    (FP8, ["--fp8-backend", "torch"], {"MegatronPrecision.fp8_backend": "torch"}),
+    (FP8_CS, ["--first-last-layers-bf16"], {"MegatronPrecision.first_last_layers_bf16": True}),
+    (FP8_CS + ["--first-last-layers-bf16"], ["--num-layers-at-start-in-bf16", "2"],
+     {"MegatronPrecision.num_layers_at_start_in_bf16": 2}),
+    (FP8_CS + ["--first-last-layers-bf16"], ["--num-layers-at-end-in-bf16", "0"],
+     {"MegatronPrecision.num_layers_at_end_in_bf16": 0}),
     ([], ["--eval-interval", "50"], {"Trainer.val_check_interval": 50}),
     ([], ["--eval-iters", "3"], {"Trainer.limit_val_batches": 3}),
     (GPT_DATA, ["--eval-iters", "3"], {"GPTDataModule.eval_iters": 3}),

@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_megatron.callbacks.flops import num_floating_point_operations
 
-__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "precision_kind"]
+__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "precision_kind", "fp8_mfu_peak"]
 
 # Dense (no structured sparsity) peak tensor FLOP/s of one GPU, from NVIDIA's datasheets (datasheet values
 # "with sparsity" halved). fp16 is the same as bf16. fp32 is the plain (non-tensor-core) rate. The SXM
@@ -134,6 +134,15 @@ def peak_memory_gib(device: Union[str, torch.device]) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def fp8_mfu_peak(plugin: Any, device_name: str, precision: Optional[str] = None) -> Optional[float]:
+    """The FP8 peak of ``device_name`` when ``plugin`` runs FP8 GEMMs (its ``fp8`` is set, as
+    ``MegatronPrecision(fp8="hybrid")``) while ``mfu`` counts against another peak (``precision`` or
+    :func:`precision_kind`): MFUMonitor then also logs ``mfu_fp8``. None otherwise or for an unknown device."""
+    if not getattr(plugin, "fp8", None) or (precision or precision_kind(plugin)) == "fp8":
+        return None
+    return device_peak_flops(device_name, "fp8")
+
+
 def _data_parallel_size(trainer: "pl.Trainer") -> int:
     strategy = trainer.strategy
     mesh = getattr(strategy, "mesh", None)
@@ -152,7 +161,9 @@ class MFUMonitor(Callback):
     """Logs ``step_time`` (s per optimizer step), ``tokens_per_sec`` (global), ``tokens_per_sec_per_gpu``,
     ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage), and on CUDA ``peak_memory_gib``
     (the largest per-GPU peak of allocated memory since training started), every ``log_every_n_steps`` optimizer
-    steps through ``pl_module.log`` (the same value on every rank).
+    steps through ``pl_module.log`` (the same value on every rank). With FP8 GEMMs (``MegatronPrecision(fp8=...)``)
+    ``mfu`` stays against the bf16 peak and ``mfu_fp8`` against the FP8 peak is logged too (on GPUs whose FP8 peak
+    the table knows).
 
     Args:
         config: the model shape (:class:`~lightning_megatron.GPTConfig` or an object with its fields); default
@@ -200,6 +211,7 @@ class MFUMonitor(Callback):
     # ------------------------------------------------------------------ state
     def _reset_run_state(self) -> None:
         self.peak_flops: Optional[float] = None
+        self.peak_flops_fp8: Optional[float] = None
         self._model_config: Any = None
         self._dp = 1
         self._cp = 1
@@ -238,7 +250,13 @@ class MFUMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         self._last_global_step = trainer.global_step
         self.peak_flops = self._resolve_peak(trainer)
+        self.peak_flops_fp8 = self._fp8_peak(trainer)
         self._throughput = Throughput(available_flops=None, world_size=1, window_size=self.window_size)
+
+    def _fp8_peak(self, trainer: "pl.Trainer") -> Optional[float]:
+        if self.peak_flops_override is not None or self._device.type != "cuda":
+            return None
+        return fp8_mfu_peak(trainer.precision_plugin, torch.cuda.get_device_name(self._device), self.precision)
 
     def _resolve_peak(self, trainer: "pl.Trainer") -> Optional[float]:
         if self.peak_flops_override is not None:
@@ -352,6 +370,8 @@ class MFUMonitor(Callback):
             metrics["mfu"] = metrics["tflops_per_gpu"] * 1e12 / self.peak_flops
         if memory is not None:
             metrics["peak_memory_gib"] = max_memory
+        if self.peak_flops_fp8:
+            metrics["mfu_fp8"] = metrics["tflops_per_gpu"] * 1e12 / self.peak_flops_fp8
         self.last_metrics = metrics
         for key, value in metrics.items():
             pl_module.log(self.prefix + key, value, on_step=True, on_epoch=False, prog_bar=self.prog_bar,

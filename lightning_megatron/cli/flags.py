@@ -12,6 +12,7 @@ import argparse
 import ast
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
+from lightning_megatron.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
 from lightning_megatron.parallel.config import CP_COMM_TYPES
 from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
 from lightning_megatron.parallel.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
@@ -37,6 +38,8 @@ How the flags map (each flag's help ends with what it sets: "-> Class.argument")
     global batches, as in Megatron.
   * --data-path uses GPTDataModule on Megatron indexed datasets (docs/data.md: preprocessing); one prefix,
     several, or a weighted blend '0.3 a 0.7 b'. The vocabulary comes from --tokenizer-type/--tokenizer-model.
+  * --bf16 / --fp16 and the FP8 flags (--fp8-format, --fp8-recipe, ...) build MegatronPrecision, passed to the
+    Trainer as a plugin; without them --precision is Lightning's (default 32-true).
   * --save DIR keeps DIR/last.ckpt (and one every --save-interval steps, and at the end); --load resumes from
     a file or DIR/last.ckpt (a directory without one starts fresh, as Megatron).
 
@@ -213,9 +216,6 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--adam-eps", "ParallelGPTModule.adam_eps", type=float, default=1e-8)
     add_flag(g, "--clip-grad", "Trainer.gradient_clip_val", type=float, default=1.0, help="0 disables clipping")
     add_flag(g, "--seed", ("seed_everything.seed", "GPTDataModule.seed"), type=int, default=1234)
-    add_flag(g, "--bf16", "Trainer.precision", action="store_true", help="= --precision bf16-mixed")
-    add_flag(g, "--fp16", "Trainer.precision", action="store_true", help="= --precision 16-mixed")
-    add_flag(g, "--precision", "Trainer.precision", default=None, help="Lightning's precision (default 32-true)")
     add_flag(g, "--eval-interval", "Trainer.val_check_interval", type=int, default=100,
              help="optimizer steps between validations")
     add_flag(g, "--eval-iters", ("Trainer.limit_val_batches", "GPTDataModule.eval_iters"), type=int, default=10,
@@ -226,6 +226,38 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="MFUMonitor and a log line every --log-interval steps also without --data-path")
     add_flag(g, "--peak-tflops", "MFUMonitor.peak_flops", type=float, default=None,
              help="peak TFLOP/s per device, for mfu")
+
+    g = p.add_argument_group("precision (MegatronPrecision; docs/precision.md)")
+    add_flag(g, "--bf16", "MegatronPrecision.precision", action="store_true", help="bf16-mixed")
+    add_flag(g, "--fp16", "MegatronPrecision.precision", action="store_true",
+             help="16-mixed, dynamic loss scaling over all ranks")
+    add_flag(g, "--precision", ("Trainer.precision", "MegatronPrecision.precision"), default=None,
+             help="(not a Megatron flag) Lightning's precision string (default 32-true); with the flags here, the "
+                  "plugin's (bf16-mixed, 16-mixed, 32-true)")
+    add_flag(g, "--initial-loss-scale", "MegatronPrecision.initial_loss_scale", type=float, default=None,
+             help="fp16: starting loss scale (default 65536)")
+    add_flag(g, "--loss-scale-window", "MegatronPrecision.loss_scale_window", type=int, default=None,
+             help="fp16: overflow-free steps before the loss scale doubles (default 1000)")
+    add_flag(g, "--fp8-format", "MegatronPrecision.fp8", choices=FP8_FORMATS, default=None,
+             help="FP8 GEMMs in the transformer layers: e4m3, or hybrid (e4m3 forward, e5m2 gradients)")
+    add_flag(g, "--fp8-hybrid", "MegatronPrecision.fp8", action="store_true", help="= --fp8-format hybrid")
+    add_flag(g, "--fp8-recipe", "MegatronPrecision.fp8_recipe", choices=FP8_RECIPES + ("blockwise",), default=None,
+             help="delayed (default), tensorwise, rowwise (torch backend), mxfp8 (Transformer Engine, compute "
+                  "capability >= 10)")
+    add_flag(g, "--fp8-margin", "MegatronPrecision.fp8_margin", type=int, default=None)
+    add_flag(g, "--fp8-amax-history-len", "MegatronPrecision.fp8_amax_history_len", type=int, default=None,
+             help="delayed recipe (default 1)")
+    add_flag(g, "--fp8-amax-compute-algo", "MegatronPrecision.fp8_amax_compute_algo",
+             choices=AMAX_COMPUTE_ALGOS, default=None, help="delayed recipe (default most_recent)")
+    add_flag(g, "--fp8-backend", "MegatronPrecision.fp8_backend", choices=FP8_BACKENDS, default=None,
+             help="(not a Megatron flag) auto (default: Transformer Engine on CUDA when installed, else torch), te, "
+                  "torch (torch._scaled_mm, also on CPU)")
+    add_flag(g, "--first-last-layers-bf16", "MegatronPrecision.first_last_layers_bf16", action="store_true",
+             help="keep the first / last transformer layers out of FP8 (not with --fp8-recipe delayed)")
+    add_flag(g, "--num-layers-at-start-in-bf16", "MegatronPrecision.num_layers_at_start_in_bf16", type=int,
+             default=None, help="with --first-last-layers-bf16 (default 1)")
+    add_flag(g, "--num-layers-at-end-in-bf16", "MegatronPrecision.num_layers_at_end_in_bf16", type=int,
+             default=None, help="with --first-last-layers-bf16 (default 1)")
 
     g = p.add_argument_group("data")
     add_flag(g, "--data-path", "GPTDataModule.data_path", nargs="+", default=None,
@@ -251,8 +283,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--load", "Trainer.fit.ckpt_path", default=None, help="checkpoint file, or a directory holding last.ckpt")
 
     g = p.add_argument_group("not supported yet (refused with a message)")
-    add_refused_flag(g, "--fp8-hybrid", "FP8 training", action="store_true")
-    add_refused_flag(g, "--fp8-format", "FP8 training", choices=("e4m3", "hybrid"), default=None)
+    add_refused_flag(g, "--fp8-param-gather", "FP8 parameters and their all-gather", action="store_true")
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
     add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")
     add_refused_flag(g, "--tp-comm-overlap", "tensor-parallel communication overlap", action="store_true")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_megatron.cli.flags import DESCRIPTION, TINY, TINY_LR, build_parser, refused_flags
 from lightning_megatron.data import (
@@ -27,6 +28,7 @@ from lightning_megatron.data import (
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
+from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["FlagError", "PretrainPlan", "parse_data_path_args", "parse_pretrain_args", "plan_from_args"]
@@ -73,6 +75,9 @@ class PretrainPlan:
             (= ``trainer_kwargs["accumulate_grad_batches"]``).
         strategy_kwargs, data_kwargs: what ``strategy`` and ``data_module`` were built from.
         notes: things to tell the user (e.g. ``--load`` of a directory without a checkpoint).
+        precision: the ``MegatronPrecision`` plugin for ``pl.Trainer(plugins=[precision])`` (``--bf16``, ``--fp16``,
+            the FP8 flags), or None (then ``trainer_kwargs["precision"]`` is Lightning's string).
+        precision_kwargs: what ``precision`` was built from (None without it).
     """
 
     config: GPTConfig
@@ -89,6 +94,8 @@ class PretrainPlan:
     strategy_kwargs: Dict[str, Any]
     data_kwargs: Dict[str, Any]
     notes: List[str] = dataclasses.field(default_factory=list)
+    precision: Optional[MegatronPrecision] = None
+    precision_kwargs: Optional[Dict[str, Any]] = None
 
     @property
     def layout(self) -> ParallelConfig:
@@ -143,6 +150,15 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     if args.save_interval is not None and not args.save:
         raise FlagError("--save-interval needs --save")
     precision = _precision(args)
+    precision_kwargs = _precision_kwargs(args, precision)
+    plugin = None
+    if precision_kwargs is not None:
+        try:
+            plugin = MegatronPrecision(**precision_kwargs)
+            if args.accelerator == "cpu" and plugin.fp8_config is not None:
+                plugin.fp8_config.resolve_backend(torch.device("cpu"))
+        except ValueError as e:
+            raise FlagError(f"precision flags: {e}") from e
     gpt_data = args.data_path is not None
     if not gpt_data:
         for flag, value in (("--split", args.split), ("--tokenizer-model", args.tokenizer_model),
@@ -275,6 +291,8 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                           num_sanity_val_steps=0)
     if args.num_nodes == 1:
         del trainer_kwargs["num_nodes"]
+    if plugin is not None:  # the plugin carries the precision
+        del trainer_kwargs["precision"]
 
     mfu_kwargs = None
     if gpt_data or args.log_throughput or args.peak_tflops is not None:
@@ -289,7 +307,8 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     return PretrainPlan(config=config, strategy=strategy, data_module=data_module, module_kwargs=module_kwargs,
                         trainer_kwargs=trainer_kwargs, mfu_kwargs=mfu_kwargs, checkpoint_kwargs=checkpoint_kwargs,
                         resume=resume, seed=args.seed, global_batch_size=gbs, num_microbatches=micro_batches,
-                        strategy_kwargs=strategy_kwargs, data_kwargs=data_kwargs, notes=notes)
+                        strategy_kwargs=strategy_kwargs, data_kwargs=data_kwargs, notes=notes, precision=plugin,
+                        precision_kwargs=precision_kwargs)
 
 
 def parse_data_path_args(words: Sequence[str]) -> List[Any]:
@@ -334,6 +353,31 @@ def _precision(args: argparse.Namespace) -> str:
         raise FlagError(f"--{'bf16' if args.bf16 else 'fp16'} means --precision {precision}, "
                         f"but --precision {args.precision} was given")
     return precision or args.precision or "32-true"
+
+
+# Megatron's precision flags (dest) -> MegatronPrecision arguments; values passed on unchanged, None = not given.
+PRECISION_FLAGS = {
+    "fp8_format": "fp8", "fp8_recipe": "fp8_recipe", "fp8_margin": "fp8_margin",
+    "fp8_amax_history_len": "fp8_amax_history_len", "fp8_amax_compute_algo": "fp8_amax_compute_algo",
+    "fp8_backend": "fp8_backend", "num_layers_at_start_in_bf16": "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16": "num_layers_at_end_in_bf16", "initial_loss_scale": "initial_loss_scale",
+    "loss_scale_window": "loss_scale_window",
+}
+
+
+def _precision_kwargs(args: argparse.Namespace, precision: str) -> Optional[Dict[str, Any]]:
+    """``MegatronPrecision`` arguments of ``--bf16`` / ``--fp16`` and the FP8 / loss-scale flags; None when none
+    of them is given (Lightning's ``--precision`` string alone needs no plugin)."""
+    given = {arg: getattr(args, dest) for dest, arg in PRECISION_FLAGS.items() if getattr(args, dest) is not None}
+    if args.fp8_hybrid:
+        if given.get("fp8", "hybrid") != "hybrid":
+            raise FlagError(f"--fp8-hybrid contradicts --fp8-format {given['fp8']}; give one of them")
+        given["fp8"] = "hybrid"
+    if args.first_last_layers_bf16:
+        given["first_last_layers_bf16"] = True
+    if not (given or args.bf16 or args.fp16):
+        return None
+    return dict(precision=precision, **given)
 
 
 def _tokenizer_vocab(args: argparse.Namespace) -> Tuple[int, int]:

@@ -277,7 +277,9 @@ class ParallelGPTModule(pl.LightningModule):
         """One micro-batch's token-mean loss. :class:`MegatronStrategy` does not call this (it runs the step's
         micro-batches through :meth:`forward_step` / :meth:`loss_sum`); other strategies (single device, DDP) do."""
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        self.set_moe_aux_loss_scale(1.0 / accumulate)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0   # fp16: the aux losses' too
+        self.set_moe_aux_loss_scale(loss_scale / accumulate)
         loss_sum, count = self.loss_sum_and_count(batch)
         count = count.clamp(min=1.0)
         self.log("train_loss", loss_sum.detach() / count, prog_bar=True, sync_dist=self._is_distributed())

@@ -41,8 +41,10 @@ class GradientFinalizer:
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
         self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
 
-    def finalize(self) -> None:
-        """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply)."""
+    def finalize(self, num_microbatches: Optional[int] = None) -> None:
+        """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply), then the
+        FP8 delayed-scaling amax update (over tp and dp_cp; ``num_microbatches``: the step's micro-batches, under
+        pipeline parallelism, whose schedule may run extra metadata-inference passes)."""
         p, mesh = self.parallelized, self.mesh
         if p.pipeline is not None and mesh.size("dp_cp") > 1:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
@@ -58,6 +60,8 @@ class GradientFinalizer:
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
                 dist.all_reduce(weight.grad, group=group)
+        if p.fp8 is not None:   # FP8 delayed scaling: the step's amaxes, reduced, join the histories
+            p.fp8.end_step(num_microbatches if p.pipeline is not None else None)
 
     def clip(self, params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip ``params``' gradients to global L2 norm ``max_norm``; returns the norm before clipping.

@@ -28,6 +28,7 @@ from lightning_megatron.parallel.tensor_parallel.mappings import (
     group_size,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_dim0,
+    gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 
@@ -227,6 +228,8 @@ class ColumnParallelLinear(TensorParallelModule):
     """
 
     recompute_input_gather: bool = False
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
+    fp8_gemm = None
 
     def __init__(
         self,
@@ -285,7 +288,12 @@ class ColumnParallelLinear(TensorParallelModule):
         w = self.weight if weight is None else weight
         if w is None:
             raise RuntimeError("ColumnParallelLinear was built with skip_weight_param_allocation: pass weight=")
-        if self.tp_size == 1:
+        if self.fp8_gemm is not None:   # the same collectives as mappings, around the FP8 GEMM
+            if self.tp_size > 1:
+                x = (gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel
+                     else copy_to_tensor_model_parallel_region(x, self.group))
+            y = self.fp8_gemm(x, w, self.bias)
+        elif self.tp_size == 1:
             y = F.linear(x, w, self.bias)
         else:
             y = _ColumnParallelLinearFn.apply(x, w, self.bias, self.group, self.sequence_parallel, _autocast_dtype(x),
@@ -313,6 +321,8 @@ class RowParallelLinear(TensorParallelModule):
     """
 
     reduce_bias_grad: bool = True
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
+    fp8_gemm = None
 
     def __init__(
         self,
@@ -350,9 +360,10 @@ class RowParallelLinear(TensorParallelModule):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``[s, b, in/tp]`` -> ``[s/tp, b, out]`` under SP, else ``[s, b, out]``."""
+        linear = F.linear if self.fp8_gemm is None else self.fp8_gemm
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

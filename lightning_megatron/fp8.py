@@ -1,0 +1,572 @@
+"""FP8 GEMMs for the linear layers: the torch-native backend (``torch._scaled_mm``) and the Transformer Engine one.
+
+:func:`apply_fp8` (the ``apply_fp8`` step of :func:`lightning_megatron.parallelize`) gives every converted layer
+an FP8 local GEMM (``layer.fp8_gemm``): the local GEMMs of :class:`ColumnParallelLinear` /
+:class:`RowParallelLinear` and plain ``nn.Linear`` layers (swapped for :class:`Float8Linear`, same parameters).
+The tensor-parallel communication around the GEMM is unchanged; parameters stay in their dtype (fp32 master
+weights) and are quantised on the fly.
+
+Torch-native GEMM (:class:`Float8Gemm`), per layer, three GEMMs::
+
+    forward   y  = x  @ W^T      x: e4m3, W: e4m3
+    backward  dx = dy @ W        dy: e5m2 ("hybrid") or e4m3 ("e4m3")
+              dW = dy^T @ x
+
+each ``torch._scaled_mm`` with fp32 accumulation and the step's compute dtype as output (bf16 under
+``bf16-mixed``). Scales are powers of two (multiplying by them is exact) chosen so that the tensor's amax lands
+at most at the format's largest value, minus ``margin`` powers of two. Recipes:
+
+* ``"tensorwise"``: one scale per tensor from its current amax (no communication; Megatron's "current scaling").
+* ``"rowwise"``: one scale per row of each GEMM operand along its reduction dimension, from the current values.
+* ``"delayed"``: one scale per tensor from an amax history (``amax_history_len`` steps, ``"most_recent"`` or
+  ``"max"``). Each step records the amaxes it saw; at the end of the optimizer step
+  (:meth:`Float8Layers.end_step`, called by :class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`)
+  they are reduced (max) over the amax group, tensor x data x context parallel (Megatron's), and rolled into the
+  histories, so every rank of that group uses the same scales, the ones a single process would use. The first
+  step, with no history yet, scales each tensor from its current amax reduced over the same group.
+
+Layers kept out of FP8: the embedding and output layer, MoE routers and expert weights (grouped GEMMs), the first
+/ last transformer layers with ``first_last_layers_bf16``, and layers whose local GEMM sizes are not multiples of
+16 (cuBLAS FP8 needs them). Which modules were converted is in :attr:`Float8Layers.converted`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_megatron.contract import PipelineModel
+from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_megatron.parallel.tensor_parallel.mappings import group_size
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+#: largest finite value of each format; both are 0.875 * 2**k (k = 9 and 16)
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_FP8_MAX_EXPONENT = {E4M3: 9, E5M2: 16}
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "mxfp8")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+FP8_BACKENDS = ("auto", "te", "torch")
+TE_INSTALL_HINT = (
+    "install Transformer Engine for your CUDA and torch (`pip install --no-build-isolation "
+    "transformer_engine[pytorch]`, see https://github.com/NVIDIA/TransformerEngine#installation; this "
+    "repository's GPU machines: shared/te/README.md), or use fp8_backend='torch' (torch._scaled_mm)"
+)
+#: cuBLAS FP8 GEMMs need every GEMM dimension to be a multiple of this
+GEMM_ALIGNMENT = 16
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "") -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(repr(c) for c in choices)}{hint}")
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """What :func:`apply_fp8` converts and how (Megatron's names; every field validated here).
+
+    Attributes:
+        fp8_format: ``"e4m3"`` (every GEMM operand in e4m3) or ``"hybrid"`` (e4m3 forward, e5m2 gradients).
+        recipe: ``"delayed"``, ``"tensorwise"``, ``"rowwise"`` (torch backend) or ``"mxfp8"`` (Transformer Engine
+            on compute capability >= 10.0 only).
+        margin: scales leave this many powers of two of headroom above the amax.
+        amax_history_len, amax_compute_algo: the delayed recipe's history (``"most_recent"`` or ``"max"``).
+        backend: ``"torch"`` (``torch._scaled_mm``) or ``"te"`` (Transformer Engine); ``"auto"`` is resolved by
+            :meth:`resolve_backend`.
+        first_last_layers_bf16: keep the first ``num_layers_at_start_in_bf16`` and the last
+            ``num_layers_at_end_in_bf16`` transformer layers out of FP8 (Megatron's ``--first-last-layers-bf16``).
+    """
+
+    fp8_format: str = "hybrid"
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    backend: str = "auto"
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("fp8", self.fp8_format, FP8_FORMATS)
+        _check_choice("fp8_recipe", self.recipe, FP8_RECIPES + ("blockwise",))
+        if self.recipe == "blockwise":
+            raise ValueError("fp8_recipe='blockwise' (1x128 / 128x128 blocks) is not supported; use 'tensorwise', "
+                             "'rowwise' or 'delayed'")
+        _check_choice("fp8_backend", self.backend, FP8_BACKENDS)
+        _check_choice("fp8_amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        for name in ("margin", "amax_history_len", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"fp8_{name}={value!r} must be an int" if name in ("margin", "amax_history_len")
+                                 else f"{name}={value!r} must be an int")
+        if self.margin < 0:
+            raise ValueError(f"fp8_margin={self.margin} must be >= 0 (powers of two of headroom)")
+        if self.amax_history_len < 1:
+            raise ValueError(f"fp8_amax_history_len={self.amax_history_len} must be >= 1")
+        if self.amax_history_len > 1 and self.recipe != "delayed":
+            raise ValueError(f"fp8_amax_history_len={self.amax_history_len} applies to fp8_recipe='delayed' only "
+                             f"(fp8_recipe={self.recipe!r} scales from current values); drop it or use 'delayed'")
+        if not isinstance(self.first_last_layers_bf16, bool):
+            raise ValueError(f"first_last_layers_bf16={self.first_last_layers_bf16!r} must be True or False")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            raise ValueError(f"num_layers_at_start_in_bf16={self.num_layers_at_start_in_bf16} and "
+                             f"num_layers_at_end_in_bf16={self.num_layers_at_end_in_bf16} must be >= 0")
+        if self.first_last_layers_bf16 and self.recipe == "delayed":
+            raise ValueError("first_last_layers_bf16=True does not work with fp8_recipe='delayed' (as in Megatron: "
+                             "\"Delayed scaling does not support first / last layer in BF16\"); use "
+                             "fp8_recipe='tensorwise' or 'rowwise'")
+        if self.recipe == "mxfp8" and self.backend != "te":
+            raise ValueError("fp8_recipe='mxfp8' needs fp8_backend='te' (Transformer Engine) and a GPU with compute "
+                             "capability >= 10.0 (Blackwell); the torch backend offers 'tensorwise', 'rowwise' and "
+                             "'delayed'")
+        if self.recipe == "rowwise" and self.backend == "te":
+            raise ValueError("fp8_recipe='rowwise' is the torch backend's (fp8_backend='torch'); Transformer Engine "
+                             "offers 'delayed', 'tensorwise' (current scaling) and 'mxfp8'")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """Format of activations and weights (e4m3)."""
+        return E4M3
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """Format of output gradients: e5m2 under ``"hybrid"``, else e4m3."""
+        return E5M2 if self.fp8_format == "hybrid" else E4M3
+
+    def resolve_backend(self, device: torch.device) -> "Float8Config":
+        """This config with ``backend="auto"`` resolved: ``"te"`` on CUDA when ``transformer_engine`` is installed
+        and the recipe is one of its own, else ``"torch"``. Checks that an explicit ``"te"`` can run."""
+        backend = self.backend
+        if backend == "auto":
+            te = device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+            backend = "te" if te and self.recipe != "rowwise" else "torch"
+        if backend == "te" and device.type != "cuda":
+            raise ValueError(f"fp8_backend='te': Transformer Engine runs on CUDA GPUs only, this run is on "
+                             f"{device.type!r}; use fp8_backend='torch' (torch._scaled_mm also runs on CPU)")
+        return self if backend == self.backend else _replace(self, backend=backend)
+
+    def layers_in_bf16(self, num_layers: int) -> List[int]:
+        """Global indices of the transformer layers kept out of FP8 (``first_last_layers_bf16``)."""
+        if not self.first_last_layers_bf16:
+            return []
+        start = range(min(self.num_layers_at_start_in_bf16, num_layers))
+        end = range(max(num_layers - self.num_layers_at_end_in_bf16, 0), num_layers)
+        return sorted(set(start) | set(end))
+
+
+def _replace(config: Float8Config, **changes: Any) -> Float8Config:
+    values = {name: getattr(config, name) for name in Float8Config.__dataclass_fields__}
+    values.update(changes)
+    return Float8Config(**values)
+
+
+# ---------------------------------------------------------------------------------------------- scaling
+def scale_from_amax(amax: Tensor, dtype: torch.dtype, margin: int = 0) -> Tensor:
+    """The power-of-two scale ``s`` (fp32, shape of ``amax``) with ``amax * s <= FP8_MAX[dtype] / 2**margin``, as
+    large as possible; ``s = 1`` where ``amax`` is 0 or not finite. Exact (``frexp``), no host synchronisation."""
+    amax = amax.float()
+    good = torch.isfinite(amax) & (amax > 0)
+    mantissa, exponent = torch.frexp(torch.where(good, amax, torch.ones_like(amax)))
+    # amax = m * 2**e with m in [0.5, 1); the format's max is 0.875 * 2**E
+    power = _FP8_MAX_EXPONENT[dtype] - exponent - (mantissa > 0.875).to(exponent.dtype) - margin
+    power = power.clamp(-126, 126).float()
+    return torch.where(good, torch.exp2(power), torch.ones_like(amax))
+
+
+def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t * scale`` rounded to ``dtype`` (saturating at its largest value)."""
+    fmax = FP8_MAX[dtype]
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def _col_major(t: Tensor) -> Tensor:
+    """The same matrix stored column-major (what ``torch._scaled_mm`` wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(a / scale_a) @ (b / scale_b)``: ``a`` row-major, ``b`` column-major, scales are the quantisation scales.
+    Scales of one per row / column (rowwise) give bf16 out (what cuBLAS supports), cast to ``out_dtype``."""
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    out = torch._scaled_mm(a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=mm_dtype)
+    return out.to(out_dtype)
+
+
+def _pad_tokens(a_t: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Zero-pad the token dimension (the reduction dimension of the weight-gradient GEMM ``a_t [out, N] @ b [N, in]``)
+    to a multiple of :data:`GEMM_ALIGNMENT` (cuBLAS FP8 needs it; the zeros add nothing). Rowwise scales along N
+    (``scale_b [1, in]`` from N) are unchanged; ``b`` stays column-major."""
+    n = a_t.shape[1]
+    pad = -n % GEMM_ALIGNMENT
+    if pad == 0:
+        return a_t, b, scale_a, scale_b
+    a_t = torch.cat([a_t, a_t.new_zeros(a_t.shape[0], pad)], dim=1)
+    b = _col_major(torch.cat([b, b.new_zeros(pad, b.shape[1])], dim=0))
+    return a_t, b, scale_a, scale_b
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The GEMM output dtype: the autocast dtype inside autocast, else ``x``'s."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+_INPUT, _WEIGHT, _GRAD = 0, 1, 2
+KINDS = ("input", "weight", "grad_output")
+
+
+class Float8Gemm:
+    """The torch-native FP8 local GEMM of one linear layer: ``gemm(x [..., in], weight [out, in], bias) ->
+    [..., out]`` in the compute dtype (autocast's, else ``x``'s), differentiable in ``x`` and ``weight``.
+
+    Holds the delayed recipe's state: per tensor kind (input, weight, output gradient) an amax history
+    ``[3, amax_history_len]``, and the current amax of every training forward / backward since the last
+    :meth:`end_step`. ``amax_groups``: the process groups the delayed recipe reduces amaxes over (tensor parallel,
+    then data x context parallel). Until the first :meth:`end_step` (no history yet) it scales every tensor from
+    its current amax reduced over those groups (one all-reduce per tensor, first step only).
+    """
+
+    def __init__(self, config: Float8Config, amax_groups: Sequence[Any] = ()) -> None:
+        self.config = config
+        self.amax_groups = [g for g in amax_groups if group_size(g) > 1]
+        self.history: Optional[Tensor] = None       # [3, L]; None until the first end_step
+        self.records: Tuple[List[Tensor], ...] = ([], [], [])   # per kind: current amax of each use since end_step
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        out_dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Float8LinearFn.apply(x, weight, self, out_dtype, record)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y
+
+    def tensor_scale(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool) -> Tensor:
+        """Scale (0-dim fp32) for quantising tensor ``t`` of ``kind`` (0 input, 1 weight, 2 output gradient);
+        ``record``: a training use (its amax joins the step's record)."""
+        cfg = self.config
+        current = t.detach().abs().amax().float()
+        if cfg.recipe != "delayed":
+            return scale_from_amax(current, dtype, cfg.margin)
+        if record:
+            self.records[kind].append(current)
+        if self.history is not None:
+            hist = self.history[kind]
+            amax = hist[0] if cfg.amax_compute_algo == "most_recent" else hist.max()
+        elif record:   # no history yet: the current amax, the same on every rank of the amax group
+            amax = current.clone()
+            for g in self.amax_groups:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
+        else:          # evaluation before any training step: this rank's current amax
+            amax = current
+        return scale_from_amax(amax, dtype, cfg.margin)
+
+    def step_amax(self, last: Optional[int] = None) -> Optional[Tensor]:
+        """``[3]``: per kind the largest amax of the (``last``) recorded uses since the last :meth:`end_step`
+        (0 where none), or None when nothing was recorded; forgets the records."""
+        if not any(self.records):
+            return None
+        out = []
+        for rec in self.records:
+            rec = rec[-last:] if last else rec
+            out.append(torch.stack(rec).max() if rec else torch.zeros((), device=self.records_device))
+        self.records = ([], [], [])
+        return torch.stack(out)
+
+    @property
+    def records_device(self) -> torch.device:
+        return next(r[0].device for r in self.records if r)
+
+    def end_step(self, amax: Tensor) -> None:
+        """Roll the step's amaxes ``[3]`` (reduced over the amax group) into the history."""
+        if self.history is None:
+            self.history = torch.zeros(3, self.config.amax_history_len, device=amax.device)
+        self.history = torch.roll(self.history, 1, dims=1)
+        self.history[:, 0] = amax
+
+
+def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tensor:
+    """Scales of ``t`` (2-D) along ``dim``: ``[rows, 1]`` for ``dim=1``, ``[1, cols]`` for ``dim=0``."""
+    return scale_from_amax(t.detach().abs().amax(dim=dim, keepdim=True), dtype, margin)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    """``x @ W^T`` with all three GEMMs in FP8 (:class:`Float8Gemm`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, gemm: Float8Gemm, out_dtype: torch.dtype, record: bool) -> Tensor:
+        cfg = gemm.config
+        fwd = cfg.forward_dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.gemm, ctx.out_dtype, ctx.record = gemm, out_dtype, record
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        if cfg.recipe == "rowwise":
+            sx = _rowwise_scale(x2, 1, fwd, cfg.margin)                  # [N, 1]
+            sw = _rowwise_scale(weight, 1, fwd, cfg.margin)              # [out, 1]
+            y = _scaled_mm(quantize(x2, sx, fwd), quantize(weight, sw, fwd).t(), sx, sw.t().contiguous(), out_dtype)
+            ctx.save_for_backward(x2, weight)
+        else:
+            sx = gemm.tensor_scale(_INPUT, x2, fwd, record)
+            sw = gemm.tensor_scale(_WEIGHT, weight, fwd, record)
+            xq, wq = quantize(x2, sx, fwd), quantize(weight, sw, fwd)
+            y = _scaled_mm(xq, wq.t(), sx, sw, out_dtype)
+            ctx.save_for_backward(xq, wq, sx, sw)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gemm: Float8Gemm = ctx.gemm
+        cfg = gemm.config
+        fwd, bwd, out_dtype = cfg.forward_dtype, cfg.grad_dtype, ctx.out_dtype
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = None
+        if cfg.recipe == "rowwise":
+            x2, weight = ctx.saved_tensors
+            if need_x:   # dx [N, in] = dy [N, out] @ W [out, in]: reduction over out
+                sg = _rowwise_scale(g2, 1, bwd, cfg.margin)                  # [N, 1]
+                sw = _rowwise_scale(weight, 0, fwd, cfg.margin)              # [1, in]
+                grad_x = _scaled_mm(quantize(g2, sg, bwd), _col_major(quantize(weight, sw, fwd)), sg, sw, out_dtype)
+            if need_w:   # dW [out, in] = dy^T [out, N] @ x [N, in]: reduction over N
+                gt = g2.t()
+                sg = _rowwise_scale(gt, 1, bwd, cfg.margin)                  # [out, 1]
+                sx = _rowwise_scale(x2, 0, fwd, cfg.margin)                  # [1, in]
+                grad_w = _scaled_mm(*_pad_tokens(quantize(gt, sg, bwd).contiguous(),
+                                                 _col_major(quantize(x2, sx, fwd)), sg, sx), out_dtype)
+        else:
+            xq, wq, sx, sw = ctx.saved_tensors
+            sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
+            gq = quantize(g2, sg, bwd)
+            if need_x:
+                grad_x = _scaled_mm(gq, _col_major(wq), sg, sw, out_dtype)
+            if need_w:
+                grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), out_dtype)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------- Transformer Engine
+def import_transformer_engine() -> Any:
+    """``transformer_engine.pytorch`` (imported here, only when asked for); ImportError saying how to install."""
+    try:
+        import transformer_engine.pytorch as te  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"fp8_backend='te' needs Transformer Engine, which is not importable here ({e}): "
+                          f"{TE_INSTALL_HINT}") from e
+    return te
+
+
+def transformer_engine_recipe(config: Float8Config) -> Any:
+    """The Transformer Engine recipe object of ``config`` (imports ``transformer_engine``)."""
+    import_transformer_engine()
+    from transformer_engine.common import recipe as te_recipe
+
+    fmt = te_recipe.Format.HYBRID if config.fp8_format == "hybrid" else te_recipe.Format.E4M3
+    if config.recipe == "delayed":
+        return te_recipe.DelayedScaling(fp8_format=fmt, margin=config.margin,
+                                        amax_history_len=config.amax_history_len,
+                                        amax_compute_algo=config.amax_compute_algo)
+    if config.recipe == "tensorwise":
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+    if config.recipe == "mxfp8":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0):
+            cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            raise ValueError(f"fp8_recipe='mxfp8' needs a GPU with compute capability >= 10.0 (Blackwell); this one "
+                             f"has {cap}; use fp8_recipe='delayed' or 'tensorwise'")
+        return te_recipe.MXFP8BlockScaling(fp8_format=fmt)
+    raise ValueError(f"fp8_recipe={config.recipe!r} has no Transformer Engine recipe")
+
+
+class TransformerEngineGemm:
+    """A layer's local GEMM through Transformer Engine's ``te.Linear`` (no bias, ``parallel_mode=None``: the
+    layer's own tensor-parallel communication stays around it), which uses the layer's weight parameter.
+    Runs in FP8 inside ``te.fp8_autocast`` (the precision plugin's forward context)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self._linear: Optional[nn.Module] = None
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        if self._linear is None:
+            te = import_transformer_engine()
+            self._linear = te.Linear(self.in_features, self.out_features, bias=False, params_dtype=weight.dtype,
+                                     device=weight.device)
+        if self._linear.weight is not weight:
+            self._linear.weight = weight   # the layer's parameter (materialisation replaces it once)
+        y = self._linear(x)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+
+def transformer_engine_context(config: Float8Config, amax_group: Any = None) -> Callable[[], ContextManager]:
+    """Context factory entering ``te.fp8_autocast`` with ``config``'s recipe, amaxes reduced over ``amax_group``."""
+    te = import_transformer_engine()
+    recipe = transformer_engine_recipe(config)
+
+    def context() -> ContextManager:
+        return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)
+
+    return context
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose GEMM runs through ``fp8_gemm`` (:class:`Float8Gemm` or :class:`TransformerEngineGemm`);
+    holds the original layer's parameters (same names, so checkpoints do not change)."""
+
+    def __init__(self, linear: nn.Linear, fp8_gemm: Callable[..., Tensor]) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.fp8_gemm = fp8_gemm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fp8_gemm(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=True"
+
+
+@dataclass
+class Float8Layers:
+    """What :func:`apply_fp8` converted. ``converted`` / ``kept``: module names (relative to the module given to
+    :func:`apply_fp8`) of the layers whose GEMMs run in FP8 / the linear layers left as they were, with why."""
+
+    config: Float8Config
+    converted: List[str] = field(default_factory=list)
+    kept: Dict[str, str] = field(default_factory=dict)
+    gemms: List[Any] = field(default_factory=list)
+    amax_groups: List[Any] = field(default_factory=list)
+
+    def retain(self, module: nn.Module) -> None:
+        """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
+        present = {name for name, _ in module.named_modules()}
+        keep = [i for i, name in enumerate(self.converted) if name in present]
+        self.converted = [self.converted[i] for i in keep]
+        self.gemms = [self.gemms[i] for i in keep]
+        self.kept = {name: why for name, why in self.kept.items() if name in present}
+
+    def end_step(self, num_microbatches: Optional[int] = None) -> None:
+        """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
+        step, reduced (max) over the amax groups in one all-reduce per group, becomes the newest history entry.
+        ``num_microbatches``: count only the last that many uses of each GEMM (a pipeline schedule's metadata
+        inference runs an extra forward and backward on placeholder tensors first). No-op for other recipes.
+        Call once per optimizer step on every rank (the gradient finaliser does)."""
+        if self.config.recipe != "delayed" or self.config.backend != "torch":
+            return
+        pending = [(g, g.step_amax(num_microbatches)) for g in self.gemms]
+        active = [(g, a) for g, a in pending if a is not None]
+        if not active:
+            return
+        amax = torch.stack([a for _, a in active])
+        for group in self.amax_groups:
+            if group_size(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        for (gemm, _), row in zip(active, amax.unbind(0)):
+            gemm.end_step(row)
+
+
+def _fp8_capable(module: nn.Module) -> Optional[Tuple[int, int]]:
+    """``(in, out)`` of the local GEMM of a linear layer FP8 can convert, else None."""
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or type(module) is nn.Linear:
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2:
+            return None
+        return int(weight.shape[1]), int(weight.shape[0])
+    return None
+
+
+def _candidate_layers(module: nn.Module, config: Float8Config) -> Tuple[List[Tuple[str, nn.Module]], Dict[str, str]]:
+    """Linear layers to convert (name, module) and those kept out with why: inside models with the GPT layout
+    (:class:`~lightning_megatron.contract.PipelineModel`) the transformer layers' linears; in any other module
+    every linear layer."""
+    models = [(name, m) for name, m in module.named_modules() if isinstance(m, PipelineModel)]
+    kept: Dict[str, str] = {}
+    out: List[Tuple[str, nn.Module]] = []
+    if not models:
+        return [(n, m) for n, m in module.named_modules() if _fp8_capable(m) is not None], kept
+    for model_name, model in models:
+        prefix = f"{model_name}." if model_name else ""
+        layers = getattr(model.decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            raise ValueError(f"{type(model).__name__}.decoder.layers must be an nn.ModuleDict keyed by global layer "
+                             "index to apply FP8 per layer")
+        bf16 = set(config.layers_in_bf16(len(layers)))
+        for key, layer in layers.items():
+            for sub, m in layer.named_modules():
+                if _fp8_capable(m) is None:
+                    continue
+                name = f"{prefix}decoder.layers.{key}" + (f".{sub}" if sub else "")
+                if int(key) in bf16:
+                    kept[name] = "first_last_layers_bf16"
+                else:
+                    out.append((name, m))
+        for name, m in model.named_modules():
+            if _fp8_capable(m) is not None and not name.startswith("decoder.layers."):
+                kept[prefix + name] = "outside the transformer layers (embedding / output layer)"
+    return out, kept
+
+
+def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = ()) -> Float8Layers:
+    """Give the linear layers of ``module`` FP8 local GEMMs (in place; on the meta device or materialised).
+
+    ``config`` must have its backend resolved (:meth:`Float8Config.resolve_backend`). ``amax_groups``: the
+    process groups the delayed recipe reduces amaxes over (tensor parallel and data x context parallel of this
+    pipeline stage); they take part in :meth:`Float8Layers.end_step`, called once per step.
+    """
+    if config.backend == "auto":
+        raise ValueError("apply_fp8 needs a resolved backend: call Float8Config.resolve_backend(device) first")
+    result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1])
+    targets, result.kept = _candidate_layers(module, config)
+    for name, layer in targets:
+        in_features, out_features = _fp8_capable(layer)
+        if in_features % GEMM_ALIGNMENT or out_features % GEMM_ALIGNMENT:
+            result.kept[name] = f"local GEMM {in_features}x{out_features} is not a multiple of {GEMM_ALIGNMENT}"
+            continue
+        gemm = (Float8Gemm(config, result.amax_groups) if config.backend == "torch"
+                else TransformerEngineGemm(in_features, out_features))
+        result.gemms.append(gemm)
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            layer.fp8_gemm = gemm
+        else:
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, child, Float8Linear(layer, gemm))
+        result.converted.append(name)
+    return result
+
+
+def fp8_forward_context(config: Optional[Float8Config], amax_group: Any = None) -> Callable[[], ContextManager]:
+    """The context FP8 GEMMs need around forward: ``te.fp8_autocast`` for the TE backend, nothing for torch's."""
+    if config is None or config.backend != "te":
+        return contextlib.nullcontext
+    return transformer_engine_context(config, amax_group)
+
+
+__all__ = [
+    "Float8Config",
+    "Float8Gemm",
+    "Float8Layers",
+    "Float8Linear",
+    "TransformerEngineGemm",
+    "apply_fp8",
+    "scale_from_amax",
+    "quantize",
+    "import_transformer_engine",
+    "transformer_engine_recipe",
+    "FP8_MAX",
+]

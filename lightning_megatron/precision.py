@@ -1,0 +1,275 @@
+"""``MegatronPrecision``: Megatron's mixed precision and FP8 as a Lightning precision plugin.
+
+``Trainer(strategy=MegatronStrategy(...), plugins=[MegatronPrecision("bf16-mixed", fp8="hybrid")])``.
+
+* ``"bf16-mixed"``: autocast to bf16, fp32 parameters, gradients and optimizer states (Lightning's).
+* ``"16-mixed"``: autocast to fp16 with dynamic loss scaling (``torch.amp.GradScaler``) that works under every
+  layout: gradients are always unscaled before clipping, and the scaler's found-inf flag is reduced (max) over
+  all ranks, i.e. every tensor, pipeline, context, expert and data parallel group, so every rank skips the same
+  steps and keeps the same loss scale. The MoE aux-loss gradient gets the same loss scale
+  (``MegatronStrategy`` multiplies the routers' scale by it).
+* ``"32-true"``: fp32 (FP8 GEMMs may still be asked for).
+* ``fp8``: the linear layers' GEMMs in FP8 (:mod:`lightning_megatron.fp8`), applied by
+  :func:`lightning_megatron.parallelize` in its ``apply_fp8`` step; the torch-native backend
+  (``torch._scaled_mm``, also on CPU) or Transformer Engine (imported only when asked for).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.optim import LBFGS, Optimizer
+
+import lightning.pytorch as pl
+from lightning_megatron.fp8 import (
+    AMAX_COMPUTE_ALGOS,
+    FP8_BACKENDS,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    Float8Config,
+    fp8_forward_context,
+)
+from lightning_megatron.keywords import check_keywords
+
+if TYPE_CHECKING:
+    from lightning_megatron.parallel.mesh import ParallelMesh
+
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class MegatronPrecision(MixedPrecision):
+    """Megatron mixed precision (bf16 / fp16 with a layout-wide loss scaler / fp32) and FP8 GEMMs.
+
+    Args:
+        precision: ``"bf16-mixed"`` (default), ``"16-mixed"`` or ``"32-true"``.
+        fp8: None (no FP8), ``"e4m3"`` or ``"hybrid"`` (e4m3 forward, e5m2 gradients); Megatron's
+            ``--fp8-format``.
+        fp8_recipe: ``"delayed"`` (default, Megatron's: scales from an amax history reduced over tensor x data x
+            context parallel once per step), ``"tensorwise"`` (current per-tensor scales), ``"rowwise"`` (current
+            per-row scales; torch backend) or ``"mxfp8"`` (Transformer Engine on compute capability >= 10.0).
+        fp8_margin: powers of two of headroom left above the amax.
+        fp8_amax_history_len, fp8_amax_compute_algo: the delayed recipe's history length and ``"most_recent"`` /
+            ``"max"`` (Megatron's defaults 1 and ``"most_recent"``).
+        fp8_backend: ``"auto"`` (Transformer Engine on CUDA when installed and the recipe is one of its own, else
+            torch), ``"te"`` or ``"torch"`` (``torch._scaled_mm``).
+        first_last_layers_bf16: keep the first ``num_layers_at_start_in_bf16`` and last
+            ``num_layers_at_end_in_bf16`` transformer layers out of FP8 (the embedding and output layer always are).
+        initial_loss_scale, loss_scale_window: fp16's dynamic loss scale: the starting value and the number of
+            overflow-free steps after which it doubles (it halves at every overflow). Only with ``"16-mixed"``.
+
+    Every argument is validated here (ValueError naming the value and what to use); an unknown keyword raises
+    TypeError naming the closest valid one. Under :class:`~lightning_megatron.MegatronStrategy` the strategy
+    binds the plugin to its process grid and device (:meth:`bind`); under another strategy the device is taken
+    from the model's parameters.
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        fp8: Optional[str] = None,
+        fp8_recipe: str = "delayed",
+        fp8_margin: int = 0,
+        fp8_amax_history_len: int = 1,
+        fp8_amax_compute_algo: str = "most_recent",
+        fp8_backend: str = "auto",
+        first_last_layers_bf16: bool = False,
+        num_layers_at_start_in_bf16: int = 1,
+        num_layers_at_end_in_bf16: int = 1,
+        initial_loss_scale: float = 2.0 ** 16,
+        loss_scale_window: int = 1000,
+        **unknown: Any,
+    ) -> None:
+        check_keywords("MegatronPrecision", unknown,
+                       [n for n in inspect.signature(MegatronPrecision.__init__).parameters
+                        if n not in ("self", "unknown")])
+        if precision not in PRECISIONS:
+            hint = ""
+            if precision in ("bf16", "bf16-true", "16", "16-true", "fp16", "32", "fp32"):
+                hint = ("; MegatronPrecision keeps fp32 parameters (use 'bf16-mixed' or '16-mixed'), or pass "
+                        f"Lightning's own Trainer(precision={precision!r}) without this plugin")
+            raise ValueError(f"MegatronPrecision(precision={precision!r}): precision must be one of "
+                             f"{', '.join(repr(p) for p in PRECISIONS)}{hint}")
+        if fp8 is not None and fp8 not in FP8_FORMATS:
+            raise ValueError(f"MegatronPrecision(fp8={fp8!r}): fp8 must be None, 'e4m3' or 'hybrid' (e4m3 forward, "
+                             "e5m2 gradients; Megatron's --fp8-format)")
+        if fp8 is None:
+            given = {name: value for name, value, default in (
+                ("fp8_recipe", fp8_recipe, "delayed"), ("fp8_margin", fp8_margin, 0),
+                ("fp8_amax_history_len", fp8_amax_history_len, 1),
+                ("fp8_amax_compute_algo", fp8_amax_compute_algo, "most_recent"), ("fp8_backend", fp8_backend, "auto"),
+                ("first_last_layers_bf16", first_last_layers_bf16, False),
+                ("num_layers_at_start_in_bf16", num_layers_at_start_in_bf16, 1),
+                ("num_layers_at_end_in_bf16", num_layers_at_end_in_bf16, 1)) if value != default}
+            if given:
+                raise ValueError(f"MegatronPrecision({', '.join(f'{k}={v!r}' for k, v in given.items())}) sets FP8 "
+                                 "options without fp8: pass fp8='hybrid' or fp8='e4m3', or drop them")
+        for name, value, choices in (("fp8_recipe", fp8_recipe, FP8_RECIPES),
+                                     ("fp8_amax_compute_algo", fp8_amax_compute_algo, AMAX_COMPUTE_ALGOS),
+                                     ("fp8_backend", fp8_backend, FP8_BACKENDS)):
+            if value not in choices and not (name == "fp8_recipe" and value == "blockwise"):
+                raise ValueError(f"MegatronPrecision({name}={value!r}): must be one of "
+                                 f"{', '.join(repr(c) for c in choices)}")
+        self.fp8_config: Optional[Float8Config] = None
+        if fp8 is not None:
+            try:
+                self.fp8_config = Float8Config(
+                    fp8_format=fp8, recipe=fp8_recipe, margin=fp8_margin, amax_history_len=fp8_amax_history_len,
+                    amax_compute_algo=fp8_amax_compute_algo, backend=fp8_backend,
+                    first_last_layers_bf16=first_last_layers_bf16,
+                    num_layers_at_start_in_bf16=num_layers_at_start_in_bf16,
+                    num_layers_at_end_in_bf16=num_layers_at_end_in_bf16)
+            except ValueError as e:
+                raise ValueError(f"MegatronPrecision: {e}") from e
+        if isinstance(initial_loss_scale, bool) or not isinstance(initial_loss_scale, (int, float)) \
+                or not initial_loss_scale > 0:
+            raise ValueError(f"MegatronPrecision(initial_loss_scale={initial_loss_scale!r}) must be a number > 0")
+        if isinstance(loss_scale_window, bool) or not isinstance(loss_scale_window, int) or loss_scale_window < 1:
+            raise ValueError(f"MegatronPrecision(loss_scale_window={loss_scale_window!r}) must be an int >= 1 "
+                             "(overflow-free steps before the loss scale doubles)")
+        if precision != "16-mixed" and (initial_loss_scale != 2.0 ** 16 or loss_scale_window != 1000):
+            raise ValueError(f"MegatronPrecision(precision={precision!r}): initial_loss_scale / loss_scale_window "
+                             "apply to precision='16-mixed' only (bf16 and fp32 need no loss scaling); drop them")
+        self.precision = precision
+        self.fp8 = fp8
+        self.initial_loss_scale, self.loss_scale_window = float(initial_loss_scale), loss_scale_window
+        self._device: Optional[torch.device] = None
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        self._fp8_context: Callable[[], Any] = contextlib.nullcontext
+        self._amax_group: Any = None
+
+    # ------------------------------------------------------------------ binding to the layout / device
+    @property
+    def device(self) -> str:
+        """The device type autocast runs on (``"cuda"`` or ``"cpu"``): the bound device's, else CUDA when present."""
+        if self._device is not None:
+            return self._device.type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @device.setter
+    def device(self, value: Union[str, torch.device]) -> None:
+        self._device = torch.device(value)
+
+    def bind(self, device: torch.device, mesh: Optional["ParallelMesh"] = None) -> Optional[Float8Config]:
+        """Fix the device (autocast, the fp16 loss scaler) and resolve the FP8 backend for it; returns the FP8
+        config :func:`lightning_megatron.parallelize` applies (None without FP8). With the Transformer Engine
+        backend, ``mesh`` gives the group TE reduces amaxes over (tensor x data x context parallel of this pipeline
+        stage; built here, collectively: call on every rank)."""
+        self._device = torch.device(device)
+        self._ensure_scaler()
+        if self.fp8_config is None:
+            return None
+        self.fp8_config = self.fp8_config.resolve_backend(self._device)
+        if self.fp8_config.backend == "te" and mesh is not None and self._amax_group is None:
+            self._amax_group = mesh.dense["dp", "cp", "tp"]._flatten("fp8_amax").get_group()
+        self._fp8_context = fp8_forward_context(self.fp8_config, self._amax_group)
+        return self.fp8_config
+
+    def _ensure_scaler(self) -> None:
+        if self.precision == "16-mixed" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device, init_scale=self.initial_loss_scale,
+                                               growth_interval=self.loss_scale_window)
+
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        """Without :meth:`bind` (another strategy), the device is the model's."""
+        if self._device is None:
+            params = [p for p in model.parameters() if not p.is_meta]
+            if params:
+                self._device = params[0].device
+        self._ensure_scaler()
+        return super().connect(model, optimizers, lr_schedulers)
+
+    # ------------------------------------------------------------------ forward
+    def autocast_context_manager(self) -> Any:
+        dtype = _AUTOCAST_DTYPES.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast (bf16 / fp16; none for fp32), and ``te.fp8_autocast`` with the Transformer Engine backend."""
+        with self.autocast_context_manager(), self._fp8_context():
+            yield
+
+    # ------------------------------------------------------------------ backward / step
+    def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+        """Multiply the loss by the loss scale (fp16), then Lightning's ``on_before_backward``."""
+        self._ensure_scaler()
+        return super().pre_backward(tensor, module)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
+    def reduce_found_inf(self, optimizer: Optimizer) -> None:
+        """Make the scaler's found-inf flag of ``optimizer`` (set by ``unscale_``) the max over all ranks (one
+        all-reduce of one element over the default group: every tp, pp, cp, ep and dp group together), so every
+        rank skips the same step and updates the loss scale the same way."""
+        assert self.scaler is not None
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        found: Dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        device = self._device or torch.device(self.device)
+        total = torch.zeros(1, device=device)
+        for value in found.values():
+            total += value.to(device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        if not found:
+            found[device] = total
+        for key in list(found):
+            found[key] = total.to(key)
+
+    def optimizer_step(self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any],
+                       **kwargs: Any) -> Any:  # type: ignore[override]
+        """bf16 / fp32: Lightning's. fp16: closure (forward + backward), unscale (always, also for fused
+        optimizers, so clipping sees true gradients), found-inf reduced over all ranks, clipping hooks, then the
+        scaler's step (skipped on overflow) and update."""
+        if self.scaler is None:
+            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("MegatronPrecision('16-mixed') does not work with LBFGS (its closure re-evaluates the "
+                             "loss); use precision='bf16-mixed' or another optimizer")
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization
+        if not skip:
+            if getattr(self.scaler, "_scale", None) is None:
+                # a pipeline stage without the loss scaled nothing: it follows the same (shared) loss scale
+                self.scaler.scale(torch.zeros((), device=self._device or torch.device(self.device)))
+            self.scaler.unscale_(optimizer)   # type: ignore[arg-type]
+            self.reduce_found_inf(optimizer)  # type: ignore[arg-type]
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        out = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        self.scaler.update()
+        return out
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Gradients are unscaled before clipping under every precision here, so fused optimizers may clip."""
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    def state_dict(self) -> Dict[str, Any]:
+        self._ensure_scaler()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._ensure_scaler()
+        super().load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        fp8 = f", fp8={self.fp8!r}, fp8_recipe={self.fp8_config.recipe!r}" if self.fp8_config else ""
+        return f"MegatronPrecision({self.precision!r}{fp8})"
+
+
+__all__ = ["MegatronPrecision", "PRECISIONS"]
