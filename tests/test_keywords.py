@@ -68,3 +68,10 @@ def test_every_documented_strategy_keyword_is_accepted():
         for call in re.findall(r"MegatronStrategy\(([^()]*)\)", doc.read_text()):
             for name in re.findall(r"(\w+)=", call):
                 assert name in accepted or name in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters, (doc.name, name)
+
+
+def test_misspelt_precision_keyword_names_the_right_one():
+    from lightning_megatron import MegatronPrecision
+
+    with pytest.raises(TypeError, match=r"MegatronPrecision got an unexpected keyword argument `fp8_recipie`; did you mean `fp8_recipe`"):
+        MegatronPrecision("bf16-mixed", fp8_recipie="delayed")
