@@ -203,7 +203,9 @@ class MegatronStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             if self.parallel_config.use_distributed_optimizer and self.mesh.size("dp_cp") > 1:
-                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"))
+                experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
+                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
+                                                   experts, self.mesh.group("edp"))
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -68,7 +68,8 @@ class ParallelConfig:
             ``"1f1b"``, ``"interleaved_1f1b"`` with ``vp``).
         num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: uneven pipeline splits.
         grad_reduce_in_bf16: reduce data-parallel gradients in bfloat16 (``--grad-reduce-in-bf16``).
-        use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``).
+        use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``); with
+            ep > 1 the routed experts' states over edp.
         compile: ``torch.compile`` each transformer layer (the ``apply_compile`` step of ``parallelize``; models
             implementing the GPT layout), compiled lazily at its first call.
         delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
@@ -171,10 +172,6 @@ class ParallelConfig:
         self._check_pipeline()
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
-        if self.use_distributed_optimizer and self.ep > 1:
-            raise ValueError(f"use_distributed_optimizer=True with ep={self.ep} is not supported yet: expert weights "
-                             "differ between the dp x cp ranks the optimizer states are sharded over; use ep=1 or the "
-                             "plain optimizer")
         if self.delay_wgrad_compute and not self.delay_wgrad_applies:
             raise ValueError(
                 "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "

@@ -20,9 +20,8 @@
   layers). Under autocast a discarded float32 output that feeds a single linear layer is handed on in the autocast
   dtype (what that layer casts it to anyway), so the kept copy is the output itself (a norm before an MoE layer
   feeds several consumers and stays float32, saving memory only without autocast); under sequence parallelism the
-  column-parallel layers
-  next to a recomputed norm then keep only their local input and all-gather it again in backward
-  (``recompute_input_gather``, Megatron's behaviour), else they would keep the gathered copy.
+  column-parallel layers next to a recomputed norm then keep only their local input and all-gather it again in
+  backward (``recompute_input_gather``, Megatron's behaviour), else they would keep the gathered copy.
 
 Exact replay: torch's checkpoint restores the default CPU / CUDA generators for the recomputed forward
 (``preserve_rng_state``); the tensor-parallel stream (:class:`TensorParallelRNG`, dropout inside TP regions and
