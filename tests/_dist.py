@@ -12,7 +12,7 @@ import os
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -96,3 +96,16 @@ def init_nccl(rank: int, world_size: int) -> torch.device:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
     return device
+
+
+def run_each(rank: int, world: int, fn: Callable, cases: List[Tuple[str, tuple]]) -> Dict[str, Any]:
+    """Worker for :func:`run_distributed`: ``fn(rank, world, *args)`` for each ``(name, args)`` of ``cases`` in turn,
+    in this one process group (one spawn and import for all). A case that raises gives its traceback instead of a
+    result and the others still run (every rank raises alike, so the ranks stay in step)."""
+    out: Dict[str, Any] = {}
+    for name, args in cases:
+        try:
+            out[name] = fn(rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the case's test
+            out[name] = traceback.format_exc()
+    return out

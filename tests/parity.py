@@ -326,17 +326,10 @@ def plugin_layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Di
 
 
 def run_plugin_cases(rank: int, world: int, cases: Sequence[Tuple[str, Tuple]]) -> Dict[str, Any]:
-    """Each ``(name, plugin_layout_run arguments)`` in turn in this one process group (one spawn for all); a
-    case that raises gives its traceback instead of a result."""
-    import traceback
+    """Each ``(name, plugin_layout_run arguments)`` in turn in this one process group (:func:`tests._dist.run_each`)."""
+    from tests._dist import run_each
 
-    out: Dict[str, Any] = {}
-    for name, args in cases:
-        try:
-            out[name] = plugin_layout_run(rank, world, *args)
-        except Exception:  # noqa: BLE001 - reported by the case's test
-            out[name] = traceback.format_exc()
-    return out
+    return run_each(rank, world, plugin_layout_run, cases)
 
 
 def weight_change_errors(result: Dict[str, Any], ref: Dict[str, Any]) -> Dict[str, float]:

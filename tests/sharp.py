@@ -10,7 +10,6 @@ parameter, shows up at its full size, whereas a comparison of the final weights 
 """
 from __future__ import annotations
 
-import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.moe import set_aux_loss_scale_of, update_expert_biases
+from tests._dist import run_each
 from tests.parity import SEED, ListDataset, collate, lightning_train_order, make_samples, trainer_for
 
 #: SGD learning rate: large enough that the later steps' gradients are taken at visibly moved weights, small
@@ -140,16 +140,9 @@ class SharpCase:
 
 
 def run_cases(rank: int, world: int, cases: Sequence[Tuple[str, Tuple]]) -> Dict[str, Any]:
-    """Worker of :func:`run_layouts`: each ``(name, sharp_layout_run arguments)`` in turn in this one process
-    group (one spawn and import for all of them). A case that raises gives its traceback instead of a result;
-    the others still run (every rank raises alike, so the ranks stay in step)."""
-    out: Dict[str, Any] = {}
-    for name, args in cases:
-        try:
-            out[name] = sharp_layout_run(rank, world, *args)
-        except Exception:  # noqa: BLE001 - reported by the case's test
-            out[name] = traceback.format_exc()
-    return out
+    """Worker of :func:`run_layouts`: each ``(name, sharp_layout_run arguments)`` in turn in this one process group
+    (:func:`tests._dist.run_each`)."""
+    return run_each(rank, world, sharp_layout_run, cases)
 
 
 def run_layouts(cases: Dict[str, SharpCase]) -> Dict[str, Any]:
