@@ -33,5 +33,5 @@ def test_compile_needs_a_gpt_layout_model():
     with pytest.raises(ValueError, match="compile=True compiles the transformer layers of GPT-layout models"):
         apply_compile([nn.Linear(2, 2)], ParallelConfig(compile=True))
     assert apply_compile([nn.Linear(2, 2)], ParallelConfig()) == 0
-    with pytest.raises(ValueError, match="compile must be True or False"):
+    with pytest.raises(ValueError, match="compile='yes' must be True or False"):
         MegatronStrategy(compile="yes")

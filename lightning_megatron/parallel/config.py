@@ -170,8 +170,6 @@ class ParallelConfig:
         elif "a2a+p2p" in types and self.cp > 1:
             raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
         self._check_pipeline()
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.delay_wgrad_compute and not self.delay_wgrad_applies:
             raise ValueError(
                 "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
