@@ -40,7 +40,6 @@ from tests.parity import (
     StepLossRecorder,
     collate,
     make_samples,
-    plugin_layout_run,
     run_plugin_cases,
     tiny_config,
     trainer_for,
