@@ -40,7 +40,8 @@ def build_strategy(args) -> MegatronStrategy:
                             cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout,
                             compile=args.compile, recompute_granularity=args.recompute_granularity,
                             recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-                            recompute_modules=args.recompute_modules)
+                            recompute_modules=args.recompute_modules,
+                            check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
 
 
 def layout_prefix(args) -> str:
@@ -57,7 +58,8 @@ def option_suffix(args) -> str:
     return ((f"-cp{args.cp}-{args.cp_comm_type}{cp_options}" if args.cp > 1 else "")
             + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
             + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
-            + ("-compile" if args.compile else "") + recompute_suffix(args))
+            + ("-compile" if args.compile else "") + recompute_suffix(args)
+            + ("" if args.check_for_nan_in_loss_and_grad else "-nonancheck"))
 
 
 def recompute_suffix(args) -> str:
@@ -340,6 +342,8 @@ if __name__ == "__main__":
     p.add_argument("--cp-sm-carveout", type=int, default=None,
                    help="SMs the delayed weight-gradient GEMMs leave to the a2a exchanges "
                         "(default: 16 on CUDA; 0: none)")
+    p.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="the non-finite guard (MegatronStrategy(check_for_nan_in_loss_and_grad=...))")
     p.add_argument("--profile", action="store_true", help="profile one optimizer step after the timed window")
     p.add_argument("--profile-json", default="", help="with --profile: also write the top ops and busy time here")
     p.add_argument("--moe-loop", action="store_true", help="per-expert GEMM loop instead of one grouped GEMM")

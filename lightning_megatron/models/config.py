@@ -198,6 +198,17 @@ class GPTConfig:
         check_keywords("GPTConfig.replace", changes, [f.name for f in fields(self) if f.init])
         return replace(self, **changes)
 
+    def resolved(self) -> "GPTConfig":
+        """A copy whose derived sizes are plain ``int`` values (``is_derived`` is False for every field), what a
+        model is built from: the marker type of a derived size is an ``int`` subclass, which ``torch.compile``
+        treats as a user object in the layers that read it (guards on it at every call)."""
+        copy = replace(self)
+        for name in DERIVED_FIELDS:
+            value = getattr(copy, name)
+            if isinstance(value, _Derived):
+                object.__setattr__(copy, name, int(value))
+        return copy
+
     def is_derived(self, name: str) -> bool:
         """Whether field ``name`` was filled in by the config (and ``replace`` will recompute it)."""
         return isinstance(getattr(self, name), _Derived)

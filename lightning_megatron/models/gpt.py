@@ -293,6 +293,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        config = config.resolved()   # plain ints in the layers: torch.compile guards on int subclasses
         self.config = config
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
         self.embedding = Embedding(config, self.padded_vocab_size)
