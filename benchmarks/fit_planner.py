@@ -18,7 +18,8 @@ RANGES = {"elementwise_passes": (0.0, 60.0, True), "tp_bandwidth_gbps": (5.0, 90
           "dp_overlap": (0.0, 1.0, False), "cp_passes": (0.0, 60.0, True), "moe_rows_half": (0.0, 1e6, True)}
 
 
-def fit() -> dict:
+def fit(write: bool = True) -> dict:
+    """The fitted constants (rounded to 3 decimals); written into calibration.json when ``write``."""
     data = json.loads(MEASURED_FILE.read_text())
     calib = json.loads(CALIBRATION_FILE.read_text())
     hw = load_hardware("h200")
@@ -40,8 +41,9 @@ def fit() -> dict:
         hw = dataclasses.replace(hw, **{name: value})
         calib["fitted"][name] = value
         print(f"{name} = {value} (row {row['id']})")
-    CALIBRATION_FILE.write_text(json.dumps(calib, indent=2, ensure_ascii=False) + "\n")
-    return calib["fitted"]
+    if write:
+        CALIBRATION_FILE.write_text(json.dumps(calib, indent=2, ensure_ascii=False) + "\n")
+    return {k: v for k, v in calib["fitted"].items() if k in RANGES}
 
 
 if __name__ == "__main__":
