@@ -18,7 +18,8 @@ from typing import Dict, Optional, Sequence
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.planner import Plan, format_table, plan
 from lightning_megatron.planner.calibration import HARDWARE_NAMES
-from lightning_megatron.planner.layout import RECOMPUTE_PRESETS
+from lightning_megatron.planner.layout import RECOMPUTE_PRESETS, SUPPORTED_SHARDING
+from lightning_megatron.planner.memory import SHARDING_LEVELS
 
 __all__ = ["build_parser", "main", "MODELS", "parse_show"]
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
+    p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
+                   help="sharding levels to consider; optim_grads / optim_grads_params are what-if rows (modelled, "
+                        "not run by MegatronStrategy)")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--top", type=int, default=10, help="feasible rows printed")
@@ -65,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     args = build_parser().parse_args(argv)
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,
-                  args.precision, args.recompute, micro_batch_sizes=args.micro_batch_sizes)
+                  args.precision, args.recompute, args.sharding, args.micro_batch_sizes)
     shown = []
     for spec in args.show:
         row = result.rank_of(**parse_show(spec))

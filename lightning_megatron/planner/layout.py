@@ -6,13 +6,14 @@ dividing into micro-batches."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.pipeline import default_schedule, min_microbatches
 
-__all__ = ["Layout", "RECOMPUTE_PRESETS", "recompute_options", "enumerate_layouts", "SUPPORTED_SHARDING"]
+__all__ = ["Layout", "RECOMPUTE_PRESETS", "recompute_options", "enumerate_layouts", "check_layout",
+           "SUPPORTED_SHARDING", "MODELLED_ONLY"]
 
 #: recompute presets by name -> ``ParallelConfig`` fields; ``full_block:N`` is also accepted (the first N layers
 #: of each stage recomputed whole)
@@ -140,10 +141,18 @@ class Layout:
         return " ".join(parts)
 
 
+#: the start of the reason given to the sharding levels the planner models but the strategy does not run
+MODELLED_ONLY = "modelled only"
+
+
 def check_layout(layout: Layout, model: Any, global_batch_size: int) -> Optional[str]:
-    """The reason ``layout`` cannot run ``model`` (the library's ValueError text), or None when it can."""
+    """The reason ``layout`` cannot run ``model`` (the library's ValueError text), or None when it can. A layout
+    valid but for a sharding level MegatronStrategy does not run gets :data:`MODELLED_ONLY` as its reason."""
     try:
-        layout.parallel_config(model)
+        if layout.sharding not in SUPPORTED_SHARDING:
+            replace(layout, sharding="optim").parallel_config(model)
+        else:
+            layout.parallel_config(model)
     except ValueError as e:
         return str(e).split(": ")[0]
     per_step = layout.micro_batch_size * layout.num_microbatches * layout.dp
@@ -151,6 +160,8 @@ def check_layout(layout: Layout, model: Any, global_batch_size: int) -> Optional
         return f"global batch {global_batch_size} != micro-batch x micro-batches x dp = {per_step}"
     if layout.pp > 1 and layout.num_microbatches < min_microbatches(layout.schedule, layout.pp):
         return f"{layout.num_microbatches} micro-batches < pp={layout.pp} (the schedule's fewest)"
+    if layout.sharding not in SUPPORTED_SHARDING:
+        return f"{MODELLED_ONLY}: MegatronStrategy does not run sharding={layout.sharding}"
     return None
 
 

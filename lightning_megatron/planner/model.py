@@ -173,16 +173,20 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     for r in range(pp):
         key = (id(c), layout.tp, layout.pp, layout.vp, layout.ep, layout.etp, layout.schedule, layout.dp * cp,
                layout.edp, layout.sharding, r)
-        sb = cache.get(key) if cache is not None else None
-        if sb is None:
-            sb = state_bytes(c, layout, r, dp_rank=None, edp_rank=None)
+        hit = cache.get(key) if cache is not None else None
+        if hit is None:
+            edge = sum(t.numel for t in rank_parameters(c, layout, r) if "decoder.layers" not in t.name)
+            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None), edge)
             if cache is not None:
-                cache[key] = sb
+                cache[key] = hit
+        sb, edge = hit
         chunks = _in_flight(layout, r)
         layers = chunks * chunk_layers
         n_whole = layers if whole == "all" else min(int(whole), chunk_layers) * chunks if whole else 0
         act = n_whole * layer_in * tokens + (layers - n_whole) * (per_layer_kept + copies_kept)
-        act += 2.0 * (sb.params / PARAM_BYTES - sum(lp.values()) * len(layers_of[r])) * min(chunks, 2)  # emb/head
+        act += 2.0 * edge * min(chunks, 2)      # bf16 copies of the embedding / output weights
+        if layout.sharding == "optim_grads_params":  # the gathered whole weights of the layer run and the next
+            act += 2 * PARAM_BYTES * (lp["attention"] + lp["mlp"])
         holds_last = (c.num_layers - 1) in layers_of[r]
         logits = logits_bytes_per_token(c, tp) * mbs * s / cp if holds_last else 0.0
         transient = (per_layer_full + copies_full) if whole else 0.0
