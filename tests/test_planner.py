@@ -156,3 +156,19 @@ def test_measured_case_layouts_are_valid():
     for row in json.loads(MEASURED_FILE.read_text())["rows"]:
         layout, work, model = row_case(row)
         layout.parallel_config(model)
+
+
+def test_printed_flags_parse_to_the_layout():
+    """The Megatron flags the CLI prints for a layout are the library's own (lightning_megatron.cli) and give back
+    the layout's sizes and options."""
+    from lightning_megatron.cli import build_parser
+
+    layout = Layout(tp=2, pp=4, vp=2, cp=2, dp=2, sequence_parallel=True, sharding="optim",
+                    recompute="selective_mlp", micro_batch_size=1, num_microbatches=8)
+    args = build_parser().parse_args(" ".join(layout.flags(16)).split())
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.context_parallel_size) == (2, 4, 2, 2)
+    assert args.sequence_parallel and args.use_distributed_optimizer and args.global_batch_size == 16
+    assert args.recompute_granularity == "selective" and args.recompute_modules == ["core_attn", "layernorm", "mlp"]
+    full = build_parser().parse_args(" ".join(Layout(recompute="full").flags()).split())
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)

@@ -115,7 +115,7 @@ class Layout:
         if self.ep > 1:
             out.append(f"--expert-model-parallel-size {self.ep}")
         if self.vp:
-            out.append(f"--num-virtual-stages-per-pipeline-rank {self.vp}")
+            out.append(f"--virtual-pipeline-model-parallel-size {self.vp}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
         if self.cp > 1 and self.cp_comm_type != "p2p":

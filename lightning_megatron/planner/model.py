@@ -175,11 +175,13 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
                layout.edp, layout.sharding, r)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
-            edge = sum(t.numel for t in rank_parameters(c, layout, r) if "decoder.layers" not in t.name)
-            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None), edge)
+            tensors = rank_parameters(c, layout, r)
+            edge = sum(t.numel for t in tensors if "decoder.layers" not in t.name)
+            numel = (sum(t.numel for t in tensors if not t.expert), sum(t.numel for t in tensors if t.expert))
+            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None), edge, numel)
             if cache is not None:
                 cache[key] = hit
-        sb, edge = hit
+        sb, edge, numel = hit
         chunks = _in_flight(layout, r)
         layers = chunks * chunk_layers
         n_whole = layers if whole == "all" else min(int(whole), chunk_layers) * chunks if whole else 0
@@ -197,8 +199,8 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
         parts = {"params": sb.params / GIB, "grads": sb.grads / GIB, "optimizer": sb.optimizer / GIB,
                  "activations": act / GIB, "logits": logits / GIB}
         if best is None or peak > best[0]:
-            best = (peak, parts, sb)
-    peak, mem_parts, sb = best
+            best = (peak, parts, sb, numel)
+    peak, mem_parts, sb, (dense_numel, expert_numel) = best
 
     # ---- time of one micro-batch on each pipeline rank
     fp = cache.get(("flops", id(c), s)) if cache is not None else None
@@ -264,16 +266,15 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
         t_p2p = m * vp * 2 * msg / _nccl_bw(hw, msg, tp * cp * layout.dp >= intra)
 
     # ---- data parallel, optimizer, fixed cost
-    dp_cp = layout.dp * cp
-    n_params = sb.params / PARAM_BYTES
-    t_dp = t_gather = 0.0
-    if dp_cp > 1:
-        grad_bytes = 4.0 * n_params
-        span = tp * dp_cp > intra
-        t_ar = 2.0 * (dp_cp - 1) / dp_cp * grad_bytes / _nccl_bw(hw, 25 * 2 ** 20, span)
-        t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 else t_ar
-        if layout.sharding != "no_shard":
-            t_gather = (dp_cp - 1) / dp_cp * PARAM_BYTES * n_params / _nccl_bw(hw, PARAM_BYTES * n_params / dp_cp, span)
+    t_ar = t_gather = 0.0
+    bucket = 25 * 2 ** 20   # DDP's default bucket
+    for ranks, n, span in ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),
+                           (layout.edp, expert_numel, layout.world // layout.edp > intra or layout.edp > intra)):
+        if ranks > 1 and n:
+            t_ar += 2.0 * (ranks - 1) / ranks * 4.0 * n / _nccl_bw(hw, bucket, span)
+            if layout.sharding != "no_shard":
+                t_gather += (ranks - 1) / ranks * PARAM_BYTES * n / _nccl_bw(hw, PARAM_BYTES * n / ranks, span)
+    t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 else t_ar   # the pipeline reduces after its last backward
     opt_params = sb.optimizer / 8.0
     t_opt = opt_params * hw.optimizer_bytes_per_param / hbm
     step = t_pipe + t_p2p + t_dp + t_gather + t_opt + hw.step_overhead_ms / 1e3
