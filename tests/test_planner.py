@@ -172,3 +172,17 @@ def test_printed_flags_parse_to_the_layout():
     assert args.recompute_granularity == "selective" and args.recompute_modules == ["core_attn", "layernorm", "mlp"]
     full = build_parser().parse_args(" ".join(Layout(recompute="full").flags()).split())
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+
+
+def test_python_m_plan_prints_the_readme_table():
+    """``python -m lightning_megatron.plan`` with the README's command prints the table the README shows."""
+    import os
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`python -m lightning_megatron\.plan ([^`]+)`", readme.replace("\n", " ")).group(1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "lightning_megatron.plan", *command.split()], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300, check=True).stdout
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) >= 5 and "\n".join(table) in readme

@@ -132,14 +132,6 @@ class Layout:
                 out.append("--recompute-modules " + " ".join(rc["recompute_modules"]))
         return out
 
-    def describe(self) -> str:
-        """Short name, e.g. ``tp4 sp pp4 vp2 cp2 dp2 mbs1 optim full``."""
-        parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
-        if self.vp:
-            parts.append(f"vp{self.vp}")
-        parts += [f"cp{self.cp}", f"ep{self.ep}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
-        return " ".join(parts)
-
 
 #: the start of the reason given to the sharding levels the planner models but the strategy does not run
 MODELLED_ONLY = "modelled only"
