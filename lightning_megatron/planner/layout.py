@@ -67,6 +67,7 @@ class Layout:
 
     @property
     def world(self) -> int:
+        """GPUs of the layout: ``tp * pp * cp * dp``."""
         return self.tp * self.pp * self.cp * self.dp
 
     @property

@@ -141,6 +141,7 @@ class StateBytes:
 
     @property
     def total(self) -> int:
+        """All three together."""
         return self.params + self.grads + self.optimizer
 
 

@@ -22,6 +22,7 @@ class PlanRow:
 
     @property
     def feasible(self) -> bool:
+        """Whether the layout runs and fits (no rejection reason)."""
         return self.reason is None
 
 
@@ -37,6 +38,7 @@ class Plan:
 
     @property
     def feasible(self) -> List[PlanRow]:
+        """The ranked rows that fit, fastest first."""
         return [r for r in self.rows if r.feasible]
 
     @property
