@@ -1,5 +1,6 @@
-"""``python -m lightning_megatron.plan``: the layout planner's command line (the planner itself is the
-:mod:`lightning_megatron.planner` package; this module only parses flags and prints).
+"""``lightning_megatron.plan``: the layout planner's entry point, for Python (``from lightning_megatron.plan import
+plan``; the names of :mod:`lightning_megatron.planner`, which holds the planner, one concern per module) and for
+the command line (``python -m lightning_megatron.plan``: this module only parses flags and prints).
 
 Example::
 
@@ -16,12 +17,16 @@ import sys
 from typing import Dict, Optional, Sequence
 
 from lightning_megatron.models.config import GPTConfig
-from lightning_megatron.planner import Plan, format_table, plan
+from lightning_megatron.planner import (Hardware, Layout, Plan, PlanRow, Prediction, StateBytes, Workload,
+                                        enumerate_layouts, format_table, load_hardware, plan, predict,
+                                        rank_parameters, state_bytes)
 from lightning_megatron.planner.calibration import HARDWARE_NAMES
 from lightning_megatron.planner.layout import RECOMPUTE_PRESETS, SUPPORTED_SHARDING
 from lightning_megatron.planner.memory import SHARDING_LEVELS
 
-__all__ = ["build_parser", "main", "MODELS", "parse_show"]
+__all__ = ["plan", "Plan", "PlanRow", "Layout", "Prediction", "Workload", "predict", "Hardware", "load_hardware",
+           "StateBytes", "state_bytes", "rank_parameters", "enumerate_layouts", "format_table", "build_parser",
+           "main", "MODELS", "parse_show"]
 
 #: ``--model`` names: the ``GPTConfig`` presets
 MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_bench", "mixtral_small_bench", "tiny",

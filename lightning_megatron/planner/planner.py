@@ -74,6 +74,9 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
     ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding`` may
     name the levels MegatronStrategy does not run (``optim_grads``, ``optim_grads_params``): those layouts are
     predicted and listed as rejected (what-if rows), never ranked."""
+    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision={precision!r} must be 'bf16' or 'fp8'")
     seq = seq_length or model.seq_length
