@@ -153,6 +153,10 @@ def check_layout(layout: Layout, model: Any, global_batch_size: int) -> Optional
         return f"global batch {global_batch_size} != micro-batch x micro-batches x dp = {per_step}"
     if layout.pp > 1 and layout.num_microbatches < min_microbatches(layout.schedule, layout.pp):
         return f"{layout.num_microbatches} micro-batches < pp={layout.pp} (the schedule's fewest)"
+    rounds = max(1, layout.num_microbatches // layout.pp)
+    if layout.pp > 1 and (layout.vp or 1) > 1 and layout.num_microbatches % rounds:
+        # torch.distributed.pipelining's interleaved schedules split the micro-batches into whole rounds
+        return f"{layout.num_microbatches} micro-batches are not a multiple of the {rounds} rounds of pp={layout.pp}"
     if layout.sharding not in SUPPORTED_SHARDING:
         return f"{MODELLED_ONLY}: MegatronStrategy does not run sharding={layout.sharding}"
     return None

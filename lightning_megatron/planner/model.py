@@ -105,13 +105,15 @@ def _nccl_bw(hw: Hardware, size: float, span_nodes: bool) -> float:
 
 
 def _in_flight(layout: Any, pp_rank: int) -> int:
-    """Chunk forwards (stages of ``L / (pp vp)`` layers) a pipeline rank holds at its peak."""
+    """Chunk forwards (stages of ``L / (pp vp)`` layers) a pipeline rank holds at its peak: 1F1B ``pp - rank``;
+    torch's interleaved 1F1B its warm-up forwards ``(vp-1) * per_round + 2 (pp-1-rank)`` and one more."""
     m, pp, vp = layout.num_microbatches, layout.pp, layout.vp or 1
     if pp == 1:
         return 1
     if vp == 1:
         return min(pp - pp_rank, m)
-    return min((vp - 1) * pp + 2 * (pp - 1 - pp_rank) + 1, m * vp)
+    per_round = m // max(1, m // pp)    # torch's ScheduleInterleaved1F1B: micro-batches per round
+    return min((vp - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, m * vp)
 
 
 def _recompute_parts(name: str) -> tuple:
