@@ -16,6 +16,7 @@ from lightning_megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
+from lightning_megatron.planner import Layout, Plan
 from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.strategy import MegatronStrategy
 
@@ -45,4 +46,6 @@ __all__ = [
     "MFUMonitor",
     "num_floating_point_operations",
     "flops_per_token",
+    "Plan",
+    "Layout",
 ]

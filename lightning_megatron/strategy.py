@@ -372,6 +372,15 @@ class MegatronStrategy(DDPStrategy):
                 # device, a second copy of this rank's share. Its steps and state_dict use the shard's optimizer.
                 optimizer.state.clear()
 
+    @classmethod
+    def from_plan(cls, plan: Any, **options: Any) -> "MegatronStrategy":
+        """The strategy of a planner result (:mod:`lightning_megatron.planner`): ``plan`` is a ``Plan`` (its best
+        layout) or a ``Layout``; ``options`` are further ``MegatronStrategy`` keywords and override the layout's.
+        The layout's micro-batch size and micro-batches per step belong to the data module and to
+        ``Trainer(accumulate_grad_batches=...)``: read them from ``plan.best``."""
+        layout = plan.best if hasattr(plan, "best") else plan
+        return cls(**{**layout.strategy_kwargs(), **options})
+
     # ------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -1,0 +1,98 @@
+"""``lightning_megatron.plan``: the layout planner's entry point, for Python (``from lightning_megatron.plan import
+plan``; the names of :mod:`lightning_megatron.planner`, which holds the planner, one concern per module) and for
+the command line (``python -m lightning_megatron.plan``: this module only parses flags and prints).
+
+Example::
+
+    python -m lightning_megatron.plan --model llama3_70b --gpus 64 --gpu-memory 80 --seq-length 8192 \\
+        --global-batch-size 512 --hardware h100 --show tp=4,pp=4,cp=2
+
+prints the ranked table (predicted peak GiB per GPU, tokens/s per GPU, MFU; rejected layouts with the reason),
+then the best layout as ``MegatronStrategy`` keywords and as Megatron flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict, Optional, Sequence
+
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.planner import (Hardware, Layout, Plan, PlanRow, Prediction, StateBytes, Workload,
+                                        enumerate_layouts, format_table, load_hardware, plan, predict,
+                                        rank_parameters, state_bytes)
+from lightning_megatron.planner.calibration import HARDWARE_NAMES
+from lightning_megatron.planner.layout import RECOMPUTE_PRESETS, SUPPORTED_SHARDING
+from lightning_megatron.planner.memory import SHARDING_LEVELS
+
+__all__ = ["plan", "Plan", "PlanRow", "Layout", "Prediction", "Workload", "predict", "Hardware", "load_hardware",
+           "StateBytes", "state_bytes", "rank_parameters", "enumerate_layouts", "format_table", "build_parser",
+           "main", "MODELS", "parse_show"]
+
+#: ``--model`` names: the ``GPTConfig`` presets
+MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_bench", "mixtral_small_bench", "tiny",
+          "tiny_moe")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The planner's flags."""
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=MODELS, help="a GPTConfig preset")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (8 per node)")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="memory of one GPU in GiB as torch reports it (default: the hardware profile's)")
+    p.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
+                   help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
+    p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
+                   help="sharding levels to consider; optim_grads / optim_grads_params are what-if rows (modelled, "
+                        "not run by MegatronStrategy)")
+    p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--top", type=int, default=10, help="feasible rows printed")
+    p.add_argument("--rejected", type=int, default=5, help="rejected rows printed")
+    p.add_argument("--show", action="append", default=[],
+                   help="also print the best row with these sizes, e.g. tp=4,pp=4,cp=2 (repeatable)")
+    return p
+
+
+def parse_show(spec: str) -> Dict[str, int]:
+    """``"tp=4,pp=4,cp=2"`` -> ``{"tp": 4, "pp": 4, "cp": 2}``."""
+    out: Dict[str, int] = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("tp", "pp", "vp", "cp", "ep", "dp", "micro_batch_size") or not value.isdigit():
+            raise ValueError(f"--show {spec!r}: give sizes as tp=4,pp=4,cp=2 (keys tp pp vp cp ep dp "
+                             "micro_batch_size)")
+        out[key] = int(value)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Plan:
+    """Plan, print the table and the best layout; returns the :class:`~lightning_megatron.planner.Plan`."""
+    args = build_parser().parse_args(argv)
+    model = getattr(GPTConfig, args.model)()
+    result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,
+                  args.precision, args.recompute, args.sharding, args.micro_batch_sizes)
+    shown = []
+    for spec in args.show:
+        row = result.rank_of(**parse_show(spec))
+        if row is not None:
+            shown.append(row.layout)
+    print(format_table(result, args.top, args.rejected, shown))
+    for spec, layout in zip(args.show, shown):
+        row = result.rank_of(**parse_show(spec))
+        where = f"rank {result.index(row)}" if row.feasible else f"rejected ({row.reason})"
+        mfu = f", predicted MFU {100 * row.prediction.mfu:.1f}%" if row.prediction else ""
+        print(f"{spec}: {where}{mfu}")
+    if result.feasible:
+        best = result.best
+        print(f"best: MegatronStrategy(**{best.strategy_kwargs()}) with micro-batch {best.micro_batch_size} and "
+              f"Trainer(accumulate_grad_batches={best.num_microbatches}); MegatronStrategy.from_plan(plan) builds it")
+        print("flags: " + " ".join(best.flags(args.global_batch_size)))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

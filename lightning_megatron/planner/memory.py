@@ -1,0 +1,226 @@
+"""Memory of one rank: exact parameter / gradient / optimizer-state bytes, and the activation peak.
+
+Parameters, gradients and optimizer states are counted tensor by tensor from the model's shapes as the library
+shards them (:func:`rank_parameters`): column-parallel ``linear_qkv`` / ``linear_fc1`` split their output rows
+over tp, row-parallel ``linear_proj`` / ``linear_fc2`` their input columns, the vocabulary is padded to
+``make_vocab_size_divisible_by * tp`` and split over tp, norms are whole, routed experts are split ``E/ep`` per
+rank and each expert's ffn over etp, a pipeline rank keeps only its stages' layers (the embedding on the first
+stage, the final norm and output layer on the last, a word-embedding copy there too when tied). Precision is
+the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments and a 4-byte step per
+parameter tensor. With the distributed optimizer (``sharding="optim"``) the states are split as torch's
+``ZeroRedundancyOptimizer`` splits them (largest tensor first onto the least-loaded rank, per parameter group:
+weights with weight decay, then norms and biases), so the count equals what the rank allocates. No torch.cuda.
+
+Activations are counted per token per layer from what the layer's autograd graph keeps (bf16 under autocast,
+the residual stream in fp32) and checked against the measured peaks in ``benchmarks/RESULTS.md``
+(``tests/test_planner.py``); the formulas are in :func:`layer_activation_bytes`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from lightning_megatron.parallel.pipeline import layers_per_stage, stage_placement, V_SHAPE_SCHEDULES
+from lightning_megatron.parallel.tensor_parallel.layers import pad_vocab_size
+
+__all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition",
+           "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS"]
+
+#: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names): what is split over dp x cp
+SHARDING_LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+PARAM_BYTES = 4        # fp32 parameters (bf16-mixed keeps fp32 weights, autocast casts them per forward)
+GRAD_BYTES = 4         # fp32 gradients (grad_reduce_in_bf16 only changes the wire format)
+ADAM_BYTES = 8         # exp_avg + exp_avg_sq in fp32
+STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor a rank holds: its name, element count, whether it is a weight matrix (weight-decay
+    group, ``dim >= 2``) and whether it is a routed expert's (sharded over edp, not dp x cp)."""
+
+    name: str
+    numel: int
+    matrix: bool
+    expert: bool = False
+
+
+def stage_layers(num_layers: int, layout: Any) -> List[List[int]]:
+    """Global layer indices of each pipeline rank's chunks (list per rank, chunks concatenated in order), from
+    the library's :func:`~lightning_megatron.parallel.pipeline.layers_per_stage` and ``stage_placement``."""
+    vp = layout.vp or 1
+    counts = layers_per_stage(num_layers, layout.pp * vp)
+    bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    v_shape = (layout.schedule in V_SHAPE_SCHEDULES) if layout.pp > 1 else False
+    placement = stage_placement(layout.pp, vp, v_shape) if layout.pp > 1 else [[0]]
+    return [[layer for g in stages for layer in range(bounds[g], bounds[g + 1])] for stages in placement]
+
+
+def _holds(layout: Any, pp_rank: int) -> Tuple[bool, bool]:
+    """(holds the first stage, holds the last stage) for pipeline rank ``pp_rank``."""
+    if layout.pp == 1:
+        return True, True
+    vp = layout.vp or 1
+    v_shape = layout.schedule in V_SHAPE_SCHEDULES
+    stages = stage_placement(layout.pp, vp, v_shape)[pp_rank]
+    return 0 in stages, layout.pp * vp - 1 in stages
+
+
+def rank_parameters(model: Any, layout: Any, pp_rank: int = 0) -> List[ParamTensor]:
+    """The parameter tensors of one rank of pipeline rank ``pp_rank`` (every tp / dp / cp rank of it holds the
+    same sizes; ep ranks the same number of experts). ``model``: a :class:`~lightning_megatron.GPTConfig`;
+    ``layout``: anything with ``tp, pp, vp, ep, etp, schedule`` (a :class:`~lightning_megatron.planner.Layout`)."""
+    c, tp = model, layout.tp
+    etp = getattr(layout, "etp", None) or tp
+    h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
+    f, bias = c.ffn_hidden_size, c.add_bias_linear
+    glu = 2 if c.swiglu else 1
+    norm = [("weight", h)] + ([("bias", h)] if c.normalization == "LayerNorm" else [])
+    vocab = pad_vocab_size(c.vocab_size, tp, c.make_vocab_size_divisible_by)
+    out: List[ParamTensor] = []
+    first, last = _holds(layout, pp_rank)
+    tied = not c.untie_embeddings_and_output_weights
+    if first or (last and tied):
+        out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, True))
+    if first and c.position_embedding_type == "learned_absolute":
+        out.append(ParamTensor("embedding.position_embeddings.weight", c.max_position_embeddings * h, True))
+    qkv_out = g * (n // g + 2) * d
+    for i in stage_layers(c.num_layers, layout)[pp_rank]:
+        p = f"decoder.layers.{i}."
+        for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
+            out += [ParamTensor(p + f"{norm_name}.{k}", v, False) for k, v in norm]
+        out.append(ParamTensor(p + "self_attention.linear_qkv.weight", qkv_out // tp * h, True))
+        out.append(ParamTensor(p + "self_attention.linear_proj.weight", h * (n * d) // tp, True))
+        if bias:
+            out.append(ParamTensor(p + "self_attention.linear_qkv.bias", qkv_out // tp, False))
+            out.append(ParamTensor(p + "self_attention.linear_proj.bias", h, False))
+        if c.is_moe and c.is_moe_layer(i):
+            e, fm = c.num_moe_experts // layout.ep, c.moe_ffn_hidden_size // etp
+            out.append(ParamTensor(p + "mlp.router.weight", c.num_moe_experts * h, True))
+            out.append(ParamTensor(p + "mlp.experts.weight1", e * h * glu * fm, True, True))
+            out.append(ParamTensor(p + "mlp.experts.weight2", e * fm * h, True, True))
+            shared = c.moe_shared_expert_intermediate_size or 0
+            if shared:
+                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", glu * shared // tp * h, True))
+                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * shared // tp, True))
+        else:
+            out.append(ParamTensor(p + "mlp.linear_fc1.weight", glu * f // tp * h, True))
+            out.append(ParamTensor(p + "mlp.linear_fc2.weight", h * f // tp, True))
+            if bias:
+                out.append(ParamTensor(p + "mlp.linear_fc1.bias", glu * f // tp, False))
+                out.append(ParamTensor(p + "mlp.linear_fc2.bias", h, False))
+    if last:
+        out += [ParamTensor(f"decoder.final_layernorm.{k}", v, False) for k, v in norm]
+        if not tied:
+            out.append(ParamTensor("output_layer.weight", vocab // tp * h, True))
+    return out
+
+
+def zero_partition(tensors: Sequence[ParamTensor], ranks: int) -> List[List[ParamTensor]]:
+    """The tensors each of ``ranks`` ranks owns under torch's ``ZeroRedundancyOptimizer``: per parameter group
+    (weight matrices, then vectors, the order of ``ParallelGPTModule.configure_optimizers``), largest first onto
+    the rank with the fewest elements so far (the first such rank on ties)."""
+    owned: List[List[ParamTensor]] = [[] for _ in range(ranks)]
+    sizes = [0] * ranks
+    for group in ([t for t in tensors if t.matrix], [t for t in tensors if not t.matrix]):
+        for t in sorted(group, key=lambda t: t.numel, reverse=True):
+            r = sizes.index(min(sizes))
+            owned[r].append(t)
+            sizes[r] += t.numel
+    return owned
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one rank holds between steps: ``params``, ``grads``, ``optimizer`` (Adam moments and steps)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        """All three together."""
+        return self.params + self.grads + self.optimizer
+
+
+def _adam_bytes(tensors: Sequence[ParamTensor]) -> int:
+    return sum(ADAM_BYTES * t.numel + STEP_BYTES for t in tensors)
+
+
+def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int] = 0,
+                edp_rank: Optional[int] = 0) -> StateBytes:
+    """Parameter, gradient and optimizer-state bytes of one rank (pipeline rank ``pp_rank``; ``dp_rank`` its
+    index in the dp x cp group and ``edp_rank`` in expert data parallel, which only matter when sharded; None:
+    the rank holding the most).
+
+    Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
+    optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
+    ``ZeroRedundancyOptimizer`` does (:func:`zero_partition`); ``optim_grads`` also divides the gradients and
+    ``optim_grads_params`` the parameters evenly (Megatron's FSDP levels: a model of them, not run here).
+    """
+    tensors = rank_parameters(model, layout, pp_rank)
+    dense = [t for t in tensors if not t.expert]
+    expert = [t for t in tensors if t.expert]
+    n = sum(t.numel for t in tensors)
+    level = layout.sharding
+    if level not in SHARDING_LEVELS:
+        raise ValueError(f"sharding={level!r} is not one of {SHARDING_LEVELS}")
+    dp_cp = layout.dp * layout.cp
+    edp = layout.edp
+    if level == "no_shard":
+        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, _adam_bytes(tensors))
+    def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:
+        if not tensors:
+            return 0
+        per_rank = [_adam_bytes(owned) for owned in zero_partition(tensors, ranks)]
+        return max(per_rank) if rank is None else per_rank[rank]
+
+    opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)
+    if level == "optim":
+        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, opt)
+    dense_n, expert_n = sum(t.numel for t in dense), sum(t.numel for t in expert)
+    sharded = math.ceil(dense_n / dp_cp) + math.ceil(expert_n / edp)
+    grads = GRAD_BYTES * sharded
+    params = PARAM_BYTES * (sharded if level == "optim_grads_params" else n)
+    return StateBytes(params, grads, opt)
+
+
+def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False) -> Dict[str, float]:
+    """Bytes one transformer layer keeps for backward, per token of the rank's micro-batch (tokens = micro-batch
+    x seq / cp), split by the part a recompute option drops. bf16 tensors (2 bytes) under autocast, the residual
+    stream in fp32:
+
+    - ``norm_inputs``: the two norms' fp32 inputs, ``8h`` (``/tp`` with sequence parallelism);
+    - ``norm_outputs``: the bf16 casts of the norm outputs that ``linear_qkv`` and ``linear_fc1`` keep, ``4h``
+      (whole on every tp rank: sequence parallelism keeps the gathered input);
+    - ``attention``: ``linear_qkv``'s output, the rotated q and k, the attention output and ``linear_proj``'s
+      input, ``(8q + 6kv)/tp``, plus one received K/V block ``4kv/tp`` under context parallelism (fused
+      attention keeps no score matrix, so ``core_attn`` recompute drops nothing);
+    - ``mlp``: ``linear_fc1``'s output, the SwiGLU product and ``linear_fc2``'s input, ``8f/tp`` (GELU: ``6f/tp``);
+      a MoE layer keeps the router input ``2h`` and, for each of the ``k`` routed copies, the permuted input, the
+      expert's fc1 output / activation / fc2 input and its output: ``k (4h + 8f_moe/etp)``.
+    """
+    c, tp = model, layout.tp
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+    sp = layout.sequence_parallel and tp > 1
+    etp = getattr(layout, "etp", None) or tp
+    parts = {
+        "norm_inputs": 8.0 * h / (tp if sp else 1),
+        "norm_outputs": 4.0 * h,
+        "attention": (8.0 * q + 6.0 * kv + (4.0 * kv if layout.cp > 1 else 0.0)) / tp,
+    }
+    if moe_layer:
+        k = c.moe_router_topk
+        parts["norm_outputs"] = 2.0 * h + 2.0 * h  # qkv input, router input
+        parts["mlp"] = k * (4.0 * h + 8.0 * c.moe_ffn_hidden_size / etp)
+    else:
+        parts["mlp"] = (8.0 if c.swiglu else 6.0) * c.ffn_hidden_size / tp
+    return parts
+
+
+def logits_bytes_per_token(model: Any, tp: int) -> float:
+    """Peak bytes of the logits and the cross-entropy per token on the last stage: the fp32 softmax kept for
+    backward and two fp32 gradients of the ``V_pad/tp`` logits at the start of backward (``12 V/tp``)."""
+    return 12.0 * pad_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by) / tp

@@ -1,0 +1,188 @@
+"""The layout planner (lightning_megatron.planner): its predictions against the measurements recorded in
+benchmarks/RESULTS.md (peak memory within 10%, step time within 15%), the data file's rows against RESULTS.md,
+the enumeration deciding validity by the library's own rules, the CLI on the four reference rows, and
+``MegatronStrategy.from_plan``."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_megatron import GPTConfig, MegatronStrategy
+from lightning_megatron.plan import main
+from lightning_megatron.planner import Layout, load_hardware, plan, predict, state_bytes
+from lightning_megatron.planner.check import MEASURED_FILE, compare, row_case
+from lightning_megatron.planner.model import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_BOUND, TIME_BOUND = 0.10, 0.15
+
+
+def _number(text: str) -> str:
+    return f"{text:,}" if isinstance(text, int) else str(text)
+
+
+def test_measured_rows_are_copied_from_results_md():
+    """Each row of the data file is a verbatim row of RESULTS.md and holds the numbers the file takes from it."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    data = json.loads(MEASURED_FILE.read_text())
+    assert len(data["rows"]) >= 15
+    for row in data["rows"]:
+        assert row["row"] in results, row["id"]
+        assert _number(row["tokens_per_s"]) in row["row"], row["id"]
+        peak_text = row.get("peak_row", row["row"])
+        assert peak_text in results, row["id"]
+        peak = f"{row['peak_gib']:.2f}".rstrip("0").rstrip(".")
+        assert re.search(re.escape(peak) + r"(?![0-9])", peak_text), (row["id"], peak)
+    for row in data["not_modelled"]:
+        assert row["row"] in results
+
+
+def test_predictions_match_the_measurements():
+    """Every measured 1- and 2-GPU layout: predicted peak memory within 10%, step time within 15%."""
+    rows = compare()
+    misses = [f"{r['id']}: memory {r['memory_error']:+.1%}, step {r['time_error']:+.1%}" for r in rows
+              if abs(r["memory_error"]) > MEMORY_BOUND or abs(r["time_error"]) > TIME_BOUND]
+    assert not misses, misses
+    predicted = [r for r in rows if not r["fit"]]
+    assert len(predicted) >= 12   # most rows are predictions, not fits
+
+
+def test_fitted_constants_are_the_fit_of_their_rows():
+    """calibration.json's fitted constants are what benchmarks/fit_planner.py derives from the measured rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_planner
+        with contextlib.redirect_stdout(io.StringIO()):
+            fitted = fit_planner.fit(write=False)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    hw = load_hardware("h200")
+    for name, value in fitted.items():
+        assert getattr(hw, name) == pytest.approx(value, rel=1e-3), name
+
+
+def test_memory_model_parts():
+    """No-shard bytes are 16 per parameter plus Adam's step counters; the sharding levels divide what they name."""
+    cfg = GPTConfig.llama_1b_bench()
+    whole = state_bytes(cfg, Layout())
+    n = cfg.num_parameters
+    assert whole.params == 4 * n and whole.grads == 4 * n and whole.optimizer == 8 * n + 4 * (1 + 6 * 24 + 1 + 1)
+    layouts = {level: Layout(dp=4, sharding=level) for level in ("optim", "optim_grads", "optim_grads_params")}
+    optim, grads, params = (state_bytes(cfg, layouts[k], dp_rank=None) for k in layouts)
+    assert optim.params == whole.params and optim.grads == whole.grads
+    assert whole.optimizer / 4 <= optim.optimizer < whole.optimizer / 4 * 1.1
+    assert grads.grads == pytest.approx(whole.grads / 4, rel=1e-6) and grads.params == whole.params
+    assert params.params == pytest.approx(whole.params / 4, rel=1e-6)
+    with pytest.raises(ValueError, match="sharding='zero3' is not one of"):
+        state_bytes(cfg, Layout(sharding="zero3"))
+
+
+def test_enumeration_refuses_by_the_library_rules():
+    """The reasons are ParallelConfig's own errors (tp not dividing the heads, layers over pipeline stages), and
+    no refused layout is ranked."""
+    result = plan(GPTConfig.tiny(num_layers=6), 8, 16, hardware="h200", recompute=("none",))
+    reasons = {r.reason for r in result.rows if r.reason}
+    assert "num_attention_heads=4 is not divisible by tp=8" in reasons
+    assert any(r.startswith("num_layers=6 is not divisible by the 4 pipeline stages") for r in reasons), reasons
+    for row in result.feasible:
+        row.layout.parallel_config(result.work.model)   # accepted by the library
+        assert row.layout.tp != 8 and 6 % row.layout.pp == 0
+    speeds = [r.prediction.tokens_per_s_per_gpu for r in result.feasible]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) > 10
+
+
+def test_hardware_and_precision_change_the_prediction():
+    cfg = GPTConfig.llama3_8b()
+    work = Workload(cfg, 8192, 64)
+    layout = Layout(tp=2, dp=4, sequence_parallel=True, sharding="optim", recompute="full", num_microbatches=16)
+    h100, h200 = load_hardware("h100"), load_hardware("h200")
+    a, b = predict(layout, work, h100), predict(layout, work, h200)
+    assert a.peak_gib == b.peak_gib and a.step_s > b.step_s       # same bytes, slower HBM
+    fp8 = predict(layout, Workload(cfg, 8192, 64, "fp8"), h200)
+    assert fp8.step_s < b.step_s
+    assert not h100.fits(78.0) and h200.fits(78.0)
+
+
+#: the seed's reference rows: (CLI flags, the reference layout)
+REFERENCE = {
+    "llama3_8b": ("--model llama3_8b --gpus 8 --seq-length 8192 --global-batch-size 128", "tp=1,pp=1,cp=2"),
+    "llama3_70b": ("--model llama3_70b --gpus 64 --seq-length 8192 --global-batch-size 128", "tp=4,pp=4,cp=2"),
+    "gpt3_175b": ("--model gpt3_175b --gpus 512 --seq-length 2048 --global-batch-size 1536", "tp=4,pp=8"),
+    "mixtral_8x7b": ("--model mixtral_8x7b --gpus 64 --seq-length 4096 --global-batch-size 256", "pp=4,ep=8"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+def test_cli_ranks_the_reference_rows_quickly(name):
+    """``python -m lightning_megatron.plan`` (its main) prints the ranked table for each reference row within 5 s
+    of CPU time, with the reference layout's rank or rejection, and the row recorded in docs/planner.md."""
+    flags, show = REFERENCE[name]
+    out = io.StringIO()
+    start = time.process_time()
+    with contextlib.redirect_stdout(out):
+        result = main(flags.split() + ["--hardware", "h100", "--gpu-memory", "80", "--precision", "fp8", "--show", show])
+    assert time.process_time() - start < 5.0
+    text = out.getvalue()
+    assert text.startswith("| rank | tp | pp |") and f"{show}: " in text and "flags: --tensor-model-parallel-size" in text
+    line = next(l for l in text.splitlines() if l.startswith(f"{show}: "))
+    docs = (ROOT / "docs" / "planner.md").read_text()
+    assert f"`{show}`: {line[len(show) + 2:]}" in docs, line
+    best = result.feasible[0]
+    assert best.prediction.mfu > 0.2 and result.best == best.layout
+
+
+def test_from_plan_builds_the_best_layout():
+    result = plan(GPTConfig.llama_1b_bench(), 8, 64, hardware="h200", recompute=("none", "full"))
+    best = result.best
+    strategy = MegatronStrategy.from_plan(result)
+    config = strategy.parallel_config
+    assert (config.tp, config.pp, config.cp, config.sequence_parallel) == (best.tp, best.pp, best.cp,
+                                                                          best.sequence_parallel)
+    assert config.use_distributed_optimizer == (best.sharding == "optim")
+    other = MegatronStrategy.from_plan(Layout(tp=2, sequence_parallel=True, recompute="full"), grad_reduce_in_bf16=True)
+    assert other.parallel_config.tp == 2 and other.parallel_config.recompute_granularity == "full"
+    assert other.parallel_config.grad_reduce_in_bf16
+
+
+def test_measured_case_layouts_are_valid():
+    """The measured layouts are ones the library accepts (the check runs real configurations)."""
+    for row in json.loads(MEASURED_FILE.read_text())["rows"]:
+        layout, work, model = row_case(row)
+        layout.parallel_config(model)
+
+
+def test_printed_flags_parse_to_the_layout():
+    """The Megatron flags the CLI prints for a layout are the library's own (lightning_megatron.cli) and give back
+    the layout's sizes and options."""
+    from lightning_megatron.cli import build_parser
+
+    layout = Layout(tp=2, pp=4, vp=2, cp=2, dp=2, sequence_parallel=True, sharding="optim",
+                    recompute="selective_mlp", micro_batch_size=1, num_microbatches=8)
+    args = build_parser().parse_args(" ".join(layout.flags(16)).split())
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.context_parallel_size) == (2, 4, 2, 2)
+    assert args.sequence_parallel and args.use_distributed_optimizer and args.global_batch_size == 16
+    assert args.recompute_granularity == "selective" and args.recompute_modules == ["core_attn", "layernorm", "mlp"]
+    full = build_parser().parse_args(" ".join(Layout(recompute="full").flags()).split())
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+
+
+def test_python_m_plan_prints_the_readme_table():
+    """``python -m lightning_megatron.plan`` with the README's command prints the table the README shows."""
+    import os
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`python -m lightning_megatron\.plan ([^`]+)`", readme.replace("\n", " ")).group(1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "lightning_megatron.plan", *command.split()], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300, check=True).stdout
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) >= 5 and "\n".join(table) in readme

@@ -1,0 +1,81 @@
+"""The planner's byte accounting against what the strategy really allocates, on CPU with gloo (no torch.cuda):
+for each rank of tp2 x pp2 and of tp2+SP x dp2, both with the distributed optimizer, after training
+steps, the bytes of the rank's parameters, gradients and optimizer states (sum of numel x element size, Adam's
+moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.planner import Layout, state_bytes
+from tests._dist import run_distributed, run_each
+from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
+
+STEPS = 2
+CASES = {
+    # id: (strategy keywords, planner layout of 4 ranks, micro-batches per step)
+    "tp2xpp2": (dict(tp=2, pp=2, use_distributed_optimizer=True), Layout(tp=2, pp=2, sharding="optim"), 2),
+    "tp2sp-dp2-distopt": (dict(tp=2, sequence_parallel=True, use_distributed_optimizer=True),
+                          Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim"), 1),
+}
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+class Allocated(pl.Callback):
+    """Bytes of this rank's parameters, gradients and optimizer states after the last training step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        params = [p for p in pl_module.parameters()]
+        opt = trainer.optimizers[0]
+        local = getattr(opt, "optim", opt)  # the shard's own optimizer under the distributed optimizer
+        self.result = {
+            "params": sum(_bytes(p) for p in params),
+            "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(_bytes(v) for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        }
+
+
+def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int) -> Dict[str, int]:
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config(num_layers=4)
+    module = new_module(cfg, STEPS)
+    allocated = Allocated()
+    trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
+                          accumulate_grad_batches=accumulate)
+    samples = make_samples(cfg, 16)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    return allocated.result
+
+
+@pytest.fixture(scope="module")
+def allocations():
+    cases = [(name, (kwargs, accumulate)) for name, (kwargs, _, accumulate) in CASES.items()]
+    return run_distributed(run_each, 4, _run, cases)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
+    _, layout, _ = CASES[case]
+    cfg = tiny_config(num_layers=4)
+    for rank, result in enumerate(allocations):
+        got = result[case]
+        assert isinstance(got, dict), got  # a traceback string when the case failed on that rank
+        # the process grid (pp, dp, cp, tp), tp fastest; ZeRO's rank is the index in the dp x cp group
+        rest = rank // layout.tp
+        cp_rank, dp_rank, pp_rank = rest % layout.cp, (rest // layout.cp) % layout.dp, rest // (layout.cp * layout.dp)
+        want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank)
+        assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), (
+            case, rank, got, want)
+        if layout.dp > 1:  # really sharded: less than the whole states of the rank's parameters
+            whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank)
+            assert 0 < got["optimizer"] < whole.optimizer, (case, rank, got, whole)
