@@ -291,3 +291,22 @@ def test_config_mapping(tmp_path):
     with pytest.raises(ValueError, match="linear_fc1.weight"):
         load_hf_weights(wrong, tmp_path / "llama")
     del ref
+
+
+def test_command_line_import_export(tmp_path, capsys):
+    """``python -m lightning_megatron.hf import`` then ``export``: transformers loads the result with the source's
+    logits (Mixtral: per-expert tensors both ways); a missing directory is one error line, exit code 2."""
+    from lightning_megatron.hf.__main__ import main
+
+    ref = save("mixtral", str(tmp_path / "src"))
+    assert main(["import", str(tmp_path / "src"), str(tmp_path / "m.ckpt"), "--seq-length", "16"]) == 0
+    state = torch.load(tmp_path / "m.ckpt", weights_only=False)
+    assert state["hyper_parameters"]["config"]["num_moe_experts"] == 4
+    assert main(["export", str(tmp_path / "m.ckpt"), str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = tokens()
+    torch.testing.assert_close(hf_logits(back, ids), hf_logits(ref, ids), atol=ATOL, rtol=RTOL)
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "missing"), str(tmp_path / "x.ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err and "Traceback" not in err

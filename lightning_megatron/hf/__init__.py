@@ -10,8 +10,8 @@
 See docs/hf.md.
 """
 from lightning_megatron.hf.config import config_from_hf, config_to_hf, read_hf_config
-from lightning_megatron.hf.convert import HFCheckpointLoader, export_hf, load_hf_weights
+from lightning_megatron.hf.convert import HFCheckpointLoader, export_hf, load_hf_weights, write_hf
 from lightning_megatron.hf.mapping import qkv_rows, to_hf
 
 __all__ = ["config_from_hf", "config_to_hf", "read_hf_config", "load_hf_weights", "export_hf", "HFCheckpointLoader",
-           "to_hf", "qkv_rows"]
+           "write_hf", "to_hf", "qkv_rows"]

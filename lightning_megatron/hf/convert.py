@@ -8,7 +8,7 @@ over the TP, EP and pipeline groups, as checkpoints do) and writes it from globa
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from lightning_megatron.hf.checkpoint import DTYPES, HFCheckpoint, save_hf_checkpoint
 from lightning_megatron.hf.config import config_to_hf
 from lightning_megatron.hf.mapping import Lazy, PaddedRows, from_hf, to_hf
+from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
 from lightning_megatron.parallel.state_dict import full_model_state_dict
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
@@ -118,18 +119,27 @@ def export_hf(target: Target, path: Union[str, "os.PathLike[str]"], architecture
     rank, as :func:`lightning_megatron.parallel.state_dict.full_model_state_dict` does) and global rank 0 writes.
     """
     model, pp_group = _model_and_pp_group(target)
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
-    param_dtype = next(model.parameters()).dtype
-    name = dtype or {v: k for k, v in DTYPES.items()}.get(param_dtype, "float32")
-    hf_config = config_to_hf(model.config, architecture, name)   # raises on every rank alike, before collectives
+    if dtype is None:
+        dtype = {v: k for k, v in DTYPES.items()}.get(next(model.parameters()).dtype, "float32")
+    config_to_hf(model.config, architecture, dtype)   # raises on every rank alike, before the collectives
     full = full_model_state_dict(model, pp_group)
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
-        tensors = {k: v.to(DTYPES[name]) for k, v in to_hf(full, model.config, fused_experts=False).items()}
-        save_hf_checkpoint(os.fspath(path), tensors, hf_config, max_shard_bytes)
+        write_hf(full, model.config, path, architecture, dtype, max_shard_bytes)
     if distributed:
         dist.barrier()
+
+
+def write_hf(state: Dict[str, Tensor], config: GPTConfig, path: Union[str, "os.PathLike[str]"],
+             architecture: Optional[str] = None, dtype: str = "float32",
+             max_shard_bytes: Optional[int] = 5 * 2**30) -> None:
+    """Write a full (tp=1 names, e.g. a checkpoint's) model state ``state`` of ``config`` as a Hugging Face
+    checkpoint directory (see :func:`export_hf`). No communication."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    hf_config = config_to_hf(config, architecture, dtype)
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf(state, config, fused_experts=False).items()}
+    save_hf_checkpoint(os.fspath(path), tensors, hf_config, max_shard_bytes)
 
 
 class HFCheckpointLoader(pl.Callback):
