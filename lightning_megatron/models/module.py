@@ -14,8 +14,9 @@ from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.generation import check_sampling, generate_tokens
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.kv_cache import KVCache
-from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
+from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
+from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 Batch = Dict[str, Tensor]
 
@@ -342,7 +343,8 @@ class ParallelGPTModule(pl.LightningModule):
         group and TP rank 0's choice is broadcast over it; under pipeline parallelism the stages pass the new
         positions' activations along and the last stage broadcasts the tokens over the pipeline group. Every
         rank of a layout must call it (with its own prompts across data-parallel ranks, the same
-        ``max_new_tokens``). Not supported with sequence or context parallelism.
+        ``max_new_tokens``). Under sequence parallelism the TP layers run without it meanwhile (same values).
+        Not supported with context parallelism, nor with experts under sequence parallelism.
         """
         from lightning_megatron.parallelize import parallelized_record
 
@@ -350,9 +352,9 @@ class ParallelGPTModule(pl.LightningModule):
         if self.model is None:
             self.configure_model()
         model = self.model
-        if model.sequence_parallel:
-            raise ValueError("generate() does not support sequence_parallel=True (one new token cannot be split "
-                             "over the sequence): generate under a layout without sequence parallelism")
+        if model.sequence_parallel and self.config.is_moe:
+            raise ValueError("generate() does not support a mixture-of-experts model under sequence parallelism "
+                             "(its routers expect the sequence split over tp): generate under tp=1")
         if not isinstance(prompt_tokens, Tensor) or prompt_tokens.dim() != 2 or prompt_tokens.shape[1] == 0:
             raise ValueError(f"prompt_tokens must be a [batch, length >= 1] token tensor, got "
                              f"{getattr(prompt_tokens, 'shape', type(prompt_tokens).__name__)}")
@@ -400,7 +402,9 @@ class ParallelGPTModule(pl.LightningModule):
         was_training = self.training
         self.eval()
         try:
-            return generate_tokens(next_logits, share, prompt, max_new_tokens, temperature, top_k, top_p, generator)
+            with sequence_parallel_disabled(model):   # new tokens one at a time: the whole sequence on every TP rank
+                return generate_tokens(next_logits, share, prompt, max_new_tokens, temperature, top_k, top_p,
+                                       generator)
         finally:
             self.train(was_training)
             for stage in (stages.modules if stages is not None else []):
