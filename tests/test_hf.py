@@ -1,7 +1,7 @@
 """Hugging Face interop and generation against ``transformers`` itself, on tiny random models saved by
 ``transformers`` (sharded safetensors with an index) into temporary directories.
 
-One spawn of 2 gloo processes runs the distributed cases (``run_each``): Llama imported under tp=2 (logits equal
+One spawn of 2 gloo processes runs the distributed cases (``run_each``): Llama imported under tp=2 with sequence parallelism (logits equal
 to HF's, greedy generation equal to HF's, 5 training steps, export, HF loads the export with logits equal to ours),
 Mixtral the same under ep=2, Llama with tied embeddings imported under pp=2 (logits and greedy generation). The
 single-process cases: Mistral and Llama-3.1 RoPE scaling round trips, generation, config mapping and errors.
@@ -143,7 +143,8 @@ def distributed(tmp_path_factory) -> Dict[str, Any]:
     models = {"llama": save("llama", str(root / "llama")), "mixtral": save("mixtral", str(root / "mixtral")),
               "tied": save("llama", str(root / "tied"), tied=True)}
     cases = [
-        ("llama-tp2", (import_train_export, str(root / "llama"), str(root / "llama-out"), dict(tp=2))),
+        ("llama-tp2", (import_train_export, str(root / "llama"), str(root / "llama-out"),
+                       dict(tp=2, sequence_parallel=True))),
         ("mixtral-ep2", (import_train_export, str(root / "mixtral"), str(root / "mixtral-out"), dict(ep=2))),
         ("tied-pp2", (import_pipeline, str(root / "tied"), dict(pp=2, pipeline_schedule="gpipe"))),
     ]
@@ -180,7 +181,8 @@ def _check_round_trip(distributed, case: str, kind: str, vocab_slices: bool) -> 
 
 
 def test_llama_tp2_import_train_export(distributed):
-    """tp=2: each rank reads its rows / columns (vocabulary padded to 128); logits and greedy generation equal
+    """tp=2 with sequence parallelism: each rank reads its rows / columns (vocabulary padded to 128); logits
+    and greedy generation equal
     HF's; after 5 steps the export loads in transformers with logits equal to ours."""
     _check_round_trip(distributed, "llama-tp2", "llama", vocab_slices=True)
 
