@@ -181,9 +181,8 @@ def _check_round_trip(distributed, case: str, kind: str, vocab_slices: bool) -> 
 
 
 def test_llama_tp2_import_train_export(distributed):
-    """tp=2 with sequence parallelism: each rank reads its rows / columns (vocabulary padded to 128); logits
-    and greedy generation equal
-    HF's; after 5 steps the export loads in transformers with logits equal to ours."""
+    """tp=2 with sequence parallelism: each rank reads its rows / columns (vocabulary padded to 128); logits and
+    greedy generation equal HF's; after 5 steps the export loads in transformers with logits equal to ours."""
     _check_round_trip(distributed, "llama-tp2", "llama", vocab_slices=True)
 
 
