@@ -1,10 +1,11 @@
 """Hugging Face interop and generation against ``transformers`` itself, on tiny random models saved by
 ``transformers`` (sharded safetensors with an index) into temporary directories.
 
-One spawn of 2 gloo processes runs the distributed cases (``run_each``): Llama imported under tp=2 with sequence parallelism (logits equal
-to HF's, greedy generation equal to HF's, 5 training steps, export, HF loads the export with logits equal to ours),
-Mixtral the same under ep=2, Llama with tied embeddings imported under pp=2 (logits and greedy generation). The
-single-process cases: Mistral and Llama-3.1 RoPE scaling round trips, generation, config mapping and errors.
+One spawn of 2 gloo processes runs the distributed cases (``run_each``): Llama imported under tp=2 with sequence
+parallelism (logits equal to HF's, greedy generation equal to HF's, 5 training steps, export, HF loads the export
+with logits equal to ours), Mixtral the same under ep=2, Llama with tied embeddings imported under pp=2 (logits and
+greedy generation). The single-process cases: Mistral and Llama-3.1 RoPE scaling round trips, generation, config
+mapping and errors, the command line.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import transformers
 from torch.utils.data import DataLoader
 
-from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
+from lightning_megatron import GPTConfig, GPTModel, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.hf import HFCheckpointLoader, config_from_hf, config_to_hf, export_hf, load_hf_weights
 from lightning_megatron.models.generation import sample_next_token
 from tests._dist import run_distributed, run_each
@@ -311,3 +312,14 @@ def test_command_line_import_export(tmp_path, capsys):
     assert main(["import", str(tmp_path / "missing"), str(tmp_path / "x.ckpt")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "config.json" in err and "Traceback" not in err
+
+
+def test_missing_safetensors_is_a_clear_error(monkeypatch, tmp_path):
+    """Without the optional package the error names it and the extra to install."""
+    from lightning_utilities.core.imports import RequirementCache
+
+    import lightning_megatron.hf._require as require
+
+    monkeypatch.setattr(require, "SAFETENSORS", RequirementCache("safetensors-not-installed-here"))
+    with pytest.raises(ModuleNotFoundError, match=r"lightning-megatron\[hf\]"):
+        load_hf_weights(GPTModel(GPTConfig.tiny()), tmp_path)

@@ -439,7 +439,8 @@ def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                        ("position_embedding_type", pos), ("rotary_base", args.rotary_base),
                        ("init_method_std", args.init_method_std), ("hidden_dropout", args.hidden_dropout),
                        ("attention_dropout", args.attention_dropout),
-                       ("rope_scaling", args.use_rope_scaling or None), ("rope_scaling_factor", args.rope_scaling_factor)):
+                       ("rope_scaling", args.use_rope_scaling or None),
+                       ("rope_scaling_factor", args.rope_scaling_factor)):
         if value is not None:
             kw[key] = value
     given = {dest: getattr(args, dest) for dest in MOE_FLAGS if getattr(args, dest) is not None}

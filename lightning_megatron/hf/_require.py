@@ -4,7 +4,6 @@ from __future__ import annotations
 from lightning_utilities.core.imports import RequirementCache
 
 SAFETENSORS = RequirementCache("safetensors")
-TRANSFORMERS = RequirementCache("transformers")
 
 
 def require_safetensors() -> None:

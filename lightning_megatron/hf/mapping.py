@@ -222,7 +222,8 @@ def from_hf(config: GPTConfig, names: set, get_slice: Callable[[str], object]) -
         moe = c.is_moe and c.is_moe_layer(i)
         for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
             out[f"{ours}self_attention.linear_qkv.{suffix}"] = lambda hf=hf, s=suffix: qkv(hf, s)
-            out[f"{ours}self_attention.linear_proj.{suffix}"] = lambda hf=hf, s=suffix: stored(f"{hf}self_attn.o_proj.{s}")
+            out[f"{ours}self_attention.linear_proj.{suffix}"] = lambda hf=hf, s=suffix: stored(
+                f"{hf}self_attn.o_proj.{s}")
             if not moe:
                 out[f"{ours}mlp.linear_fc1.{suffix}"] = lambda hf=hf, s=suffix: Cat(
                     [stored(f"{hf}mlp.gate_proj.{s}"), stored(f"{hf}mlp.up_proj.{s}")], 0)
