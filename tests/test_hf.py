@@ -124,14 +124,16 @@ def import_train_export(rank, world, src, dst, layout):
     return probe.out
 
 
-def import_pipeline(rank, world, src, layout):
-    """Import under pp=2 (the loader at predict start): predicted logits and a greedy continuation."""
+def import_pipeline(rank, world, src, dst, layout):
+    """Import under pp=2 (the loader at predict start): predicted logits and a greedy continuation; export."""
     pl.seed_everything(1, verbose=False)
     module = ParallelGPTModule(our_config(src))
     trainer = trainer_for(world, MegatronStrategy(**layout), 1, callbacks=[HFCheckpointLoader(src)])
     ids = tokens()
     [logits] = trainer.predict(module, DataLoader(ListDataset([{"tokens": t} for t in ids]), batch_size=2))
-    return {"logits": logits, "generated": module.generate(ids[:, :5], 6)}
+    out = {"logits": logits, "generated": module.generate(ids[:, :5], 6)}
+    export_hf(module, dst)   # the stages' tensors merged over the pipeline group
+    return out
 
 
 def run_case(rank, world, fn, *args):
@@ -147,7 +149,8 @@ def distributed(tmp_path_factory) -> Dict[str, Any]:
         ("llama-tp2", (import_train_export, str(root / "llama"), str(root / "llama-out"),
                        dict(tp=2, sequence_parallel=True))),
         ("mixtral-ep2", (import_train_export, str(root / "mixtral"), str(root / "mixtral-out"), dict(ep=2))),
-        ("tied-pp2", (import_pipeline, str(root / "tied"), dict(pp=2, pipeline_schedule="gpipe"))),
+        ("tied-pp2", (import_pipeline, str(root / "tied"), str(root / "tied-out"),
+                      dict(pp=2, pipeline_schedule="gpipe"))),
     ]
     results = run_distributed(run_each, 2, run_case, cases)
     return {"root": root, "models": models, "results": results}
@@ -194,12 +197,16 @@ def test_mixtral_ep2_import_train_export(distributed):
 
 def test_pp2_import_and_generate(distributed):
     """pp=2 with tied embeddings (the last stage reads the word embeddings too): predicted logits and greedy
-    generation (activations passed between the stages, tokens broadcast from the last) equal HF's."""
+    generation (activations passed between the stages, tokens broadcast from the last) equal HF's; the export
+    (stages merged) reloads with HF's logits and tied embeddings."""
     ranks = _result(distributed, "tied-pp2")
     ref, ids = distributed["models"]["tied"], tokens()
     for r in ranks:
         torch.testing.assert_close(r["logits"][..., :V], hf_logits(ref, ids), atol=ATOL, rtol=RTOL)
         assert torch.equal(r["generated"], hf_greedy(ref, ids[:, :5], 6))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(distributed["root"], "tied-out"))
+    assert exported.config.tie_word_embeddings
+    torch.testing.assert_close(hf_logits(exported.eval(), ids), hf_logits(ref, ids), atol=ATOL, rtol=RTOL)
 
 
 # ------------------------------------------------------------------------------------------ one process
