@@ -380,6 +380,10 @@ class ParallelGPTModule(pl.LightningModule):
             def next_logits(tokens: Tensor, positions: Tensor) -> Optional[Tensor]:
                 return real_vocabulary(model.logits(tokens, positions, kv_cache=cache))
         else:
+            if self._parallel is None or self._parallel.pp_group is None:
+                raise ValueError("generate() under pipeline parallelism needs the pipeline group: set the module up "
+                                 "with MegatronStrategy (Trainer.fit / validate / predict), or call "
+                                 "set_parallel_context(ParallelContext(pp_group=...)) after parallelize()")
             pp_group = self._parallel.pp_group
             ranks = [dist.get_global_rank(pp_group, i) for i in range(dist.get_world_size(pp_group))]
             runner = stages.runner(pp_group, ranks, device)
