@@ -3,7 +3,8 @@
 With no arguments: a tiny LLaMA (4 layers, hidden 128, GQA 4/2, SwiGLU, RoPE) on the small English corpus
 shipped in the repo, tokenised locally with a SentencePiece model trained on it (no downloads), on CPU with
 2 processes, tensor parallel 2 with sequence parallelism, 400 steps. About a minute and a half on 2 cores;
-the progress bar shows ``train_loss`` falling from about 7.6 to about 3.9, and ``val_loss`` ends near 4.4.
+the progress bar shows ``train_loss`` falling from about 7.6 to about 3.9, and ``val_loss`` ends near 4.4;
+at the end it prints a short greedy continuation of a prompt (``sample: ...``).
 
     python examples/pretrain_gpt.py
 
@@ -36,6 +37,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_megatron import MFUMonitor, ParallelGPTModule
+from lightning_megatron.callbacks import SampleContinuation
 from lightning_megatron.cli import IterationPrinter, LastCheckpoint, parse_pretrain_args
 from lightning_megatron.data import TinyCorpusDataModule
 
@@ -62,6 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                 monitor)]
     if plan.checkpoint_kwargs is not None:  # --save: last.ckpt at the end, and every --save-interval steps
         callbacks.append(LastCheckpoint(**plan.checkpoint_kwargs))
+    if isinstance(data, TinyCorpusDataModule):  # at the end: how the model continues a prompt (greedy, 12 tokens)
+        callbacks.append(SampleContinuation("The compiler", data.tokenizer, max_new_tokens=12))
     # --bf16 / --fp16 / --fp8-*: MegatronPrecision (mixed precision, fp16 loss scaling over all ranks, FP8 GEMMs)
     plugins = [plan.precision] if plan.precision is not None else None
     trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, plugins=plugins, **plan.trainer_kwargs)

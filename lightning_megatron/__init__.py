@@ -1,7 +1,9 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
 from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floating_point_operations
+from lightning_megatron.hf import HFCheckpointLoader, config_from_hf, config_to_hf, export_hf, load_hf_weights
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron.models.kv_cache import KVCache
 from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
@@ -48,4 +50,10 @@ __all__ = [
     "flops_per_token",
     "Plan",
     "Layout",
+    "KVCache",
+    "config_from_hf",
+    "config_to_hf",
+    "load_hf_weights",
+    "export_hf",
+    "HFCheckpointLoader",
 ]

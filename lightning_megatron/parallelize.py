@@ -212,6 +212,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
 _RECORD = "_lightning_megatron_parallelized"
 
 
+def parallelized_record(module: nn.Module) -> Optional[ParallelizedModel]:
+    """What :func:`parallelize` did to ``module`` (None if it was not parallelised)."""
+    record = module.__dict__.get(_RECORD)
+    return record if isinstance(record, ParallelizedModel) else None
+
+
 def _layout(config: ParallelConfig) -> str:
     """The sizes and options that decide how a module is split (compared when a module is parallelised again)."""
     c = config

@@ -64,6 +64,7 @@ class Mutation:
 
 
 GPT = "lightning_megatron/models/gpt.py"
+ROTARY_CALL = "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)\n"
 GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
 
@@ -86,9 +87,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ROPE_TESTS),
     Mutation(
         "rope-arange", "GPTModel.rotary builds its tables from arange(s) instead of the given positions",
-        (Edit(GPT, "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)\n",
-              "        pos = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)\n"
-              "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)\n"),),
+        (Edit(GPT, ROTARY_CALL,
+              "        pos = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)\n" + ROTARY_CALL),),
         ROPE_TESTS),
     Mutation(
         "sp-grads-summed-twice", "allreduce_sequence_parallel_grads sums the SP norm/bias gradients over TP twice "
@@ -110,6 +110,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "return fns.scale_loss(2 * loss_sum * dp / counts[index])"),),
         (sharp("pp2-1f1b"), sharp("pp2-tied-clip")),
         fp32_tests=("tests/test_parity_pp.py::test_pipeline_matches_single_process[pp2-1f1b]",)),
+    Mutation(
+        "hf-import-one-key-head", "the Hugging Face import gives every query group key head 0 (GQA grouping lost)",
+        (Edit("lightning_megatron/hf/mapping.py", "Rows(k, g * d, (g + 1) * d)", "Rows(k, 0, d)"),),
+        ("tests/test_hf.py::test_single_process_round_trip_and_generate",)),
 )
 
 

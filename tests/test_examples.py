@@ -38,6 +38,8 @@ def test_pretrain_gpt_default_run_learns(tmp_path):
     assert abs(done["train_loss"] - losses[60]) < 1e-4
     assert 5.08 < done["train_loss"] < 5.45 and 5.31 < done["val_loss"] < 5.51, done
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    # the end: a greedy continuation of the prompt (generation under tp=2 with sequence parallelism switched off)
+    assert re.search(r"^sample: 'The compiler.{8,}'$", log, re.M), log[-2000:]
 
 
 def test_pretrain_gpt_help_shows_the_example_and_the_flag_mapping(tmp_path):

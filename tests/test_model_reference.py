@@ -39,6 +39,7 @@ import transformers
 from torch import Tensor
 from torch.func import functional_call
 
+from lightning_megatron.hf import qkv_rows, to_hf
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel, Norm, SelfAttention, apply_rotary, rotary_cos_sin
 from lightning_megatron.models.module import megatron_lr_lambda
@@ -77,62 +78,11 @@ def build_ours(config: GPTConfig, seed: int = 0) -> GPTModel:
     return randomize_(GPTModel(config).to(F64), seed).train()
 
 
-def qkv_rows(config: GPTConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Row indices into ``linear_qkv``'s output for the query heads, key heads and value heads, in head order.
-
-    Megatron's packing, written out per group: group ``g`` owns rows ``[g*(r+2)*d, (g+1)*(r+2)*d)`` with ``r =
-    heads/groups``: its ``r`` query heads (global query heads ``g*r .. g*r+r-1``), then its key head, then its
-    value head, ``d = kv_channels`` rows each. Query head ``i`` attends with key/value head ``i // r``, the
-    grouping HF's ``repeat_kv`` uses.
-    """
-    d, groups = config.kv_channels, config.num_query_groups
-    r = config.num_attention_heads // groups
-    q, k, v = [], [], []
-    for g in range(groups):
-        base = g * (r + 2) * d
-        for j in range(r):
-            q.extend(range(base + j * d, base + (j + 1) * d))
-        k.extend(range(base + r * d, base + (r + 1) * d))
-        v.extend(range(base + (r + 1) * d, base + (r + 2) * d))
-    return torch.tensor(q), torch.tensor(k), torch.tensor(v)
-
-
 def llama_to_hf(params: Dict[str, Tensor], config: GPTConfig) -> Dict[str, Tensor]:
-    """Our parameters -> ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``MixtralForCausalLM`` parameters.
-
-    Differentiable (selections and transposes only). ``linear_qkv`` is split into ``q/k/v_proj`` by
-    :func:`qkv_rows`; ``linear_fc1`` ``[gate; up]`` into ``gate_proj`` / ``up_proj``; MoE layers map the router
-    to ``mlp.gate.weight`` ``[E, h]``, ``weight1 [E, h, 2f]`` (``[gate | up]`` columns) to
-    ``mlp.experts.gate_up_proj [E, 2f, h]`` and ``weight2 [E, f, h]`` to ``mlp.experts.down_proj [E, h, f]``.
-    Only the first ``vocab_size`` embedding / output rows are mapped; with tied embeddings HF's ``lm_head`` is
-    its ``embed_tokens`` and gets no entry.
-    """
-    V, f = config.vocab_size, config.ffn_hidden_size
-    q_rows, k_rows, v_rows = qkv_rows(config)
-    out = {"model.embed_tokens.weight": params["embedding.word_embeddings.weight"][:V],
-           "model.norm.weight": params["decoder.final_layernorm.weight"]}
-    if config.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = params["output_layer.weight"][:V]
-    for i in range(config.num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = params[ours + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = params[ours + "pre_mlp_layernorm.weight"]
-        for suffix in ("weight", "bias") if config.add_bias_linear else ("weight",):
-            qkv = params[ours + "self_attention.linear_qkv." + suffix]
-            for proj, rows in (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", v_rows)):
-                out[f"{hf}self_attn.{proj}.{suffix}"] = qkv[rows]
-            out[f"{hf}self_attn.o_proj.{suffix}"] = params[ours + "self_attention.linear_proj." + suffix]
-            if config.is_moe:
-                continue
-            fc1 = params[ours + "mlp.linear_fc1." + suffix]
-            out[f"{hf}mlp.gate_proj.{suffix}"] = fc1[:f]
-            out[f"{hf}mlp.up_proj.{suffix}"] = fc1[f:]
-            out[f"{hf}mlp.down_proj.{suffix}"] = params[ours + "mlp.linear_fc2." + suffix]
-        if config.is_moe:
-            out[hf + "mlp.gate.weight"] = params[ours + "mlp.router.weight"]
-            out[hf + "mlp.experts.gate_up_proj"] = params[ours + "mlp.experts.weight1"].transpose(1, 2)
-            out[hf + "mlp.experts.down_proj"] = params[ours + "mlp.experts.weight2"].transpose(1, 2)
-    return out
+    """Our parameters -> ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``MixtralForCausalLM`` parameters: the
+    project's mapping (:func:`lightning_megatron.hf.to_hf`, differentiable), with the experts as transformers 5
+    holds them in memory (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    return to_hf(params, config, fused_experts=True)
 
 
 def gpt2_to_hf(params: Dict[str, Tensor], config: GPTConfig) -> Dict[str, Tensor]:

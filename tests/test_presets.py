@@ -21,6 +21,8 @@ PRESETS = {
     # Meta's model card / Hugging Face safetensors metadata: 8,030,261,248 and 70,553,706,496.
     "llama3_8b": (GPTConfig.llama3_8b(), 8_030_261_248),
     "llama3_70b": (GPTConfig.llama3_70b(), 70_553_706_496),
+    # Llama 3.1 8B has Llama 3 8B's shapes (RoPE scaling adds no parameters): 8,030,261,248.
+    "llama3_1_8b": (GPTConfig.llama3_1_8b(), 8_030_261_248),
     # Mistral's Mixtral-8x7B (Hugging Face metadata): 46,702,792,704, routers included.
     "mixtral_8x7b": (GPTConfig.mixtral_8x7b(), 46_702_792_704),
     # GPT-3 175B: Narayanan et al. (2021), P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), which leaves out the

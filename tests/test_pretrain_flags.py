@@ -477,6 +477,8 @@ CASES = [
     ([], ["--position-embedding-type", "learned_absolute"], {"GPTConfig.position_embedding_type": "learned_absolute"}),
     ([], ["--use-rotary-position-embeddings"], {"GPTConfig.position_embedding_type": "rope"}),
     ([], ["--rotary-base", "500000"], {"GPTConfig.rotary_base": 500000}),
+    ([], ["--use-rope-scaling"], {"GPTConfig.rope_scaling": True}),
+    (["--use-rope-scaling"], ["--rope-scaling-factor", "4"], {"GPTConfig.rope_scaling_factor": 4.0}),
     ([], ["--no-swiglu"], {"GPTConfig.swiglu": False}),
     ([], ["--disable-bias-linear"], {"GPTConfig.add_bias_linear": False}),
     ([], ["--untie-embeddings-and-output-weights"], {"GPTConfig.untie_embeddings_and_output_weights": True}),

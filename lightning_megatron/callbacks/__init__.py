@@ -1,6 +1,7 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count."""
 from lightning_megatron.callbacks.flops import flops_per_token, num_floating_point_operations
 from lightning_megatron.callbacks.mfu import PEAK_FLOPS, MFUMonitor, device_peak_flops, peak_memory_gib, precision_kind
+from lightning_megatron.callbacks.sample import SampleContinuation
 
 __all__ = [
     "MFUMonitor",
@@ -10,4 +11,5 @@ __all__ = [
     "precision_kind",
     "peak_memory_gib",
     "PEAK_FLOPS",
+    "SampleContinuation",
 ]

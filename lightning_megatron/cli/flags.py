@@ -184,6 +184,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--use-rotary-position-embeddings", "GPTConfig.position_embedding_type", action="store_true",
              help="= --position-embedding-type rope")
     add_flag(g, "--rotary-base", "GPTConfig.rotary_base", type=int, default=None)
+    add_flag(g, "--use-rope-scaling", "GPTConfig.rope_scaling", action="store_true", help="Llama 3.1 RoPE scaling")
+    add_flag(g, "--rope-scaling-factor", "GPTConfig.rope_scaling_factor", type=float, default=None)
     add_flag(g, "--swiglu", "GPTConfig.swiglu", action=argparse.BooleanOptionalAction, default=None,
              help="default on")
     add_flag(g, "--disable-bias-linear", "GPTConfig.add_bias_linear", action="store_true", help="(the default here)")

@@ -95,6 +95,13 @@ class GPTConfig:
     norm_epsilon: float = 1e-5
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
+    # Llama-3.1 RoPE scaling (Megatron's ``--use-rope-scaling`` / ``--rope-scaling-factor``; the band limits of
+    # Meta's recipe as fields): see :func:`lightning_megatron.models.gpt.rotary_inv_freq`
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     swiglu: bool = True
     add_bias_linear: bool = False
     untie_embeddings_and_output_weights: bool = True
@@ -147,6 +154,14 @@ class GPTConfig:
                 "learned absolute position embeddings hold one row per position; raise max_position_embeddings "
                 "(None follows seq_length) or shorten seq_length"
             )
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if self.rope_scaling and not (self.rope_scaling_factor >= 1.0 and 0 < low < high
+                                      and self.rope_scaling_original_max_position_embeddings >= 1):
+            raise ValueError(
+                f"rope_scaling=True needs rope_scaling_factor >= 1 (got {self.rope_scaling_factor}), "
+                f"rope_scaling_original_max_position_embeddings >= 1 (got "
+                f"{self.rope_scaling_original_max_position_embeddings}) and 0 < rope_scaling_low_freq_factor < "
+                f"rope_scaling_high_freq_factor (got {low}, {high}); Llama-3.1's values are 8, 8192, 1, 4")
         if self.norm_epsilon <= 0:
             raise ValueError(f"norm_epsilon={self.norm_epsilon} must be > 0")
         if self.init_method_std < 0:
@@ -252,6 +267,16 @@ class GPTConfig:
                     normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True)
         base.update(overrides)
         return cls(**base)
+
+    @classmethod
+    def llama3_1_8b(cls, **overrides: Any) -> "GPTConfig":
+        """Meta Llama 3.1 8B: Llama 3 8B with RoPE scaling (factor 8, low/high frequency factors 1/4, original
+        context 8192) and a 131072-token context (``max_position_embeddings``)."""
+        base = dict(max_position_embeddings=131072, rope_scaling=True, rope_scaling_factor=8.0,
+                    rope_scaling_low_freq_factor=1.0, rope_scaling_high_freq_factor=4.0,
+                    rope_scaling_original_max_position_embeddings=8192)
+        base.update(overrides)
+        return cls.llama3_8b(**base)
 
     @classmethod
     def llama3_70b(cls, **overrides: Any) -> "GPTConfig":

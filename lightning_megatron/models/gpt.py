@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.contract import RecomputeTarget
 from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.models.kv_cache import KVCache, LayerKVCache
 from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
@@ -77,11 +78,32 @@ class Norm(nn.Module):
         return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
 
 
-def rotary_cos_sin(position_ids: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary_inv_freq(dim: int, base: float, dtype: torch.dtype, device: Optional[torch.device] = None,
+                    scaling: Optional[GPTConfig] = None) -> Tensor:
+    """RoPE inverse frequencies ``base^(-2i/dim)``, ``[dim/2]`` in ``dtype``.
+
+    ``scaling``: a config with ``rope_scaling=True`` applies Llama-3.1's frequency-dependent scaling: wavelengths
+    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by ``rope_scaling_factor``,
+    shorter than ``original / high_freq_factor`` kept, and the band between interpolated smoothly.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=dtype) / dim))
+    if scaling is None or not scaling.rope_scaling:
+        return inv_freq
+    factor, original = scaling.rope_scaling_factor, scaling.rope_scaling_original_max_position_embeddings
+    low, high = scaling.rope_scaling_low_freq_factor, scaling.rope_scaling_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rotary_cos_sin(position_ids: Tensor, dim: int, base: float, dtype: torch.dtype,
+                   scaling: Optional[GPTConfig] = None) -> tuple[Tensor, Tensor]:
     """RoPE tables for ``position_ids`` ``[s, b]``: ``cos, sin`` of shape ``[s, b, 1, dim]`` (halves layout) in
-    ``dtype``, computed in float32 (float64 for a float64 ``dtype``)."""
+    ``dtype``, computed in float32 (float64 for a float64 ``dtype``). ``scaling``: see :func:`rotary_inv_freq`."""
     compute = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=compute) / dim))
+    inv_freq = rotary_inv_freq(dim, base, compute, position_ids.device, scaling)
     freqs = position_ids.to(compute).unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -121,13 +143,19 @@ class SelfAttention(nn.Module):
         self.delay_wgrad_compute = False
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
-                wgrad: Optional[DeferredWgrad] = None) -> Tensor:
+                wgrad: Optional[DeferredWgrad] = None, kv_cache: Optional[LayerKVCache] = None) -> Tensor:
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
-        into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`)."""
+        into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`). ``kv_cache``: this
+        layer's keys and values of the earlier positions (incremental decoding): ``x`` holds the positions that
+        follow them, which attend to the cached ones and causally to each other; their keys and values are
+        appended to the cache."""
         q, k, v = self._split_heads(self.linear_qkv(x), rotary)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        out = self.core_attention(q, k, v, wgrad)
+        if kv_cache is not None:
+            out = self.cached_attention(q, k, v, kv_cache)
+        else:
+            out = self.core_attention(q, k, v, wgrad)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
 
@@ -143,6 +171,21 @@ class SelfAttention(nn.Module):
                 return self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=self.heads_per_group > 1)
+
+    def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: LayerKVCache) -> Tensor:
+        """Attention of new positions ``q`` ``[b, n, s, d]`` (``k``/``v`` ``[b, g, s, d]``) to the cached ones and
+        causally to each other (no dropout, no context parallelism): ``[b, n, s, d]``."""
+        if self.context_parallel_attention is not None:
+            raise ValueError("a KV cache (generation) is not supported with context parallelism (cp > 1): generate "
+                             "under a layout with cp=1")
+        past = kv_cache.length
+        k, v = kv_cache.append(k, v)
+        s = q.shape[2]
+        mask = None
+        if past > 0 and s > 1:   # new position i sees every cached position and new positions <= i
+            mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0 and s > 1,
+                                              enable_gqa=self.heads_per_group > 1)
 
     def _split_heads(self, qkv: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """``linear_qkv``'s output ``[s, b, groups * (heads_per_group + 2) * d]`` (Megatron's per-group layout)
@@ -214,9 +257,13 @@ class TransformerLayer(nn.Module):
             linears += [self.mlp.linear_fc1, self.mlp.linear_fc2]
         return DeferredWgrad(linears)
 
-    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+    def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
+                kv_cache: Optional[LayerKVCache] = None) -> Tensor:
+        """``x`` ``[s(/tp under SP), b, h]`` -> same shape; ``kv_cache``: see :meth:`SelfAttention.forward`."""
         wgrad = self._deferred_wgrad()
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, wgrad))
+        attention = (self.self_attention(self.input_layernorm(x), rotary, wgrad) if kv_cache is None
+                     else self.self_attention(self.input_layernorm(x), rotary, kv_cache=kv_cache))
+        x = x + self._dropout(attention)
         h = self.pre_mlp_layernorm(x)
         h = self.mlp(h, wgrad) if isinstance(self.mlp, MLP) else self.mlp(h)
         return x + self._dropout(h)
@@ -452,7 +499,7 @@ class GPTModel(nn.Module):
             return None
         dev = like.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else like.dtype
-        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype)
+        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)
 
     def layer_keys(self) -> List[str]:
         """Keys (global indices) of the transformer layers this model (or pipeline rank) holds, in order."""
@@ -463,6 +510,14 @@ class GPTModel(nn.Module):
         model and each pipeline stage run their layers through here (full activation recompute groups them)."""
         for key in keys:
             x = self.decoder.layers[key](x, rotary)
+        return x
+
+    def run_layers_cached(self, keys: Sequence[str], x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
+                          kv_cache: KVCache) -> Tensor:
+        """:meth:`run_layers` for incremental decoding: each layer attends to its keys and values in ``kv_cache``
+        and appends the new ones (inference only: activation recompute does not apply)."""
+        for key in keys:
+            x = self.decoder.layers[key](x, rotary, kv_cache=kv_cache.layer(key))
         return x
 
     def recompute_targets(self, name: str) -> List[RecomputeTarget]:
@@ -501,12 +556,17 @@ class GPTModel(nn.Module):
         for float64 logits)."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
 
-    def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        """``tokens [b, s]`` (and ``position_ids [b, s]``) -> logits ``[s, b, V_pad/tp]``."""
+    def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None,
+               kv_cache: Optional[KVCache] = None) -> Tensor:
+        """``tokens [b, s]`` (and ``position_ids [b, s]``) -> logits ``[s, b, V_pad/tp]``. ``kv_cache``: the
+        tokens follow the positions cached there (see :meth:`run_layers_cached`)."""
         pos = self.positions(tokens, position_ids)
         x = self.embed(tokens, pos)
         rotary = self.rotary(pos, x)
-        x = self.run_layers(self.layer_keys(), x, rotary)
+        if kv_cache is not None:
+            x = self.run_layers_cached(self.layer_keys(), x, rotary, kv_cache)
+        else:
+            x = self.run_layers(self.layer_keys(), x, rotary)
         return self.head(x)
 
     def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:

@@ -11,8 +11,12 @@ from torch import Tensor
 
 from lightning_megatron.contract import ParallelContext
 from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.models.generation import check_sampling, generate_tokens
 from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron.models.kv_cache import KVCache
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
+from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
+from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 Batch = Dict[str, Tensor]
 
@@ -321,6 +325,94 @@ class ParallelGPTModule(pl.LightningModule):
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Per-token loss if the batch has labels, else this rank's logits ``[b, s, V_pad/tp]``."""
         return self(batch["tokens"], batch.get("position_ids"), batch.get("labels"))
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompt_tokens: Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Continue ``prompt_tokens`` ``[b, s]`` (int64, rows of equal length) by ``max_new_tokens`` tokens with a
+        KV cache: returns ``[b, s + max_new_tokens]`` (the prompt, then the new tokens), on every rank.
+
+        ``temperature=0`` (default) is greedy; otherwise tokens are drawn from ``softmax(logits / temperature)``
+        restricted to the ``top_k`` most likely and the ``top_p`` nucleus, with ``generator``. Only the real
+        vocabulary (``config.vocab_size``) is ever chosen, never a padded row. Runs in eval mode.
+
+        Works on a plain module and under :class:`MegatronStrategy` after ``Trainer.fit`` / ``validate`` /
+        ``predict`` set it up: under tensor parallelism the last position's logits are all-gathered over the TP
+        group and TP rank 0's choice is broadcast over it; under pipeline parallelism the stages pass the new
+        positions' activations along and the last stage broadcasts the tokens over the pipeline group. Every
+        rank of a layout must call it (with its own prompts across data-parallel ranks, the same
+        ``max_new_tokens``). Under sequence parallelism the TP layers run without it meanwhile (same values).
+        Not supported with context parallelism, nor with experts under sequence parallelism.
+        """
+        from lightning_megatron.parallelize import parallelized_record
+
+        check_sampling(temperature, top_k, top_p, max_new_tokens)
+        if self.model is None:
+            self.configure_model()
+        model = self.model
+        if model.sequence_parallel and self.config.is_moe:
+            raise ValueError("generate() does not support a mixture-of-experts model under sequence parallelism "
+                             "(its routers expect the sequence split over tp): generate under tp=1")
+        if not isinstance(prompt_tokens, Tensor) or prompt_tokens.dim() != 2 or prompt_tokens.shape[1] == 0:
+            raise ValueError(f"prompt_tokens must be a [batch, length >= 1] token tensor, got "
+                             f"{getattr(prompt_tokens, 'shape', type(prompt_tokens).__name__)}")
+        vocab = self.config.vocab_size
+        check_token_ids({"tokens": prompt_tokens}, vocab)
+        total = prompt_tokens.shape[1] + max_new_tokens
+        if self.config.position_embedding_type == "learned_absolute" and total > self.config.max_position_embeddings:
+            raise ValueError(f"prompt length + max_new_tokens = {total} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings} of the learned position embeddings")
+        device = next(model.parameters()).device
+        prompt = prompt_tokens.to(device)
+        record = parallelized_record(self)
+        stages = record.pipeline if record is not None else None
+        tp_group = model.tp_group
+        cache = KVCache()
+
+        def real_vocabulary(logits: Tensor) -> Tensor:   # [s, b, V_pad/tp] -> the last position's [b, V]
+            last = gather_from_tensor_model_parallel_region(logits[-1].contiguous(), tp_group)
+            return last[:, :vocab]
+
+        runner = None
+        if stages is None:
+            def next_logits(tokens: Tensor, positions: Tensor) -> Optional[Tensor]:
+                return real_vocabulary(model.logits(tokens, positions, kv_cache=cache))
+        else:
+            if self._parallel is None or self._parallel.pp_group is None:
+                raise ValueError("generate() under pipeline parallelism needs the pipeline group: set the module up "
+                                 "with MegatronStrategy (Trainer.fit / validate / predict), or call "
+                                 "set_parallel_context(ParallelContext(pp_group=...)) after parallelize()")
+            pp_group = self._parallel.pp_group
+            ranks = [dist.get_global_rank(pp_group, i) for i in range(dist.get_world_size(pp_group))]
+            runner = stages.runner(pp_group, ranks, device)
+            for stage in stages.modules:
+                stage.kv_cache = cache
+
+            def next_logits(tokens: Tensor, positions: Tensor) -> Optional[Tensor]:
+                out = runner.forward_only(tokens, positions)
+                return real_vocabulary(out) if out is not None else None
+
+        def share(chosen: Optional[Tensor]) -> Tensor:
+            if chosen is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
+                dist.broadcast(chosen, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+            if runner is not None:
+                if chosen is None:
+                    chosen = torch.empty(prompt.shape[0], dtype=torch.long, device=device)
+                chosen = runner.broadcast_from_last(chosen)
+            return chosen
+
+        was_training = self.training
+        self.eval()
+        try:
+            with sequence_parallel_disabled(model):   # new tokens one at a time: the whole sequence on every TP rank
+                return generate_tokens(next_logits, share, prompt, max_new_tokens, temperature, top_k, top_p,
+                                       generator)
+        finally:
+            self.train(was_training)
+            for stage in (stages.modules if stages is not None else []):
+                stage.kv_cache = None
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:

@@ -114,6 +114,8 @@ class PipelineStageModule(nn.Module):
         self.tp_size = tp_size
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
         self.position_ids: Callable[[], Optional[Tensor]] = lambda: None
+        #: set for incremental decoding (generation): the layers attend to and extend this cache
+        self.kv_cache: Optional[Any] = None
 
     def forward(self, x: Tensor) -> Tensor:
         model = self._model
@@ -128,7 +130,10 @@ class PipelineStageModule(nn.Module):
                 s = x.shape[0] * (self.tp_size if getattr(model, "sequence_parallel", False) else 1)
                 pos = torch.arange(s, device=x.device).unsqueeze(1).expand(s, x.shape[1])
             rotary = model.rotary(pos, x)
-            x = model.run_layers(list(self.layers.keys()), x, rotary)
+            if self.kv_cache is not None:
+                x = model.run_layers_cached(list(self.layers.keys()), x, rotary, self.kv_cache)
+            else:
+                x = model.run_layers(list(self.layers.keys()), x, rotary)
             if self.is_last:
                 return model.head(x)
             return x
