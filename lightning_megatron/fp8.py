@@ -460,6 +460,34 @@ class Float8Layers:
         self.gemms = [self.gemms[i] for i in keep]
         self.kept = {name: why for name, why in self.kept.items() if name in present}
 
+    def state_dict(self) -> Dict[str, Tensor]:
+        """The delayed recipe's amax histories ``[3, amax_history_len]`` (input, weight, output gradient) by
+        converted layer name, on the CPU; empty for other recipes or before the first step. The same on every rank of
+        the amax group (tensor x data x context parallel), so one rank's holds for its pipeline stage."""
+        out: Dict[str, Tensor] = {}
+        for name, gemm in zip(self.converted, self.gemms):
+            history = getattr(gemm, "history", None)
+            if history is not None:
+                out[name] = history.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state: Dict[str, Tensor], device: Optional[torch.device] = None) -> None:
+        """Restore the amax histories of :meth:`state_dict` onto ``device`` (default: where they are, else the
+        CPU): the layers of this rank present in ``state``; a layer the checkpoint has no history for starts without
+        one, as in a fresh run."""
+        for name, gemm in zip(self.converted, self.gemms):
+            if name not in state or not isinstance(gemm, Float8Gemm):
+                continue
+            history = state[name]
+            want = (3, self.config.amax_history_len)
+            if tuple(history.shape) != want:
+                raise ValueError(f"FP8 amax history of {name} in the checkpoint has shape {tuple(history.shape)}, this "
+                                 f"run keeps {want} (fp8_amax_history_len={self.config.amax_history_len}); resume with "
+                                 f"fp8_amax_history_len={history.shape[1]}")
+            where = gemm.history.device if gemm.history is not None else device
+            gemm.history = history.to(where) if where is not None else history.clone()
+            gemm.records = ([], [], [])
+
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
         step, reduced (max) over the amax groups in one all-reduce per group, becomes the newest history entry.
