@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronPrecision, MegatronStrategy
 from lightning_megatron.parallel.main_grad import MainParams
 from tests._dist import run_distributed, run_each
+from tests.test_fp8 import learnable_samples
 from tests.parity import (
     SEED,
     ListDataset,
@@ -36,6 +37,8 @@ from tests.parity import (
 )
 
 BF16P = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
+FP8_DELAYED = dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
+                   fp8_amax_compute_algo="max", fp8_backend="torch")
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -93,51 +96,82 @@ def test_params_dtype_is_validated():
 LONG_STEPS, STEPS, ACCUMULATE = 20, 3, 2
 
 
-def _checkpoint_run(rank: int, world: int, cfg, samples, path: str) -> Dict[str, Any]:
+def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF16P) -> Dict[str, Any]:
     """bf16 parameters: 4 steps uninterrupted; 2 steps, save, resume to 4; the checkpoint into the fp32 path.
-    ``samples`` are 2 steps (one epoch): the resumed run starts a new epoch, as the uninterrupted one does."""
+    ``samples`` are one micro-batch: every step (and epoch) sees the same data, however the resumed run counts
+    epochs."""
     def fit(steps: int, precision: Dict[str, Any], ckpt=None, save=None, max_steps=None):
         pl.seed_everything(SEED, verbose=False)
         module = new_module(cfg, steps)
         recorder = StepLossRecorder(1)
+
         trainer = trainer_for(world, MegatronStrategy(), max_steps or steps, callbacks=[recorder],
                               plugins=[MegatronPrecision(**precision)])
         trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2), ckpt_path=ckpt)
         if save:
             trainer.save_checkpoint(save)
         state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        state.update({f"fp8:{k}": v for k, v in trainer.precision_plugin.state_dict().get("fp8_amax_history",
+                                                                                          {}).items()})
         return recorder.losses, state
 
-    whole, whole_state = fit(4, BF16P)
-    first, _ = fit(4, BF16P, save=path, max_steps=2)
-    rest, resumed_state = fit(4, BF16P, ckpt=path)
+    whole, whole_state = fit(4, precision)
+    first, _ = fit(4, precision, save=path, max_steps=2)
+    rest, resumed_state = fit(4, precision, ckpt=path)
     ckpt = torch.load(path, weights_only=False, map_location="cpu")
-    fp32, _ = fit(4, dict(precision="32-true"), ckpt=path)
+    fp32, _ = fit(4, dict(precision="32-true"), ckpt=path) if "fp8" not in precision else (None, None)
     return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state, "resumed_state": resumed_state,
             "ckpt_dtypes": {k: v.dtype for k, v in ckpt["state_dict"].items()},
             "opt_dtypes": {k: v.dtype for s in ckpt["optimizer_states"][0]["state"].values() for k, v in s.items()},
-            "fp32_resumed": fp32}
+            "fp32_resumed": fp32, "ckpt_fp8": ckpt.get("MegatronPrecision", {}).get("fp8_amax_history")}
+
+
+def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int):
+    """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task: per-step losses, initial and final full states."""
+    from lightning_megatron import ParallelGPTModule
+    from tests.parity import InitialState
+
+    pl.seed_everything(SEED, verbose=False)
+    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0)
+    recorder, initial = StepLossRecorder(accumulate), InitialState()
+    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial],
+                          plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro))
+    final = trainer.strategy.lightning_module_state_dict()
+    return {"losses": recorder.losses, "initial": initial.state,
+            "final": {k: v.detach().cpu().clone() for k, v in final.items()}}
 
 
 @lru_cache(maxsize=None)
 def _one_process() -> Dict[str, Any]:
-    cfg, layout_cfg = tiny_config(), tiny_config(num_query_groups=4)
-    long = make_samples(cfg, LONG_STEPS * 4)
+    """Every one-process run, in one spawned process."""
+    cfg = tiny_config(hidden_size=64, ffn_hidden_size=128, seq_length=32)
+    layout_cfg = tiny_config(num_query_groups=4)
+    long = learnable_samples(cfg, LONG_STEPS * 8)
     short = make_samples(layout_cfg, STEPS * ACCUMULATE * 4)
     path = os.path.join(tempfile.mkdtemp(), "bf16p.ckpt")
-    cases = [(name, (cfg, {}, precision, long, 4, 1, None, LONG_STEPS)) for name, precision in
-             (("autocast", dict(precision="bf16-mixed")), ("bf16p", BF16P), ("fp32", dict(precision="32-true")))]
-    cases += [("accumulate2", (cfg, {}, BF16P, long, 2, 2, None, LONG_STEPS))]
-    cases += [(f"ref-mb{mb}", (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)) for mb in (2, 4)]
-    out = run_distributed(run_each, 1, plugin_layout_run, cases)[0]
-    out["checkpoint"] = run_distributed(run_each, 1, _checkpoint_run, [("c", (cfg, long[:4], path))])[0]["c"]
+    runs = [(name, (_learn_run, (cfg, long, precision, 8, 1))) for name, precision in
+            (("autocast", dict(precision="bf16-mixed")), ("bf16p", BF16P), ("fp32", dict(precision="32-true")))]
+    runs += [("accumulate2", (_learn_run, (cfg, long, BF16P, 4, 2)))]
+    runs += [(f"ref-mb{mb}", (plugin_layout_run, (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)))
+             for mb in (2, 4)]
+    runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
+    runs += [("checkpoint-fp8", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path + ".fp8",
+                                                   FP8_DELAYED)))]
+    out = run_distributed(run_each, 1, _call, runs)[0]
     for name, result in out.items():
         assert not isinstance(result, str), result
     return out
 
 
+def _call(rank: int, world: int, fn, args):
+    return fn(rank, world, *args)
+
+
 def _worst(a, b) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    print("measured", worst)
+    return worst
 
 
 def test_bf16_params_follow_autocast_and_fp32_over_20_steps():
@@ -205,3 +239,18 @@ def test_bf16_params_layout_matches_one_process(layout):
     errors = weight_change_errors(result, ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-2, (worst, errors[worst])
+
+
+def test_fp8_delayed_scaling_state_resumes_exactly():
+    """FP8 delayed scaling (history 4, max): the checkpoint carries every converted layer's amax history; the resumed
+    run's losses, weights and final histories equal the uninterrupted run's (without the histories the resumed run
+    would start with empty ones and end with 2 of 4 entries filled)."""
+    c = _one_process()["checkpoint-fp8"]
+    history = c["ckpt_fp8"]
+    assert history and all(h.shape == (3, 4) for h in history.values()), history
+    assert all(bool((h[:, :2] > 0).all()) and bool((h[:, 2:] == 0).all()) for h in history.values())
+    assert c["rest"] == c["whole"][2:], (c["rest"], c["whole"])
+    fp8 = [k for k in c["whole_state"] if k.startswith("fp8:")]
+    assert fp8 and all(bool((c["whole_state"][k] > 0).all()) for k in fp8)
+    for k, v in c["whole_state"].items():
+        assert torch.equal(v, c["resumed_state"][k]), k
