@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +44,8 @@ from torch import Tensor, nn
 from lightning_megatron.contract import PipelineModel
 from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.parallel.tensor_parallel.mappings import group_size
+
+log = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -142,12 +145,13 @@ class Float8Config:
         return E5M2 if self.fp8_format == "hybrid" else E4M3
 
     def resolve_backend(self, device: torch.device) -> "Float8Config":
-        """This config with ``backend="auto"`` resolved: ``"te"`` on CUDA when ``transformer_engine`` is installed
-        and the recipe is one of its own, else ``"torch"``. Checks that an explicit ``"te"`` can run."""
+        """This config with ``backend="auto"`` resolved: ``"te"`` on CUDA when ``transformer_engine.pytorch``
+        imports (:func:`transformer_engine_available`) and the recipe is one of its own (not ``"rowwise"``), else
+        ``"torch"``. Checks that an explicit ``"te"`` can run."""
         backend = self.backend
-        if backend == "auto":
-            te = device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
-            backend = "te" if te and self.recipe != "rowwise" else "torch"
+        if backend == "auto":   # TE's own recipes on CUDA (checked, i.e. imported, only there)
+            te = device.type == "cuda" and self.recipe != "rowwise" and transformer_engine_available()
+            backend = "te" if te else "torch"
         if backend == "te" and device.type != "cuda":
             raise ValueError(f"fp8_backend='te': Transformer Engine runs on CUDA GPUs only, this run is on "
                              f"{device.type!r}; use fp8_backend='torch' (torch._scaled_mm also runs on CPU)")
@@ -368,6 +372,20 @@ def import_transformer_engine() -> Any:
         raise ImportError(f"fp8_backend='te' needs Transformer Engine, which is not importable here ({e}): "
                           f"{TE_INSTALL_HINT}") from e
     return te
+
+
+def transformer_engine_available() -> bool:
+    """Whether ``transformer_engine.pytorch`` imports here (it is imported: call only where it would be used). A
+    broken installation (e.g. its library not loadable) counts as unavailable; the reason is logged."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import_transformer_engine()
+    except (ImportError, OSError, RuntimeError) as e:
+        log.warning("fp8_backend='auto': Transformer Engine is installed but does not import (%s); using the torch "
+                    "backend", e)
+        return False
+    return True
 
 
 def transformer_engine_recipe(config: Float8Config) -> Any:
@@ -595,6 +613,7 @@ __all__ = [
     "scale_from_amax",
     "quantize",
     "import_transformer_engine",
+    "transformer_engine_available",
     "transformer_engine_recipe",
     "FP8_MAX",
 ]

@@ -226,6 +226,33 @@ def test_transformer_engine_is_imported_only_when_asked_for():
     assert MegatronPrecision(fp8="hybrid").bind(torch.device("cpu")).backend == "torch"   # auto on CPU
 
 
+@pytest.mark.parametrize("device,available,recipe,want", [
+    ("cuda", True, "delayed", "te"), ("cuda", True, "tensorwise", "te"), ("cuda", True, "rowwise", "torch"),
+    ("cuda", False, "delayed", "torch"), ("cpu", None, "delayed", "torch"), ("cpu", None, "rowwise", "torch")])
+def test_auto_backend_is_transformer_engine_where_it_imports_else_torch(monkeypatch, device, available, recipe, want):
+    """Only the availability check is replaced; on CPU it is never consulted (None: calling it fails)."""
+    import lightning_megatron.fp8 as fp8
+
+    def check() -> bool:
+        assert available is not None, "the Transformer Engine check ran for a CPU run"
+        return available
+
+    monkeypatch.setattr(fp8, "transformer_engine_available", check)
+    config = Float8Config(recipe=recipe, backend="auto")
+    resolved = config.resolve_backend(torch.device(device))
+    assert resolved.backend == want and config.backend == "auto"
+    assert resolved.recipe == recipe and resolved.fp8_format == config.fp8_format
+
+
+def test_transformer_engine_availability_here():
+    """The real check: False where it is not installed, without leaving a half-imported module behind."""
+    from lightning_megatron.fp8 import transformer_engine_available
+
+    assert transformer_engine_available() is TE_INSTALLED
+    if not TE_INSTALLED:
+        assert "transformer_engine" not in sys.modules
+
+
 # ---------------------------------------------------------------------------------------------- training
 def learnable_samples(cfg: GPTConfig, n: int, seed: int = 3) -> List[Dict[str, torch.Tensor]]:
     """Sequences that mostly follow ``next = (7 * token + 3) mod vocab`` (10% random tokens): a tiny model learns
