@@ -75,12 +75,14 @@ class ParallelizedModel:
 
 def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
               mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
-    """FP8 local GEMMs for the linear layers (:func:`lightning_megatron.fp8.apply_fp8`) when ``fp8`` is given (its
-    backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups of ``mesh``."""
+    """FP8 local GEMMs for the linear layers and routed experts (:func:`lightning_megatron.fp8.apply_fp8`) when
+    ``fp8`` is given (its backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups
+    of ``mesh`` (experts: etp and edp)."""
     if fp8 is None:
         return None
     groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
-    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups)
+    expert_groups = [mesh.group("etp"), mesh.group("edp")] if mesh is not None else []
+    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
 
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
