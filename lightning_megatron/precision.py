@@ -160,7 +160,6 @@ class MegatronPrecision(MixedPrecision):
         self._fp8_context: Callable[[], Any] = contextlib.nullcontext
         self._amax_group: Any = None
         self._fp8_layers: Optional[Float8Layers] = None
-        self._fp8_pp_group: Any = None
 
     # ------------------------------------------------------------------ binding to the layout / device
     @property
@@ -276,24 +275,23 @@ class MegatronPrecision(MixedPrecision):
         """Gradients are unscaled before clipping under every precision here, so fused optimizers may clip."""
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
-    def attach_fp8_layers(self, layers: Optional[Float8Layers], pp_group: Any = None) -> None:
-        """The FP8 layers whose delayed-scaling state (amax histories) checkpoints carry; ``pp_group``: the
-        pipeline group its stages are gathered over when saving (None without pipeline parallelism)."""
-        self._fp8_layers, self._fp8_pp_group = layers, pp_group
+    def attach_fp8_layers(self, layers: Optional[Float8Layers]) -> None:
+        """The FP8 layers whose delayed-scaling state (amax histories) checkpoints carry."""
+        self._fp8_layers = layers
 
     def state_dict(self) -> Dict[str, Any]:
         """The fp16 loss scaler's state and, under the FP8 delayed recipe, ``"fp8_amax_history"``: every converted
-        layer's amax history by name (gathered over the pipeline group: collective on every rank), so a resumed run
-        scales exactly as the uninterrupted one."""
+        layer's (and routed expert's) amax history by name, gathered from all ranks (pipeline stages and expert
+        parallel ranks hold different ones; collective on every rank), so a resumed run scales exactly as the
+        uninterrupted one."""
         self._ensure_scaler()
         state = dict(super().state_dict())
-        layers = getattr(self, "_fp8_layers", None)
+        layers = self._fp8_layers
         if layers is not None and layers.config.recipe == "delayed":
             history = layers.state_dict()
-            group = self._fp8_pp_group
-            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-                parts: list = [None] * dist.get_world_size(group)
-                dist.all_gather_object(parts, history, group=group)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                parts: list = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, history)
                 history = {k: v for part in parts for k, v in part.items()}
             if history:
                 state["fp8_amax_history"] = history
@@ -304,7 +302,7 @@ class MegatronPrecision(MixedPrecision):
         self._ensure_scaler()
         state_dict = dict(state_dict)
         history = state_dict.pop("fp8_amax_history", None)
-        layers = getattr(self, "_fp8_layers", None)
+        layers = self._fp8_layers
         if history is not None and layers is not None:
             layers.load_state_dict(history, self._device)
         super().load_state_dict(state_dict)

@@ -233,7 +233,7 @@ class MegatronStrategy(DDPStrategy):
                                         forward_context=self.precision_plugin.forward_context, fp8=fp8,
                                         params_dtype=getattr(plugin, "params_dtype", None))
         if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
-            plugin.attach_fp8_layers(self.parallelized.fp8, mesh.group("pp") if cfg.pp > 1 else None)
+            plugin.attach_fp8_layers(self.parallelized.fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline

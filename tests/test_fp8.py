@@ -381,6 +381,8 @@ def test_fp8_layout_matches_one_process_fp8(layout):
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 3e-3, (worst, errors[worst])
     converted = result["fp8_converted"]
+    if layout == "ep2":   # the routed experts' GEMMs run FP8 too
+        assert {f"model.decoder.layers.{i}.mlp.experts" for i in range(2)} <= set(converted), converted
     if layout == "pp2":   # rank 0 holds stage 0: layer 0
         assert converted == [n for n in ref["fp8_converted"] if ".layers.0." in n]
     else:
