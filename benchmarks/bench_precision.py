@@ -2,7 +2,7 @@
 the public Trainer API (``MegatronStrategy`` + ``MegatronPrecision``), seq 2048, micro-batch 4, 4 warm-up and 10
 timed steps, AdamW; plus the compiled plain-PyTorch peer in the same call. Prints a markdown table at the end.
 
-    python benchmarks/bench_precision.py [--arms a,b,...] [--budget-s 450] [--peer PATH]
+    python benchmarks/bench_precision.py [--arms a,b,...] [--budget-s 330] [--peer PATH]
 
 Each arm runs in a child process of its own (a crash, an out-of-memory or a missing Transformer Engine costs that
 arm only: its error is printed and the table says why); arms not started within ``--budget-s`` are reported as
@@ -36,10 +36,12 @@ BASE_ARMS = {
     "fp8-delayed": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_backend="torch"),
     "fp8-te-delayed": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_backend="te"),
 }
-ARMS = list(BASE_ARMS) + ["peer-compile"] + [f"{a}-compile" for a in BASE_ARMS]
+#: eager arms, the peer, then the compiled arms (the most asked-for first: arms past the budget are skipped)
+ARMS = list(BASE_ARMS) + ["peer-compile"] + [f"{a}-compile" for a in (
+    "bf16-params", "bf16-autocast", "fp8-te-delayed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise")]
 
 
-def run_arm(name: str, warmup: int, timed: int, mbs: int) -> dict:
+def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gpu", tiny: bool = False) -> dict:
     """One arm in this process; returns its result row."""
     import lightning.pytorch as pl
     import torch
@@ -55,17 +57,20 @@ def run_arm(name: str, warmup: int, timed: int, mbs: int) -> dict:
     kwargs = dict(BASE_ARMS[name[:-len("-compile")] if compile_ else name])
     if "params_dtype" in kwargs:
         kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
-    cfg = GPTConfig.llama_1b_bench()
+    cfg = GPTConfig.llama_1b_bench() if not tiny else GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                                  ffn_hidden_size=128, vocab_size=256, seq_length=64)
     timer = StepTimer(start=warmup, stop=warmup + timed)
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1)
     plugin = MegatronPrecision(**kwargs)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=MegatronStrategy(compile=compile_),
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=MegatronStrategy(compile=compile_),
                          plugins=[plugin], max_steps=warmup + timed, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[timer])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=mbs, num_workers=2))
     dt = timer.times[1] - timer.times[0]
     tokens = mbs * cfg.seq_length * timed / dt
+    if len(timer.times) < 2:
+        raise RuntimeError(f"the timed window did not complete (times {timer.times})")
     fp8 = trainer.strategy.parallelized.fp8
     return dict(arm=name, tokens_per_s=round(tokens), tflops=round(tokens * flops_per_token(cfg) / 1e12, 1),
                 mfu_bf16=round(tokens * flops_per_token(cfg) / PEAK, 4),
@@ -90,10 +95,14 @@ def run_peer(peer: Path, timeout: float) -> dict:
 def child(name: str, args) -> None:
     """Run one arm and print its row as one ``RESULT {json}`` line."""
     try:
-        row = run_arm(name, args.warmup, args.timed, args.mbs)
+        row = run_arm(name, args.warmup, args.timed, args.mbs, args.accelerator, args.tiny)
     except Exception as e:  # noqa: BLE001 - reported in the table
         traceback.print_exc()
-        row = dict(arm=name, error=f"{type(e).__name__}: {e}"[:300])
+        first = e
+        while first.__context__ is not None:   # Lightning's teardown may raise again over the cause
+            first = first.__context__
+        cause = f"{type(first).__name__}: {first}" + (f" (then {type(e).__name__}: {e})" if first is not e else "")
+        row = dict(arm=name, error=cause[:400])
     print("RESULT " + json.dumps(row), flush=True)
 
 
@@ -114,13 +123,17 @@ def table(rows) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {ARMS}")
-    p.add_argument("--budget-s", type=float, default=450.0, help="start no arm after this many seconds")
-    p.add_argument("--arm-timeout-s", type=float, default=240.0)
+    p.add_argument("--budget-s", type=float, default=330.0, help="start no arm after this many seconds")
+    p.add_argument("--arm-timeout-s", type=float, default=150.0,
+                   help="per arm; an arm started late gets at most budget + 60 s - elapsed (total <= ~400 s)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--peer", default=str(ROOT.parent / "shared" / "bench" / "peer_baseline.py"))
+    p.add_argument("--peer", default=None, help="the plain-PyTorch peer (default: shared/bench/peer_baseline.py "
+                   "in or beside the repository, else benchmarks/peer_baseline.py, the same file)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)   # cpu + --tiny: a smoke run of the script
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args)
@@ -129,6 +142,10 @@ def main() -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {ARMS}")
+    if args.peer is None:
+        candidates = [ROOT / "shared" / "bench" / "peer_baseline.py", ROOT.parent / "shared" / "bench" /
+                      "peer_baseline.py", ROOT / "benchmarks" / "peer_baseline.py"]
+        args.peer = str(next((c for c in candidates if c.exists()), candidates[-1]))
     start, rows = time.perf_counter(), []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
     for arm in arms:
@@ -143,7 +160,8 @@ def main() -> None:
                 row = run_peer(Path(args.peer), left)
             else:
                 out = subprocess.run([sys.executable, __file__, "--child", arm, "--warmup", str(args.warmup),
-                                      "--timed", str(args.timed), "--mbs", str(args.mbs)],
+                                      "--timed", str(args.timed), "--mbs", str(args.mbs),
+                                      "--accelerator", args.accelerator] + (["--tiny"] if args.tiny else []),
                                      capture_output=True, text=True, timeout=left, env=env, cwd=ROOT)
                 found = [line[len("RESULT "):] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
                 if not found:
@@ -156,7 +174,7 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - start - elapsed, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\nseq 2048, micro-batch {args.mbs}, {args.warmup} warm-up + {args.timed} timed steps, 1 GPU; "
+    print(f"\npeer: {args.peer}; seq 2048, micro-batch {args.mbs}, {args.warmup} warm-up + {args.timed} timed steps, 1 {args.accelerator.upper()}; "
           f"total {time.perf_counter() - start:.0f} s\n", flush=True)
     print(table(rows), flush=True)
 
