@@ -3,9 +3,10 @@ parameters in the optimizer, fp32 gradient accumulation (:mod:`lightning_megatro
 
 Units: the main gradient accumulates in fp32 (where bf16 accumulation stalls), the views switch as documented.
 Training (one spawn of 1 process, one of 2): bf16 parameters follow the autocast bf16 run and the fp32 run within
-bf16 tolerance over 20 steps; accumulate_grad_batches=2 equals one micro-batch twice the size; tp2+SP, pp2, dp2
-and dp2 with the distributed optimizer match the one-process bf16-parameter run; a checkpoint holds fp32 main
-parameters, resumes exactly and loads into the default fp32 path.
+bf16 tolerance over 20 steps; accumulate_grad_batches=2 equals one micro-batch twice the size; tp2+SP, pp2 (also
+with tied embeddings), dp2 and dp2 with the distributed optimizer match the one-process bf16-parameter run; a
+checkpoint holds fp32 main parameters, resumes exactly and loads into the default fp32 path. The FP8 delayed
+recipe's amax histories are in checkpoints too: its resume is exact.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def _one_process() -> Dict[str, Any]:
     runs += [("accumulate2", (_learn_run, (cfg, long, BF16P, 4, 2)))]
     runs += [(f"ref-mb{mb}", (plugin_layout_run, (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)))
              for mb in (2, 4)]
+    runs += [("ref-mb2-tied", (plugin_layout_run, (tiny_config(num_query_groups=4, **TIED), {}, BF16P, short, 2,
+                                                   ACCUMULATE, 0.05, STEPS)))]
     runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
     runs += [("checkpoint-fp8", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path + ".fp8",
                                                    FP8_DELAYED)))]
@@ -207,20 +210,21 @@ def test_checkpoint_holds_fp32_main_params_and_resumes_exactly():
     assert len(c["fp32_resumed"]) == 2 and abs(c["fp32_resumed"][0] - c["whole"][2]) < 2e-3 * c["whole"][2]
 
 
-LAYOUTS = {   # name: (strategy kwargs, micro-batch of the 1-process reference, per-rank micro-batch)
-    "tp2-sp": (dict(tp=2, sequence_parallel=True), 2, 2),
-    "pp2": (dict(pp=2), 2, 2),
-    "dp2": (dict(), 4, 2),
-    "dp2-distopt": (dict(use_distributed_optimizer=True), 4, 2),
+TIED = dict(untie_embeddings_and_output_weights=False)
+LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-batch, config overrides)
+    "tp2-sp": (dict(tp=2, sequence_parallel=True), "ref-mb2", 2, {}),
+    "pp2": (dict(pp=2), "ref-mb2", 2, {}),
+    "pp2-tied": (dict(pp=2), "ref-mb2-tied", 2, TIED),
+    "dp2": (dict(), "ref-mb4", 2, {}),
+    "dp2-distopt": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}),
 }
 
 
 @lru_cache(maxsize=None)
 def _layouts() -> Dict[str, Any]:
-    cfg = tiny_config(num_query_groups=4)
-    samples = make_samples(cfg, STEPS * ACCUMULATE * 4)
-    cases = [(name, (cfg, kwargs, BF16P, samples, micro, ACCUMULATE, 0.05, STEPS))
-             for name, (kwargs, _, micro) in LAYOUTS.items()]
+    samples = make_samples(tiny_config(num_query_groups=4), STEPS * ACCUMULATE * 4)
+    cases = [(name, (tiny_config(num_query_groups=4, **overrides), kwargs, BF16P, samples, micro, ACCUMULATE, 0.05,
+                     STEPS)) for name, (kwargs, _, micro, overrides) in LAYOUTS.items()]
     return run_distributed(run_each, 2, plugin_layout_run, cases)[0]
 
 
@@ -234,7 +238,7 @@ def test_bf16_params_layout_matches_one_process(layout):
     data-parallel average the dp2 weight change is off by 0.5 and more."""
     result = _layouts()[layout]
     assert not isinstance(result, str), result
-    ref = _one_process()[f"ref-mb{LAYOUTS[layout][1]}"]
+    ref = _one_process()[LAYOUTS[layout][1]]
     assert len(result["losses"]) == STEPS
     assert _worst(result["losses"], ref["losses"]) <= 5e-5, (result["losses"], ref["losses"])
     errors = weight_change_errors(result, ref)

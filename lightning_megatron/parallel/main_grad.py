@@ -118,12 +118,13 @@ class MainParams:
         gradients dropped: the step is over). Idempotent."""
         if not self.in_main_view:
             return
-        for p in self.params:
-            key = id(p)
+        computes = [self._compute[id(p)] for p in self.params]
+        if computes:
+            torch._foreach_copy_(computes, [self._main[id(p)] for p in self.params])
+        for p, compute in zip(self.params, computes):
             p.grad = None
-            self._main_grad[key] = None
-            self._compute[key].copy_(self._main[key])
-            p.data = self._compute[key]
+            self._main_grad[id(p)] = None
+            p.data = compute
         self.in_main_view = False
 
     @contextmanager
