@@ -160,6 +160,7 @@ class MegatronPrecision(MixedPrecision):
         self._fp8_context: Callable[[], Any] = contextlib.nullcontext
         self._amax_group: Any = None
         self._fp8_layers: Optional[Float8Layers] = None
+        self._bound = False
 
     # ------------------------------------------------------------------ binding to the layout / device
     @property
@@ -179,6 +180,7 @@ class MegatronPrecision(MixedPrecision):
         backend, ``mesh`` gives the group TE reduces amaxes over (tensor x data x context parallel of this pipeline
         stage; built here, collectively: call on every rank)."""
         self._device = torch.device(device)
+        self._bound = True
         self._ensure_scaler()
         if self.fp8_config is None:
             return None
@@ -194,7 +196,12 @@ class MegatronPrecision(MixedPrecision):
                                                growth_interval=self.loss_scale_window)
 
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
-        """Without :meth:`bind` (another strategy), the device is the model's."""
+        """Without :meth:`bind` (another strategy), the device is the model's; ``params_dtype`` needs the
+        strategy."""
+        if self.params_dtype is not None and not self._bound:
+            raise ValueError("MegatronPrecision(params_dtype=torch.bfloat16) is applied by MegatronStrategy (bf16 "
+                             "parameters with fp32 main parameters after materialisation); use it with "
+                             "strategy=MegatronStrategy(...), or drop params_dtype")
         if self._device is None:
             params = [p for p in model.parameters() if not p.is_meta]
             if params:

@@ -91,6 +91,8 @@ def test_params_dtype_is_validated():
     with pytest.raises(ValueError, match="params_dtype"):
         MegatronPrecision("bf16-mixed", params_dtype=torch.float16)
     assert MegatronPrecision("bf16-mixed", params_dtype=torch.float32).params_dtype is None
+    with pytest.raises(ValueError, match="applied by MegatronStrategy"):   # another strategy would ignore it
+        MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16).connect(nn.Linear(2, 2), [], [])
 
 
 # ---------------------------------------------------------------------------------------------- training
