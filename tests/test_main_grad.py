@@ -4,7 +4,7 @@ parameters in the optimizer, fp32 gradient accumulation (:mod:`lightning_megatro
 Units: the main gradient accumulates in fp32 (where bf16 accumulation stalls), the views switch as documented.
 Training (one spawn of 1 process, one of 2): bf16 parameters follow the autocast bf16 run and the fp32 run within
 bf16 tolerance over 20 steps; accumulate_grad_batches=2 equals one micro-batch twice the size; tp2+SP, pp2 (also
-with tied embeddings), dp2 and dp2 with the distributed optimizer match the one-process bf16-parameter run; a
+with tied embeddings), ep2 (MoE), dp2 and dp2 with the distributed optimizer match the one-process bf16-parameter run; a
 checkpoint holds fp32 main parameters, resumes exactly and loads into the default fp32 path. The FP8 delayed
 recipe's amax histories are in checkpoints too: its resume is exact.
 """
@@ -158,8 +158,9 @@ def _one_process() -> Dict[str, Any]:
     runs += [("accumulate2", (_learn_run, (cfg, long, BF16P, 4, 2)))]
     runs += [(f"ref-mb{mb}", (plugin_layout_run, (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)))
              for mb in (2, 4)]
-    runs += [("ref-mb2-tied", (plugin_layout_run, (tiny_config(num_query_groups=4, **TIED), {}, BF16P, short, 2,
-                                                   ACCUMULATE, 0.05, STEPS)))]
+    runs += [(f"ref-mb{mb}-{name}", (plugin_layout_run, (tiny_config(num_query_groups=4, **overrides), {}, BF16P,
+                                                         short, mb, ACCUMULATE, 0.05, STEPS)))
+             for name, overrides, mb in (("tied", TIED, 2), ("moe", MOE, 4))]
     runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
     runs += [("checkpoint-fp8", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path + ".fp8",
                                                    FP8_DELAYED)))]
@@ -213,10 +214,12 @@ def test_checkpoint_holds_fp32_main_params_and_resumes_exactly():
 
 
 TIED = dict(untie_embeddings_and_output_weights=False)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2)
 LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-batch, config overrides)
     "tp2-sp": (dict(tp=2, sequence_parallel=True), "ref-mb2", 2, {}),
     "pp2": (dict(pp=2), "ref-mb2", 2, {}),
     "pp2-tied": (dict(pp=2), "ref-mb2-tied", 2, TIED),
+    "ep2": (dict(ep=2), "ref-mb4-moe", 2, MOE),
     "dp2": (dict(), "ref-mb4", 2, {}),
     "dp2-distopt": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}),
 }
@@ -234,7 +237,8 @@ def _layouts() -> Dict[str, Any]:
 def test_bf16_params_layout_matches_one_process(layout):
     """3 AdamW steps of 2 micro-batches with clipping: every loss within 5e-5 and every weight change within 1e-1
     of the one-process bf16-parameter run. Measured (loss / weight change): tp2+SP 7.7e-6 / 5.7e-2, pp2 0 / 2.4e-7,
-    dp2 and dp2 with the distributed optimizer 1.8e-5 / 2.5e-2; the autocast bf16 path under the same comparison:
+    pp2 with tied embeddings 2.1e-6 / 8.3e-4, ep2 (MoE) 2.0e-5 / 4.3e-2, dp2 and dp2 with the distributed optimizer
+    1.8e-5 / 2.5e-2; the autocast bf16 path under the same comparison:
     tp2+SP 1.5e-5 / 5.4e-2, dp2 4.0e-6 / 2.8e-2 (AdamW's first steps move a weight with a near-zero gradient by
     about lr * sign(grad), so bf16 round-off flips some), fp32: <= 1e-7 / 7e-6. Without the fp32 main gradients'
     data-parallel average the dp2 weight change is off by 0.5 and more."""
