@@ -8,6 +8,7 @@ from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
+from lightning_megatron.parallel.main_grad import MainParams
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -35,6 +36,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelMesh",
     "DeferredWgrad",
+    "MainParams",
     "MegatronStrategy",
     "MegatronPrecision",
     "parallelize",

@@ -25,14 +25,20 @@ at most at the format's largest value, minus ``margin`` powers of two. Recipes:
   histories, so every rank of that group uses the same scales, the ones a single process would use. The first
   step, with no history yet, scales each tensor from its current amax reduced over the same group.
 
-Layers kept out of FP8: the embedding and output layer, MoE routers and expert weights (grouped GEMMs), the first
-/ last transformer layers with ``first_last_layers_bf16``, and layers whose local GEMM sizes are not multiples of
-16 (cuBLAS FP8 needs them). Which modules were converted is in :attr:`Float8Layers.converted`.
+Routed experts (:class:`~lightning_megatron.moe.experts.GroupedMLPExperts`, torch backend): each local expert's
+two GEMMs get a :class:`Float8Gemm` of their own (``experts.fp8_gemms``; the experts then loop instead of one
+grouped GEMM), with scales per expert; the delayed recipe reduces their amaxes over expert tensor x expert data
+parallel (the ranks that hold the same experts).
+
+Layers kept out of FP8: the embedding and output layer, MoE routers, routed experts under the Transformer Engine
+backend, the first / last transformer layers with ``first_last_layers_bf16``, and layers whose local GEMM sizes are
+not multiples of 16 (cuBLAS FP8 needs them). Which modules were converted is in :attr:`Float8Layers.converted`.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +49,8 @@ from torch import Tensor, nn
 from lightning_megatron.contract import PipelineModel
 from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.parallel.tensor_parallel.mappings import group_size
+
+log = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -142,12 +150,13 @@ class Float8Config:
         return E5M2 if self.fp8_format == "hybrid" else E4M3
 
     def resolve_backend(self, device: torch.device) -> "Float8Config":
-        """This config with ``backend="auto"`` resolved: ``"te"`` on CUDA when ``transformer_engine`` is installed
-        and the recipe is one of its own, else ``"torch"``. Checks that an explicit ``"te"`` can run."""
+        """This config with ``backend="auto"`` resolved: ``"te"`` on CUDA when ``transformer_engine.pytorch``
+        imports (:func:`transformer_engine_available`) and the recipe is one of its own (not ``"rowwise"``), else
+        ``"torch"``. Checks that an explicit ``"te"`` can run."""
         backend = self.backend
-        if backend == "auto":
-            te = device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
-            backend = "te" if te and self.recipe != "rowwise" else "torch"
+        if backend == "auto":   # TE's own recipes on CUDA (checked, i.e. imported, only there)
+            te = device.type == "cuda" and self.recipe != "rowwise" and transformer_engine_available()
+            backend = "te" if te else "torch"
         if backend == "te" and device.type != "cuda":
             raise ValueError(f"fp8_backend='te': Transformer Engine runs on CUDA GPUs only, this run is on "
                              f"{device.type!r}; use fp8_backend='torch' (torch._scaled_mm also runs on CPU)")
@@ -370,6 +379,20 @@ def import_transformer_engine() -> Any:
     return te
 
 
+def transformer_engine_available() -> bool:
+    """Whether ``transformer_engine.pytorch`` imports here (it is imported: call only where it would be used). A
+    broken installation (e.g. its library not loadable) counts as unavailable; the reason is logged."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import_transformer_engine()
+    except (ImportError, OSError, RuntimeError) as e:
+        log.warning("fp8_backend='auto': Transformer Engine is installed but does not import (%s); using the torch "
+                    "backend", e)
+        return False
+    return True
+
+
 def transformer_engine_recipe(config: Float8Config) -> Any:
     """The Transformer Engine recipe object of ``config`` (imports ``transformer_engine``)."""
     import_transformer_engine()
@@ -451,6 +474,10 @@ class Float8Layers:
     kept: Dict[str, str] = field(default_factory=dict)
     gemms: List[Any] = field(default_factory=list)
     amax_groups: List[Any] = field(default_factory=list)
+    #: the routed experts' FP8 GEMMs (torch backend), each with its name ``<experts module>.<global expert>.fc1|fc2``
+    expert_gemms: List["Float8Gemm"] = field(default_factory=list)
+    expert_gemm_names: List[str] = field(default_factory=list)
+    expert_amax_groups: List[Any] = field(default_factory=list)
 
     def retain(self, module: nn.Module) -> None:
         """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
@@ -459,6 +486,40 @@ class Float8Layers:
         self.converted = [self.converted[i] for i in keep]
         self.gemms = [self.gemms[i] for i in keep]
         self.kept = {name: why for name, why in self.kept.items() if name in present}
+        experts = [i for i, name in enumerate(self.expert_gemm_names) if name.rsplit(".", 2)[0] in present]
+        self.expert_gemms = [self.expert_gemms[i] for i in experts]
+        self.expert_gemm_names = [self.expert_gemm_names[i] for i in experts]
+
+    def _named_gemms(self) -> List[Tuple[str, Any]]:
+        return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
+
+    def state_dict(self) -> Dict[str, Tensor]:
+        """The delayed recipe's amax histories ``[3, amax_history_len]`` (input, weight, output gradient) by
+        converted layer name, on the CPU; empty for other recipes or before the first step. The same on every rank of
+        the amax group (tensor x data x context parallel), so one rank's holds for its pipeline stage."""
+        out: Dict[str, Tensor] = {}
+        for name, gemm in self._named_gemms():
+            history = getattr(gemm, "history", None)
+            if history is not None:
+                out[name] = history.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state: Dict[str, Tensor], device: Optional[torch.device] = None) -> None:
+        """Restore the amax histories of :meth:`state_dict` onto ``device`` (default: where they are, else the
+        CPU): the layers of this rank present in ``state``; a layer the checkpoint has no history for starts without
+        one, as in a fresh run."""
+        for name, gemm in self._named_gemms():
+            if name not in state or not isinstance(gemm, Float8Gemm):
+                continue
+            history = state[name]
+            want = (3, self.config.amax_history_len)
+            if tuple(history.shape) != want:
+                raise ValueError(f"FP8 amax history of {name} in the checkpoint has shape {tuple(history.shape)}, this "
+                                 f"run keeps {want} (fp8_amax_history_len={self.config.amax_history_len}); resume with "
+                                 f"fp8_amax_history_len={history.shape[1]}")
+            where = gemm.history.device if gemm.history is not None else device
+            gemm.history = history.to(where) if where is not None else history.clone()
+            gemm.records = ([], [], [])
 
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
@@ -468,16 +529,36 @@ class Float8Layers:
         Call once per optimizer step on every rank (the gradient finaliser does)."""
         if self.config.recipe != "delayed" or self.config.backend != "torch":
             return
-        pending = [(g, g.step_amax(num_microbatches)) for g in self.gemms]
-        active = [(g, a) for g, a in pending if a is not None]
-        if not active:
-            return
-        amax = torch.stack([a for _, a in active])
-        for group in self.amax_groups:
-            if group_size(group) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        for (gemm, _), row in zip(active, amax.unbind(0)):
+        for gemms, groups in ((self.gemms, self.amax_groups), (self.expert_gemms, self.expert_amax_groups)):
+            _end_step(gemms, groups, num_microbatches)
+
+
+def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbatches: Optional[int]) -> None:
+    """One all-reduce (max) per group of the step's amaxes of ``gemms``, rolled into their histories. A GEMM
+    without uses this step contributes zeros (it must still join: every rank of a group calls with the same GEMMs)."""
+    if not gemms:
+        return
+    pending = [(g, g.step_amax(num_microbatches)) for g in gemms]
+    if all(a is None for _, a in pending) and not any(group_size(g) > 1 for g in groups):
+        return
+    device = next((a.device for _, a in pending if a is not None), None)
+    if device is None:
+        default = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = next((g.history.device for g, _ in pending if g.history is not None), default)
+    amax = torch.stack([a.to(device) if a is not None else torch.full((3,), -1.0, device=device)
+                        for _, a in pending])
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for (gemm, _), row in zip(pending, amax.unbind(0)):
+        if bool((row >= 0).all()):
             gemm.end_step(row)
+
+
+def _expert_types() -> Tuple[type, ...]:
+    from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
+
+    return (GroupedMLPExperts, SequentialMLPExperts)
 
 
 def _fp8_capable(module: nn.Module) -> Optional[Tuple[int, int]]:
@@ -491,9 +572,9 @@ def _fp8_capable(module: nn.Module) -> Optional[Tuple[int, int]]:
 
 
 def _candidate_layers(module: nn.Module, config: Float8Config) -> Tuple[List[Tuple[str, nn.Module]], Dict[str, str]]:
-    """Linear layers to convert (name, module) and those kept out with why: inside models with the GPT layout
-    (:class:`~lightning_megatron.contract.PipelineModel`) the transformer layers' linears; in any other module
-    every linear layer."""
+    """Linear layers and routed-expert modules to convert (name, module) and those kept out with why: inside
+    models with the GPT layout (:class:`~lightning_megatron.contract.PipelineModel`) the transformer layers' linears
+    and experts; in any other module every linear layer."""
     models = [(name, m) for name, m in module.named_modules() if isinstance(m, PipelineModel)]
     kept: Dict[str, str] = {}
     out: List[Tuple[str, nn.Module]] = []
@@ -508,7 +589,7 @@ def _candidate_layers(module: nn.Module, config: Float8Config) -> Tuple[List[Tup
         bf16 = set(config.layers_in_bf16(len(layers)))
         for key, layer in layers.items():
             for sub, m in layer.named_modules():
-                if _fp8_capable(m) is None:
+                if _fp8_capable(m) is None and not isinstance(m, _expert_types()):
                     continue
                 name = f"{prefix}decoder.layers.{key}" + (f".{sub}" if sub else "")
                 if int(key) in bf16:
@@ -521,18 +602,54 @@ def _candidate_layers(module: nn.Module, config: Float8Config) -> Tuple[List[Tup
     return out, kept
 
 
-def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = ()) -> Float8Layers:
-    """Give the linear layers of ``module`` FP8 local GEMMs (in place; on the meta device or materialised).
+def _convert_experts(name: str, experts: nn.Module, config: Float8Config, result: Float8Layers) -> Optional[str]:
+    """Give a :class:`~lightning_megatron.moe.experts.GroupedMLPExperts` one ``(fc1, fc2)`` pair of torch FP8 GEMMs
+    per local expert (recorded in ``result`` by global expert index); returns why it stays as it is, or None."""
+    from lightning_megatron.moe.experts import GroupedMLPExperts
+
+    if not isinstance(experts, GroupedMLPExperts):
+        return "reference experts (SequentialMLPExperts) are not converted"
+    if config.backend != "torch":
+        return "routed experts run FP8 with the torch backend only (fp8_backend='torch')"
+    h, fc1_out = int(experts.weight1.shape[1]), int(experts.weight1.shape[2])
+    f_local = int(experts.weight2.shape[1])
+    if any(d % GEMM_ALIGNMENT for d in (h, fc1_out, f_local)):
+        return f"expert GEMMs {h}x{fc1_out} / {f_local}x{h} are not multiples of {GEMM_ALIGNMENT}"
+    pairs = []
+    for e in range(experts.num_local_experts):
+        pair = (Float8Gemm(config, result.expert_amax_groups), Float8Gemm(config, result.expert_amax_groups))
+        pairs.append(pair)
+        for which, gemm in zip(("fc1", "fc2"), pair):
+            result.expert_gemms.append(gemm)
+            result.expert_gemm_names.append(f"{name}.{experts.expert_offset + e}.{which}")
+    experts.fp8_gemms = pairs
+    return None
+
+
+def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = (),
+              expert_amax_groups: Sequence[Any] = ()) -> Float8Layers:
+    """Give the linear layers of ``module`` FP8 local GEMMs, and its routed experts (torch backend) FP8 GEMMs per
+    expert (in place; on the meta device or materialised).
 
     ``config`` must have its backend resolved (:meth:`Float8Config.resolve_backend`). ``amax_groups``: the
     process groups the delayed recipe reduces amaxes over (tensor parallel and data x context parallel of this
-    pipeline stage); they take part in :meth:`Float8Layers.end_step`, called once per step.
+    pipeline stage); ``expert_amax_groups``: those of the experts' GEMMs (expert tensor parallel and expert data
+    parallel: the ranks holding the same experts). They take part in :meth:`Float8Layers.end_step`, called once per
+    step.
     """
     if config.backend == "auto":
         raise ValueError("apply_fp8 needs a resolved backend: call Float8Config.resolve_backend(device) first")
-    result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1])
+    result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1],
+                          expert_amax_groups=[g for g in expert_amax_groups if group_size(g) > 1])
     targets, result.kept = _candidate_layers(module, config)
     for name, layer in targets:
+        if isinstance(layer, _expert_types()):
+            why = _convert_experts(name, layer, config, result)
+            if why is None:
+                result.converted.append(name)
+            else:
+                result.kept[name] = why
+            continue
         in_features, out_features = _fp8_capable(layer)
         if in_features % GEMM_ALIGNMENT or out_features % GEMM_ALIGNMENT:
             result.kept[name] = f"local GEMM {in_features}x{out_features} is not a multiple of {GEMM_ALIGNMENT}"
@@ -567,6 +684,7 @@ __all__ = [
     "scale_from_amax",
     "quantize",
     "import_transformer_engine",
+    "transformer_engine_available",
     "transformer_engine_recipe",
     "FP8_MAX",
 ]

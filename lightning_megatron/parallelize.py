@@ -12,6 +12,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_compile    torch.compile of each transformer layer (compile=True)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
     materialize      allocate this rank's shards, initialise them layout-independently
+    main params      bf16 parameters with fp32 main copies (params_dtype)  parallel/main_grad.py
     apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
                                                                   parallel/data_parallel.py
 
@@ -34,6 +35,7 @@ from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
 from lightning_megatron.parallel.grad_sync import defer_sequence_parallel_grad_reduce, owned_parameters
+from lightning_megatron.parallel.main_grad import MainParams
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
 from lightning_megatron.parallel.recompute import apply_recompute
@@ -56,6 +58,7 @@ class ParallelizedModel:
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
         layout: the layout it was split under (a second call with another layout is refused).
         fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
+        main_params: bf16 parameters with fp32 main parameters and gradients (``params_dtype``), else None.
     """
 
     module: nn.Module
@@ -67,16 +70,19 @@ class ParallelizedModel:
     delay_wgrad: bool = False
     layout: str = ""
     fp8: Optional[Float8Layers] = None
+    main_params: Optional[MainParams] = None
 
 
 def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
               mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
-    """FP8 local GEMMs for the linear layers (:func:`lightning_megatron.fp8.apply_fp8`) when ``fp8`` is given (its
-    backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups of ``mesh``."""
+    """FP8 local GEMMs for the linear layers and routed experts (:func:`lightning_megatron.fp8.apply_fp8`) when
+    ``fp8`` is given (its backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups
+    of ``mesh`` (experts: etp and edp)."""
     if fp8 is None:
         return None
     groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
-    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups)
+    expert_groups = [mesh.group("etp"), mesh.group("edp")] if mesh is not None else []
+    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
 
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
@@ -137,7 +143,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
                 tp_fork: Optional[Callable[[], ContextManager]] = None,
                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
                 tp_rng: Optional[TensorParallelRNG] = None,
-                fp8: Optional[Float8Config] = None) -> ParallelizedModel:
+                fp8: Optional[Float8Config] = None,
+                params_dtype: Optional[torch.dtype] = None) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -152,6 +159,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             replays it in recomputed forwards.
         fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.fp8.Float8Config`, backend resolved;
             :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
+        params_dtype: ``torch.bfloat16``: after materialisation store the parameters in bf16 with fp32 main
+            parameters and gradients (:class:`~lightning_megatron.parallel.main_grad.MainParams`); None keeps fp32.
 
     Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
     returned as it is, with the record of the first call, when the layout is the same.
@@ -199,11 +208,13 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             fp8_applied.retain(module)
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
+    main_params = MainParams(module, params_dtype) if params_dtype is not None else None
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
         pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
+        main_params=main_params,
     )
     module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
     return record

@@ -34,6 +34,7 @@ from lightning_megatron.fp8 import (
     FP8_FORMATS,
     FP8_RECIPES,
     Float8Config,
+    Float8Layers,
     fp8_forward_context,
 )
 from lightning_megatron.keywords import check_keywords
@@ -64,6 +65,11 @@ class MegatronPrecision(MixedPrecision):
             ``num_layers_at_end_in_bf16`` transformer layers out of FP8 (the embedding and output layer always are).
         initial_loss_scale, loss_scale_window: fp16's dynamic loss scale: the starting value and the number of
             overflow-free steps after which it doubles (it halves at every overflow). Only with ``"16-mixed"``.
+        params_dtype: None (default: fp32 parameters, autocast casts them for every GEMM) or ``torch.bfloat16``
+            (Megatron's bf16: parameters stored in bf16, fp32 main parameters stepped by the optimizer, gradients
+            accumulated, reduced and clipped in fp32; ``--accumulate-allreduce-grads-in-fp32``;
+            :mod:`lightning_megatron.parallel.main_grad`). Only with ``"bf16-mixed"`` under
+            :class:`~lightning_megatron.MegatronStrategy`. Checkpoints hold the fp32 main parameters.
 
     Every argument is validated here (ValueError naming the value and what to use); an unknown keyword raises
     TypeError naming the closest valid one. Under :class:`~lightning_megatron.MegatronStrategy` the strategy
@@ -85,6 +91,7 @@ class MegatronPrecision(MixedPrecision):
         num_layers_at_end_in_bf16: int = 1,
         initial_loss_scale: float = 2.0 ** 16,
         loss_scale_window: int = 1000,
+        params_dtype: Optional[torch.dtype] = None,
         **unknown: Any,
     ) -> None:
         check_keywords("MegatronPrecision", unknown,
@@ -137,13 +144,23 @@ class MegatronPrecision(MixedPrecision):
         if precision != "16-mixed" and (initial_loss_scale != 2.0 ** 16 or loss_scale_window != 1000):
             raise ValueError(f"MegatronPrecision(precision={precision!r}): initial_loss_scale / loss_scale_window "
                              "apply to precision='16-mixed' only (bf16 and fp32 need no loss scaling); drop them")
+        if params_dtype not in (None, torch.bfloat16, torch.float32):
+            raise ValueError(f"MegatronPrecision(params_dtype={params_dtype!r}): must be None / torch.float32 (fp32 "
+                             "parameters) or torch.bfloat16 (bf16 parameters with fp32 main parameters and gradients)")
+        if params_dtype == torch.bfloat16 and precision != "bf16-mixed":
+            raise ValueError(f"MegatronPrecision(precision={precision!r}, params_dtype=torch.bfloat16): bf16 "
+                             "parameters need precision='bf16-mixed'; drop params_dtype or use 'bf16-mixed'")
         self.precision = precision
         self.fp8 = fp8
+        #: the dtype parameters are stored in during forward / backward (None: fp32)
+        self.params_dtype: Optional[torch.dtype] = params_dtype if params_dtype == torch.bfloat16 else None
         self.initial_loss_scale, self.loss_scale_window = float(initial_loss_scale), loss_scale_window
         self._device: Optional[torch.device] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._fp8_context: Callable[[], Any] = contextlib.nullcontext
         self._amax_group: Any = None
+        self._fp8_layers: Optional[Float8Layers] = None
+        self._bound = False
 
     # ------------------------------------------------------------------ binding to the layout / device
     @property
@@ -163,6 +180,7 @@ class MegatronPrecision(MixedPrecision):
         backend, ``mesh`` gives the group TE reduces amaxes over (tensor x data x context parallel of this pipeline
         stage; built here, collectively: call on every rank)."""
         self._device = torch.device(device)
+        self._bound = True
         self._ensure_scaler()
         if self.fp8_config is None:
             return None
@@ -178,7 +196,12 @@ class MegatronPrecision(MixedPrecision):
                                                growth_interval=self.loss_scale_window)
 
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
-        """Without :meth:`bind` (another strategy), the device is the model's."""
+        """Without :meth:`bind` (another strategy), the device is the model's; ``params_dtype`` needs the
+        strategy."""
+        if self.params_dtype is not None and not self._bound:
+            raise ValueError("MegatronPrecision(params_dtype=torch.bfloat16) is applied by MegatronStrategy (bf16 "
+                             "parameters with fp32 main parameters after materialisation); use it with "
+                             "strategy=MegatronStrategy(...), or drop params_dtype")
         if self._device is None:
             params = [p for p in model.parameters() if not p.is_meta]
             if params:
@@ -259,17 +282,42 @@ class MegatronPrecision(MixedPrecision):
         """Gradients are unscaled before clipping under every precision here, so fused optimizers may clip."""
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
+    def attach_fp8_layers(self, layers: Optional[Float8Layers]) -> None:
+        """The FP8 layers whose delayed-scaling state (amax histories) checkpoints carry."""
+        self._fp8_layers = layers
+
     def state_dict(self) -> Dict[str, Any]:
+        """The fp16 loss scaler's state and, under the FP8 delayed recipe, ``"fp8_amax_history"``: every converted
+        layer's (and routed expert's) amax history by name, gathered from all ranks (pipeline stages and expert
+        parallel ranks hold different ones; collective on every rank), so a resumed run scales exactly as the
+        uninterrupted one."""
         self._ensure_scaler()
-        return super().state_dict()
+        state = dict(super().state_dict())
+        layers = self._fp8_layers
+        if layers is not None and layers.config.recipe == "delayed":
+            history = layers.state_dict()
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                parts: list = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, history)
+                history = {k: v for part in parts for k, v in part.items()}
+            if history:
+                state["fp8_amax_history"] = history
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s (FP8 amax histories onto the bound device)."""
         self._ensure_scaler()
+        state_dict = dict(state_dict)
+        history = state_dict.pop("fp8_amax_history", None)
+        layers = self._fp8_layers
+        if history is not None and layers is not None:
+            layers.load_state_dict(history, self._device)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         fp8 = f", fp8={self.fp8!r}, fp8_recipe={self.fp8_config.recipe!r}" if self.fp8_config else ""
-        return f"MegatronPrecision({self.precision!r}{fp8})"
+        params = ", params_dtype=torch.bfloat16" if self.params_dtype is not None else ""
+        return f"MegatronPrecision({self.precision!r}{params}{fp8})"
 
 
 __all__ = ["MegatronPrecision", "PRECISIONS"]

@@ -66,6 +66,9 @@ class StepPath:
         microbatches, self.microbatches = self.microbatches, []
         m, dp = len(microbatches), mesh.size("dp_cp")
         self.step_microbatches = m
+        main_params = strategy.parallelized.main_params
+        if main_params is not None:   # bf16 parameters (a skipped optimizer step left the fp32 main view on)
+            main_params.to_compute()
         for optimizer in strategy.optimizers:   # Lightning's zero_grad is off with its backward
             optimizer.zero_grad(set_to_none=True)
         scaler = getattr(strategy.precision_plugin, "scaler", None)   # fp16: the aux losses get the loss scale too

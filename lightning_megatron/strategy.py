@@ -12,6 +12,7 @@ tensors (:mod:`lightning_megatron.parallel.state_dict`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -192,7 +193,9 @@ class MegatronStrategy(DDPStrategy):
         self.model_to_device()
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.parallelized.pipeline is None:
+        main_params = self.parallelized.main_params
+        # bf16 parameters: their fp32 main gradients are averaged over dp x cp by the gradient finaliser, not DDP
+        if fitting and self.parallelized.pipeline is None and main_params is None:
             register_ours = self._ddp_comm_hook is None
             self.model = apply_dp(self.model, self.mesh, self.parallel_config,
                                   expert_params=self.parallelized.expert_params,
@@ -206,6 +209,9 @@ class MegatronStrategy(DDPStrategy):
                 experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
                                                    experts, self.mesh.group("edp"))
+            if main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
+                for optimizer in self.optimizers:
+                    optimizer.register_step_post_hook(main_params.optimizer_hook)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -224,7 +230,10 @@ class MegatronStrategy(DDPStrategy):
         fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed,
                                         tp_rng=self.tp_rng,
-                                        forward_context=self.precision_plugin.forward_context, fp8=fp8)
+                                        forward_context=self.precision_plugin.forward_context, fp8=fp8,
+                                        params_dtype=getattr(plugin, "params_dtype", None))
+        if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
+            plugin.attach_fp8_layers(self.parallelized.fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
         self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline
@@ -339,6 +348,11 @@ class MegatronStrategy(DDPStrategy):
         them is a silent no-op) and not yet sharded."""
         return True
 
+    def _main_view(self) -> Any:
+        """bf16 parameters: a context in which they hold their fp32 main values (checkpoints), else nothing."""
+        main = self.parallelized.main_params if self.parallelized is not None else None
+        return main.main_view() if main is not None else contextlib.nullcontext()
+
     def _pp_group(self) -> Any:
         return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
 
@@ -348,8 +362,10 @@ class MegatronStrategy(DDPStrategy):
         if self._grads is not None:
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None
-            self._grads.guard.check_weights()
-        return full_model_state_dict(self.lightning_module, self._pp_group())
+            with self._main_view():
+                self._grads.guard.check_weights()
+        with self._main_view():
+            return full_model_state_dict(self.lightning_module, self._pp_group())
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """Full optimizer state (per-parameter state of TP shards gathered; collective on every rank)."""
@@ -361,12 +377,14 @@ class MegatronStrategy(DDPStrategy):
         """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
         pipeline stage) raise, naming them, as plain Lightning does."""
         state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
-        self.lightning_module.load_state_dict(state, strict=strict)
+        with self._main_view():   # bf16 parameters: the checkpoint's values are the fp32 main parameters
+            self.lightning_module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         """Load full optimizer states, keeping this rank's shards."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(shard_optimizer_state_dict(state, optimizer, self.lightning_module))
+            with self._main_view():   # torch casts loaded states to the parameters' dtype: the fp32 main ones
+                optimizer.load_state_dict(shard_optimizer_state_dict(state, optimizer, self.lightning_module))
             if is_sharded_optimizer(optimizer):
                 # ZeroRedundancyOptimizer also keeps the loaded states in its own (unused) ``state``: on the
                 # device, a second copy of this rank's share. Its steps and state_dict use the shard's optimizer.

@@ -211,6 +211,35 @@ def test_without_first_last_every_transformer_linear_converts_and_the_head_never
     assert "not a multiple of 16" in result.kept["0"]
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_routed_experts_run_their_gemms_in_fp8_per_expert(recipe):
+    """Each local expert gets its own pair of FP8 GEMMs (named by global expert index); the experts' output and
+    weight gradients are within FP8 error of float64 and not the unconverted result; an expert without tokens gets
+    a zero gradient."""
+    cfg = _moe_config()
+    model = GPTModel(cfg)
+    model.init_weights(seed=5)
+    plain = GPTModel(cfg)
+    plain.load_state_dict(model.state_dict())
+    result = apply_fp8(model, Float8Config(recipe=recipe, backend="torch"))
+    assert {f"decoder.layers.{i}.mlp.experts" for i in range(2)} <= set(result.converted)
+    assert result.expert_gemm_names == [f"decoder.layers.{i}.mlp.experts.{e}.{w}" for i in range(2) for e in range(4)
+                                        for w in ("fc1", "fc2")]
+    experts, reference = model.decoder.layers["0"].mlp.experts, plain.decoder.layers["0"].mlp.experts
+    counts = torch.tensor([10, 0, 25, 5])
+    tokens = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    out = experts(tokens, counts)
+    w1, w2 = reference.weight1.double().detach().requires_grad_(), reference.weight2.double().detach().requires_grad_()
+    want = torch.cat([reference.activation(x @ w1[e]) @ w2[e]
+                      for e, x in enumerate(torch.split(tokens.double().detach(), counts.tolist())) if x.shape[0]])
+    (want * want.detach()).sum().backward()
+    (out * want.detach().float()).sum().backward()
+    assert 1e-3 < _rel(out, want) < 0.1, _rel(out, want)
+    assert _rel(experts.weight1.grad, w1.grad) < 0.1 and _rel(experts.weight2.grad, w2.grad) < 0.1
+    assert _rel(reference(tokens.detach(), counts), want) < 1e-5   # the plain path is float32-exact
+    assert experts.weight1.grad[1].abs().max() == 0 and experts.weight1.grad[0].abs().max() > 0
+
+
 # ---------------------------------------------------------------------------------------------- Transformer Engine
 def test_transformer_engine_is_imported_only_when_asked_for():
     plugin = MegatronPrecision(fp8="hybrid", fp8_backend="te")
@@ -224,6 +253,33 @@ def test_transformer_engine_is_imported_only_when_asked_for():
                                          "fp8_backend='torch'"):
         plugin.bind(torch.device("cpu"))
     assert MegatronPrecision(fp8="hybrid").bind(torch.device("cpu")).backend == "torch"   # auto on CPU
+
+
+@pytest.mark.parametrize("device,available,recipe,want", [
+    ("cuda", True, "delayed", "te"), ("cuda", True, "tensorwise", "te"), ("cuda", True, "rowwise", "torch"),
+    ("cuda", False, "delayed", "torch"), ("cpu", None, "delayed", "torch"), ("cpu", None, "rowwise", "torch")])
+def test_auto_backend_is_transformer_engine_where_it_imports_else_torch(monkeypatch, device, available, recipe, want):
+    """Only the availability check is replaced; on CPU it is never consulted (None: calling it fails)."""
+    import lightning_megatron.fp8 as fp8
+
+    def check() -> bool:
+        assert available is not None, "the Transformer Engine check ran for a CPU run"
+        return available
+
+    monkeypatch.setattr(fp8, "transformer_engine_available", check)
+    config = Float8Config(recipe=recipe, backend="auto")
+    resolved = config.resolve_backend(torch.device(device))
+    assert resolved.backend == want and config.backend == "auto"
+    assert resolved.recipe == recipe and resolved.fp8_format == config.fp8_format
+
+
+def test_transformer_engine_availability_here():
+    """The real check: False where it is not installed, without leaving a half-imported module behind."""
+    from lightning_megatron.fp8 import transformer_engine_available
+
+    assert transformer_engine_available() is TE_INSTALLED
+    if not TE_INSTALLED:
+        assert "transformer_engine" not in sys.modules
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -325,6 +381,8 @@ def test_fp8_layout_matches_one_process_fp8(layout):
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 3e-3, (worst, errors[worst])
     converted = result["fp8_converted"]
+    if layout == "ep2":   # the routed experts' GEMMs run FP8 too
+        assert {f"model.decoder.layers.{i}.mlp.experts" for i in range(2)} <= set(converted), converted
     if layout == "pp2":   # rank 0 holds stage 0: layer 0
         assert converted == [n for n in ref["fp8_converted"] if ".layers.0." in n]
     else:

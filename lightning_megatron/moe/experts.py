@@ -40,6 +40,8 @@ class GroupedMLPExperts(nn.Module):
     for any input (torch builds with a CPU kernel run it too); ``False`` always loops over experts. A failing
     grouped GEMM (old torch, unsupported dtype, or rows not 16-byte aligned, e.g. bf16 with ``f`` not a multiple
     of 8) falls back to the loop; ``last_used_grouped_mm`` says which path the last call took.
+    ``fp8_gemms``: set by :func:`lightning_megatron.fp8.apply_fp8` (one ``(fc1, fc2)`` pair of FP8 GEMMs per local
+    expert): the experts then loop, each expert's two GEMMs in FP8 (own scales per expert and weight).
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, swiglu: bool = True,
@@ -70,6 +72,7 @@ class GroupedMLPExperts(nn.Module):
         self.weight1 = nn.Parameter(weight1.clone())
         self.weight2 = nn.Parameter(weight2.clone())
         self.last_used_grouped_mm = False
+        self.fp8_gemms: Optional[List[Tuple[Callable[..., Tensor], Callable[..., Tensor]]]] = None
 
     # ---- layout: local shard <-> global tensor (experts by global index, ffn dim over ETP)
     # dim and stride of the ETP split of each weight
@@ -118,6 +121,10 @@ class GroupedMLPExperts(nn.Module):
 
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         counts = tokens_per_expert.to("cpu", torch.int64)
+        if self.fp8_gemms is not None:
+            self.last_used_grouped_mm = False
+            return _loop_experts_fp8(tokens, counts.tolist(), self.weight1, self.weight2, self.fp8_gemms,
+                                     self.activation)
         w1, w2 = self.weight1.to(tokens.dtype), self.weight2.to(tokens.dtype)
         if self._want_grouped(tokens) and tokens.shape[0] > 0:
             try:
@@ -144,6 +151,24 @@ def _loop_experts(tokens: Tensor, counts: List[int], w1s: List[Tensor], w2s: Lis
         outs.append(activation(chunk @ w1) @ w2)
     if not outs:
         return tokens.new_zeros(0, w2s[0].shape[-1] if w2s else tokens.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+def _loop_experts_fp8(tokens: Tensor, counts: List[int], weight1: Tensor, weight2: Tensor,
+                      gemms: List[Tuple[Callable[..., Tensor], Callable[..., Tensor]]],
+                      activation: Callable[[Tensor], Tensor]) -> Tensor:
+    """Each local expert's ``activation(x @ w1[e]) @ w2[e]`` with both GEMMs through its FP8 GEMMs ``gemms[e]``
+    (``gemm(x [n, in], weight [out, in])``; experts without tokens are skipped). ``[N, h] -> [N, h]`` in the compute
+    dtype."""
+    outs = []
+    for e, chunk in enumerate(torch.split(tokens, counts, dim=0)):
+        if chunk.shape[0] == 0:
+            continue
+        fc1, fc2 = gemms[e]
+        h = fc1(chunk, weight1[e].t().contiguous())
+        outs.append(fc2(activation(h), weight2[e].t().contiguous()))
+    if not outs:
+        return tokens.new_zeros(0, weight2.shape[-1])
     return torch.cat(outs, dim=0)
 
 

@@ -42,11 +42,15 @@ class GradientFinalizer:
         self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
-        """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply), then the
-        FP8 delayed-scaling amax update (over tp and dp_cp; ``num_microbatches``: the step's micro-batches, under
-        pipeline parallelism, whose schedule may run extra metadata-inference passes)."""
+        """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient), reduce what DDP
+        does not (the dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp /
+        tp / embedding groups as they apply), then the FP8 delayed-scaling amax update (over tp and dp_cp;
+        ``num_microbatches``: the step's micro-batches, under pipeline parallelism, whose schedule may run extra
+        metadata-inference passes)."""
         p, mesh = self.parallelized, self.mesh
-        if p.pipeline is not None and mesh.size("dp_cp") > 1:
+        if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
+            p.main_params.to_main()
+        if (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
             allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
         if p.expert_params:
