@@ -62,6 +62,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                 monitor)]
     if plan.checkpoint_kwargs is not None:  # --save: last.ckpt at the end, and every --save-interval steps
         callbacks.append(LastCheckpoint(**plan.checkpoint_kwargs))
+    # --exit-duration-in-mins (Timer), --profile, --manual-gc / --empty-unused-memory-level, and the loss curve
+    # (CSV, and a PNG with matplotlib) written at the end
+    callbacks += plan.build_callbacks()
     # --bf16 / --fp16 / --fp8-*: MegatronPrecision (mixed precision, fp16 loss scaling over all ranks, FP8 GEMMs)
     plugins = [plan.precision] if plan.precision is not None else None
     trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, plugins=plugins, **plan.trainer_kwargs)
