@@ -32,7 +32,6 @@ Layers kept out of FP8: the embedding and output layer, MoE routers and expert w
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.optional import TRANSFORMER_ENGINE
 from lightning_megatron.contract import PipelineModel
 from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.parallel.tensor_parallel.mappings import group_size
@@ -146,7 +146,7 @@ class Float8Config:
         and the recipe is one of its own, else ``"torch"``. Checks that an explicit ``"te"`` can run."""
         backend = self.backend
         if backend == "auto":
-            te = device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+            te = device.type == "cuda" and bool(TRANSFORMER_ENGINE)
             backend = "te" if te and self.recipe != "rowwise" else "torch"
         if backend == "te" and device.type != "cuda":
             raise ValueError(f"fp8_backend='te': Transformer Engine runs on CUDA GPUs only, this run is on "

@@ -8,7 +8,7 @@ a missing one is the pip command that installs it. :func:`require` turns a missi
 constant                   package                used for
 =========================  =====================  ======================================================
 ``TRANSFORMER_ENGINE``     transformer-engine     FP8 GEMMs with ``fp8_backend="te"`` / ``"auto"`` on CUDA
-``TORCHAO``                torchao                (optional extra ``fp8``)
+``TORCHAO``                torchao                the FP8 peer baseline of ``benchmarks/`` (the library calls torch._scaled_mm)
 ``TRANSFORMERS``           transformers           Hugging Face checkpoints
 ``TENSORBOARD``            tensorboard            ``--tensorboard-dir`` (else CSV files there)
 ``SENTENCEPIECE``          sentencepiece          SentencePiece tokenizers (a core dependency)
