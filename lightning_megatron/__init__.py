@@ -1,5 +1,5 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
-from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floating_point_operations
+from lightning_megatron.callbacks import LossCurve, MFUMonitor, flops_per_token, num_floating_point_operations
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.module import ParallelGPTModule
@@ -43,6 +43,7 @@ __all__ = [
     "apply_tp",
     "vocab_parallel_cross_entropy",
     "MFUMonitor",
+    "LossCurve",
     "num_floating_point_operations",
     "flops_per_token",
 ]
