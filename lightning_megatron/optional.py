@@ -4,18 +4,19 @@ Each constant is true when the package is installed (the check runs on first use
 a missing one is the pip command that installs it. :func:`require` turns a missing package into an
 ``ImportError`` naming what needs it. None of these packages is imported here.
 
-=========================  =====================  ======================================================
-constant                   package                used for
-=========================  =====================  ======================================================
-``TRANSFORMER_ENGINE``     transformer-engine     FP8 GEMMs with ``fp8_backend="te"`` / ``"auto"`` on CUDA
-``TORCHAO``                torchao                the FP8 peer baseline of ``benchmarks/`` (the library calls torch._scaled_mm)
-``TRANSFORMERS``           transformers           Hugging Face checkpoints
-``TENSORBOARD``            tensorboard            ``--tensorboard-dir`` (else CSV files there)
-``SENTENCEPIECE``          sentencepiece          SentencePiece tokenizers (a core dependency)
-``TOKENIZERS``             tokenizers             ``HuggingFaceTokenizer`` on a ``tokenizer.json``
-``MATPLOTLIB``             matplotlib             the loss-curve PNG and ``benchmarks/plot_results.py``
-``JSONARGPARSE``           jsonargparse           ``python -m lightning_megatron fit --config ...``
-=========================  =====================  ======================================================
+========================  ===================  ===========================================================
+constant                  package              used for
+========================  ===================  ===========================================================
+``TRANSFORMER_ENGINE``    transformer-engine   FP8 GEMMs with ``fp8_backend="te"`` / ``"auto"`` on CUDA
+``TORCHAO``               torchao              the FP8 peer baseline in ``benchmarks/`` (the library calls
+                                               ``torch._scaled_mm`` itself)
+``TRANSFORMERS``          transformers         Hugging Face checkpoints
+``TENSORBOARD``           tensorboard          ``--tensorboard-dir`` (else CSV files there)
+``SENTENCEPIECE``         sentencepiece        SentencePiece tokenizers (a core dependency)
+``TOKENIZERS``            tokenizers           ``HuggingFaceTokenizer`` on a ``tokenizer.json``
+``MATPLOTLIB``            matplotlib           the loss-curve PNG and ``benchmarks/plot_results.py``
+``JSONARGPARSE``          jsonargparse         ``python -m lightning_megatron fit --config ...``
+========================  ===================  ===========================================================
 """
 from __future__ import annotations
 

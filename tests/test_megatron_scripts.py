@@ -146,3 +146,53 @@ def test_llama3_8b_fp8_script_trains_on_cpu_with_mock_data(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
     assert [round(float(r["train_loss"]), 4) for r in rows] == [round(x, 4) for x in losses]
     assert rows[-1]["val_loss"] != ""
+
+
+def test_run_control_callbacks_of_the_flags_act_in_a_real_fit(tmp_path):
+    """The callbacks ``--manual-gc --manual-gc-interval 2`` and ``--exit-duration-in-mins`` build (one process,
+    plain Trainer, random tokens): the collector is off during training, collects every 2 steps and is back on
+    after; a duration of 1e-6 minutes stops the run after its first optimizer step."""
+    import gc
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_megatron import ParallelGPTModule
+
+    class Probe(Callback):
+        def __init__(self):
+            self.enabled, self.collections, self._count = [], [], 0
+
+        def on_train_start(self, trainer, pl_module):
+            gc.callbacks.append(self._on_gc)
+
+        def _on_gc(self, phase, info):
+            if phase == "start" and info["generation"] == 2:
+                self._count += 1
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.enabled.append(gc.isenabled())
+            self.collections.append(self._count)
+
+        def on_train_end(self, trainer, pl_module):
+            gc.callbacks.remove(self._on_gc)
+
+    def fit(argv, steps):
+        plan = plan_from_args(build_parser().parse_args(
+            ["--mock-data", "--tensor-model-parallel-size", "1", "--devices", "1", "--num-layers", "1",
+             "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
+             "--micro-batch-size", "2", "--train-iters", str(steps), "--loss-curve", str(tmp_path / "curve")] + argv))
+        probe = Probe()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             limit_val_batches=0, callbacks=plan.build_callbacks() + [probe])
+        trainer.fit(ParallelGPTModule(plan.config, **plan.module_kwargs), datamodule=plan.data_module)
+        return trainer, probe
+
+    assert gc.isenabled()
+    trainer, probe = fit(["--manual-gc", "--manual-gc-interval", "2"], steps=6)
+    assert trainer.global_step == 6 and probe.enabled == [False] * 6 and gc.isenabled()
+    # a full collection after steps 2, 4 and 6 only (the probe reads the count after the callback collected)
+    assert [b - a for a, b in zip([0] + probe.collections[:-1], probe.collections)] == [0, 1, 0, 1, 0, 1]
+    trainer, probe = fit(["--exit-duration-in-mins", "1e-6"], steps=6)
+    assert trainer.global_step == 1 and len(probe.enabled) == 1

@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_megatron.data import compute_num_microbatches
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.module import ParallelGPTModule
+from lightning_megatron.optional import JSONARGPARSE, require
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
 from lightning_megatron.strategy import LAYOUT_OPTIONS, MegatronStrategy
@@ -59,6 +60,7 @@ class MegatronCLI(LightningCLI):
 
     def __init__(self, args: Optional[Sequence[str]] = None, run: bool = True, check_only: bool = False,
                  **kwargs: Any) -> None:
+        require(JSONARGPARSE, "MegatronCLI (LightningCLI's YAML parsing)")
         if check_only and run:
             raise ValueError("MegatronCLI(check_only=True) builds nothing, so it cannot run a subcommand: pass run=False")
         self.check_only = check_only
