@@ -103,6 +103,7 @@ def test_every_flag_of_megatrons_llama3_8b_fp8_script_is_known(tmp_path):
     assert plan.trainer_kwargs["max_steps"] == 1953125000 // 128
     assert plan.module_kwargs["lr_warmup_iters"] == 3906252 // 128
     assert plan.module_kwargs["lr_decay_iters"] == 1949218748 // 128
+    assert (plan.module_kwargs["decoupled_lr"], plan.module_kwargs["decoupled_min_lr"]) == (5.0e-4, 4.5e-5)
     assert plan.precision_kwargs == dict(precision="bf16-mixed", fp8="hybrid", fp8_amax_history_len=1024,
                                          fp8_amax_compute_algo="max")
     assert isinstance(plan.data_module, MockGPTDataModule) and plan.config.vocab_size == 128257
@@ -196,3 +197,54 @@ def test_run_control_callbacks_of_the_flags_act_in_a_real_fit(tmp_path):
     assert [b - a for a, b in zip([0] + probe.collections[:-1], probe.collections)] == [0, 1, 0, 1, 0, 1]
     trainer, probe = fit(["--exit-duration-in-mins", "1e-6"], steps=6)
     assert trainer.global_step == 1 and len(probe.enabled) == 1
+
+
+def test_decoupled_lr_schedules_the_embedding_and_output_layer_on_their_own():
+    """``--decoupled-lr 0.01 --decoupled-min-lr 0.001``: the word embedding and output layer (and only they) get
+    their own AdamW group whose lr follows Megatron's schedule from 0.01 to 0.001, the rest from --lr to --min-lr,
+    step by step through a real fit; and their weights move by more than with the plain lr."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_megatron import ParallelGPTModule
+    from lightning_megatron.models.module import megatron_lr_lambda
+
+    class LrProbe(Callback):
+        def __init__(self):
+            self.lrs = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.lrs.append([g["lr"] for g in optimizer.param_groups])
+
+    def fit(extra):
+        plan = plan_from_args(build_parser().parse_args(
+            ["--mock-data", "--tensor-model-parallel-size", "1", "--devices", "1", "--num-layers", "1",
+             "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
+             "--micro-batch-size", "2", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
+             "--lr-warmup-iters", "2"] + extra))
+        torch.manual_seed(0)
+        module = ParallelGPTModule(plan.config, **plan.module_kwargs)
+        module.configure_model()
+        before = {n: p.detach().clone() for n, p in module.named_parameters()}
+        probe = LrProbe()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             callbacks=[probe])
+        trainer.fit(module, datamodule=plan.data_module)
+        groups = trainer.optimizers[0].param_groups
+        names = {id(p): n for n, p in module.named_parameters()}
+        moved = {n: float((p.detach() - before[n]).norm()) for n, p in module.named_parameters()}
+        return probe.lrs, [sorted(names[id(p)] for p in g["params"]) for g in groups], moved
+
+    lrs, groups, moved = fit(["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"])
+    assert groups[2] == ["model.embedding.word_embeddings.weight", "model.output_layer.weight"]
+    assert not any(n in groups[0] + groups[1] for n in groups[2])
+    for step, (main, _, vocab) in enumerate(lrs):
+        assert main == pytest.approx(1e-3 * megatron_lr_lambda(step, 1e-3, 1e-4, 2, 6, "cosine"), rel=1e-12)
+        assert vocab == pytest.approx(1e-2 * megatron_lr_lambda(step, 1e-2, 1e-3, 2, 6, "cosine"), rel=1e-12)
+    assert lrs[1][2] == pytest.approx(1e-2) and lrs[-1][2] > 1e-3   # peak after warmup, decaying towards 1e-3
+    plain_lrs, plain_groups, plain_moved = fit([])
+    assert len(plain_groups) == 2 and all(len(step) == 2 for step in plain_lrs)
+    for name in ("model.embedding.word_embeddings.weight", "model.output_layer.weight"):
+        assert moved[name] > 3 * plain_moved[name], (name, moved[name], plain_moved[name])

@@ -350,6 +350,8 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], "need 0 <= start < end"),
     (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0"),
+    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr 0.001 is larger than"),
 ])
 def test_bad_combinations_exit_before_launch(capsys, argv, needle):
     assert needle in exit_message(argv, capsys)
@@ -364,8 +366,7 @@ def test_unknown_flags_are_listed(capsys):
 
 NOT_SUPPORTED = [
     ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-custom-fsdp"], ["--use-torch-fsdp2"], ["--apply-layernorm-1p"], ["--decoupled-lr", "5e-4"],
-    ["--decoupled-min-lr", "4.5e-5"],
+    ["--use-custom-fsdp"], ["--use-torch-fsdp2"], ["--apply-layernorm-1p"],
 ]
 
 
@@ -556,6 +557,8 @@ CASES = [
     ([], ["--lr-warmup-fraction", "0.1"], {"ParallelGPTModule.lr_warmup_iters": 40}),
     ([], ["--lr-decay-iters", "300"], {"ParallelGPTModule.lr_decay_iters": 300}),
     ([], ["--lr-decay-style", "linear"], {"ParallelGPTModule.lr_decay_style": "linear"}),
+    ([], ["--decoupled-lr", "5e-3"], {"ParallelGPTModule.decoupled_lr": 5e-3}),
+    (["--decoupled-lr", "5e-3"], ["--decoupled-min-lr", "5e-4"], {"ParallelGPTModule.decoupled_min_lr": 5e-4}),
     ([], ["--weight-decay", "0.01"], {"ParallelGPTModule.weight_decay": 0.01}),
     ([], ["--adam-beta1", "0.8"], {"ParallelGPTModule.adam_beta1": 0.8}),
     ([], ["--adam-beta2", "0.99"], {"ParallelGPTModule.adam_beta2": 0.99}),

@@ -15,7 +15,6 @@
 # Megatron flags of the original left out here, each refused by name if given (docs/megatron_flags.md):
 #   --fp8-param-gather            FP8 parameters and their all-gather have not landed
 #   --apply-layernorm-1p          zero-centred norm weights have not landed (the same function otherwise)
-#   --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5   a separate embedding / output-layer learning rate
 #   --overlap-grad-reduce --overlap-param-gather       communication overlap
 #   --ckpt-format torch_dist --distributed-timeout-minutes 60   (see docs/checkpoints.md)
 set -euo pipefail
@@ -66,6 +65,8 @@ TRAINING_ARGS=(
     --lr-warmup-samples 3906252
     --lr 0.00015
     --min-lr 0.00001
+    --decoupled-lr 5.0e-4
+    --decoupled-min-lr 4.5e-5
     --lr-decay-style cosine
     --clip-grad 1.0
     --weight-decay 0.1

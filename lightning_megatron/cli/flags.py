@@ -234,6 +234,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="with --train-samples: warmup iterations = samples // global batch")
     add_flag(g, "--lr-decay-samples", "ParallelGPTModule.lr_decay_iters", type=int, default=None,
              help="with --train-samples: decay iterations = samples // global batch")
+    add_flag(g, "--decoupled-lr", "ParallelGPTModule.decoupled_lr", type=float, default=None,
+             help="the word embedding's and output layer's own peak learning rate (same warmup and decay)")
+    add_flag(g, "--decoupled-min-lr", "ParallelGPTModule.decoupled_min_lr", type=float, default=None,
+             help="their minimum learning rate (default --min-lr)")
     add_flag(g, "--lr-decay-style", "ParallelGPTModule.lr_decay_style", choices=("cosine", "linear", "constant"),
              default="cosine")
     add_flag(g, "--weight-decay", "ParallelGPTModule.weight_decay", type=float, default=0.1)
@@ -357,10 +361,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     g = p.add_argument_group("not supported yet (refused with a message)")
     add_refused_flag(g, "--apply-layernorm-1p", "zero-centred norm weights (stored as scale - 1)",
                      action="store_true")
-    add_refused_flag(g, "--decoupled-lr", "a separate learning rate for the embedding and output layer", type=float,
-                     default=None)
-    add_refused_flag(g, "--decoupled-min-lr", "a separate learning rate for the embedding and output layer",
-                     type=float, default=None)
+
     add_refused_flag(g, "--fp8-param-gather", "FP8 parameters and their all-gather", action="store_true")
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
     add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")

@@ -319,6 +319,15 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     module_kwargs = dict(lr=lr, min_lr=min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                          adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, lr_warmup_iters=warmup,
                          lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise FlagError("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None:
+        module_kwargs["decoupled_lr"] = args.decoupled_lr
+        low = args.decoupled_min_lr if args.decoupled_min_lr is not None else min_lr
+        if low > args.decoupled_lr:
+            raise FlagError(f"--decoupled-min-lr {low} is larger than --decoupled-lr {args.decoupled_lr}")
+        if args.decoupled_min_lr is not None:
+            module_kwargs["decoupled_min_lr"] = args.decoupled_min_lr
 
     # ---- data
     data_kwargs: Dict[str, Any]
