@@ -418,6 +418,22 @@ def test_sample_counts_become_iterations_of_the_global_batch():
     assert frac.module_kwargs["lr_warmup_iters"] == 12   # a quarter of the 50 decay iterations
 
 
+def test_tensorboard_dir_logs_with_tensorboard_or_says_it_writes_csv(monkeypatch, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning_utilities.core.imports import RequirementCache
+
+    import lightning_megatron.cli.plan as plan_module
+
+    plan = plan_of(["--tensorboard-dir", str(tmp_path)])
+    assert isinstance(plan.trainer_kwargs["logger"], TensorBoardLogger) and plan.notes == []
+    assert Path(plan.trainer_kwargs["logger"].log_dir) == tmp_path   # events directly in the directory, as Megatron
+    assert plan.callback_kwargs["LossCurve"] == {"path": str(tmp_path / "loss_curve")}
+    monkeypatch.setattr(plan_module, "TENSORBOARD", RequirementCache("tensorboard-not-installed-here"))
+    plan = plan_of(["--tensorboard-dir", str(tmp_path)])
+    assert isinstance(plan.trainer_kwargs["logger"], CSVLogger)
+    assert len(plan.notes) == 1 and "tensorboard is not installed" in plan.notes[0] and "metrics.csv" in plan.notes[0]
+
+
 def test_precision_tokenizers_and_load(tmp_path):
     assert plan_of(["--bf16"]).precision_kwargs == dict(precision="bf16-mixed")
     assert plan_of(["--fp16"]).precision.scaler is None and plan_of(["--fp16"]).precision.precision == "16-mixed"
