@@ -24,8 +24,8 @@ from lightning_megatron.strategy import LAYOUT_OPTIONS, MegatronStrategy
 
 __all__ = ["CheckedConfig", "MegatronCLI", "check_config", "main"]
 
-_STRATEGY = f"{MegatronStrategy.__module__.split('.')[0]}.MegatronStrategy"
-_STRATEGY_PATHS = {_STRATEGY, f"{MegatronStrategy.__module__}.MegatronStrategy"}
+# how a YAML file names MegatronStrategy: the package's export or its module
+_STRATEGY_PATHS = {"lightning_megatron.MegatronStrategy", f"{MegatronStrategy.__module__}.MegatronStrategy"}
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def check_namespace(config: Any) -> CheckedConfig:
     if seq is not None and seq != model_config.seq_length:
         raise ValueError(f"data.init_args.seq_length={seq} differs from model.config.seq_length="
                          f"{model_config.seq_length}; give both the same value")
-    vocab = data.get("vocab_size")
+    vocab = data.get("vocab_size") if data.get("tokenizer") != "byte" else 257   # TinyCorpusDataModule's bytes
     if vocab is not None and vocab > model_config.vocab_size:
         raise ValueError(f"data.init_args.vocab_size={vocab} is larger than model.config.vocab_size="
                          f"{model_config.vocab_size}: token ids would fall outside the embedding")
@@ -162,7 +162,7 @@ def check_namespace(config: Any) -> CheckedConfig:
 
 
 def _plain(namespace: Any) -> Dict[str, Any]:
-    """A jsonargparse namespace (or dict) as a plain dict, values left out where they are None-derived."""
+    """A jsonargparse namespace (or dict) as a plain dict."""
     return dict(namespace.as_dict() if hasattr(namespace, "as_dict") else namespace)
 
 
