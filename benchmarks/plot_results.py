@@ -14,6 +14,7 @@ not (the sections say which). Needs matplotlib (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -154,9 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     p.add_argument("--out", default=str(ROOT / "docs" / "img"))
     args = p.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
     try:
