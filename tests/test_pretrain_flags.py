@@ -351,6 +351,7 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0"),
     (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--apply-layernorm-1p", "--precision", "bf16-true"], "--apply-layernorm-1p with --precision bf16-true"),
     (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr 0.001 is larger than"),
 ])
 def test_bad_combinations_exit_before_launch(capsys, argv, needle):
@@ -366,7 +367,7 @@ def test_unknown_flags_are_listed(capsys):
 
 NOT_SUPPORTED = [
     ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-custom-fsdp"], ["--use-torch-fsdp2"], ["--apply-layernorm-1p"],
+    ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
 ]
 
 
@@ -391,7 +392,8 @@ def test_several_not_supported_flags_are_all_named(capsys):
 # Megatron flags that change nothing here, with a value each: the plan with the flag equals the plan without it
 ACCEPTED = {"--use-mcore-models": [], "--transformer-impl": ["transformer_engine"], "--attention-backend": ["flash"],
             "--rotary-percent": ["1.0"], "--cross-entropy-loss-fusion": [], "--calculate-per-token-loss": [],
-            "--tiktoken-pattern": ["v2"], "--no-create-attention-mask-in-dataloader": [], "--no-mmap-bin-files": []}
+            "--tiktoken-pattern": ["v2"], "--no-create-attention-mask-in-dataloader": [], "--no-mmap-bin-files": [],
+            "--apply-layernorm-1p": []}
 
 
 def test_accepted_flags_change_nothing_and_say_so():

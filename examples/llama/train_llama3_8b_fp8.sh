@@ -12,11 +12,10 @@
 #       --kv-channels 16 --seq-length 64 --max-position-embeddings 64 --vocab-size 512 --global-batch-size 4 \
 #       --train-samples 24 --lr-decay-samples 24 --lr-warmup-samples 4
 #
-# Megatron flags of the original left out here, each refused by name if given (docs/megatron_flags.md):
-#   --fp8-param-gather            FP8 parameters and their all-gather have not landed
-#   --apply-layernorm-1p          zero-centred norm weights have not landed (the same function otherwise)
-#   --overlap-grad-reduce --overlap-param-gather       communication overlap
-#   --ckpt-format torch_dist --distributed-timeout-minutes 60   (see docs/checkpoints.md)
+# Flags of the original left out here (docs/megatron_flags.md):
+#   --fp8-param-gather                            refused: FP8 parameters and their all-gather have not landed
+#   --overlap-grad-reduce --overlap-param-gather  refused: communication overlap
+#   --ckpt-format torch_dist --distributed-timeout-minutes 60   come with the checkpoint formats (docs/checkpoints.md)
 set -euo pipefail
 
 CHECKPOINT_PATH=${1:-"checkpoints/llama3_8b_fp8"}
@@ -53,6 +52,7 @@ MODEL_ARGS=(
     --swiglu
     --init-method-std 0.0134
     --attention-backend fused
+    --apply-layernorm-1p
     --untie-embeddings-and-output-weights
     --disable-bias-linear
 )

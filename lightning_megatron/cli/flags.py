@@ -346,6 +346,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                       choices=("flash", "fused", "unfused", "local", "auto"), default=None)
     add_accepted_flag(g, "--rotary-percent", "rotary embeddings cover the whole head dimension (only 1.0 is "
                       "accepted)", type=float, default=None)
+    add_accepted_flag(g, "--apply-layernorm-1p", "norm weights stay fp32 and, as in Megatron, get no weight decay, "
+                      "so storing them as scale - 1 would train the same up to fp32 rounding; they are stored as the "
+                      "scale (refused with a bf16-true / 16-true --precision)", action="store_true")
     add_accepted_flag(g, "--cross-entropy-loss-fusion", "the vocabulary-parallel cross entropy is already one "
                       "autograd function over the logit shards (no separate unfused path)", action="store_true")
     add_accepted_flag(g, "--calculate-per-token-loss", "without a loss mask every micro-batch counts the same "
@@ -359,8 +362,6 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                       "tokens)", action="store_true")
 
     g = p.add_argument_group("not supported yet (refused with a message)")
-    add_refused_flag(g, "--apply-layernorm-1p", "zero-centred norm weights (stored as scale - 1)",
-                     action="store_true")
 
     add_refused_flag(g, "--fp8-param-gather", "FP8 parameters and their all-gather", action="store_true")
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")

@@ -197,6 +197,10 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     if args.save_interval is not None and not args.save:
         raise FlagError("--save-interval needs --save")
     precision = _precision(args)
+    if args.apply_layernorm_1p and precision in ("bf16-true", "16-true", "bf16", "16", "half"):
+        raise FlagError(f"--apply-layernorm-1p with --precision {precision}: the norm weights would be half-precision "
+                        "scales near 1, where zero-centred storage (not implemented) keeps precision; use a -mixed "
+                        "precision (fp32 weights) or drop --apply-layernorm-1p")
     precision_kwargs = _precision_kwargs(args, precision)
     plugin = None
     if precision_kwargs is not None:
