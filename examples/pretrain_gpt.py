@@ -66,6 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         callbacks.append(LastCheckpoint(**plan.checkpoint_kwargs))
     if isinstance(data, TinyCorpusDataModule):  # at the end: how the model continues a prompt (greedy, 12 tokens)
         callbacks.append(SampleContinuation("The compiler", data.tokenizer, max_new_tokens=12))
+    # --exit-duration-in-mins (Timer), --profile, --manual-gc / --empty-unused-memory-level, and the loss curve
+    # (CSV, and a PNG with matplotlib) written at the end
+    callbacks += plan.build_callbacks()
     # --bf16 / --fp16 / --fp8-*: MegatronPrecision (mixed precision, fp16 loss scaling over all ranks, FP8 GEMMs)
     plugins = [plan.precision] if plan.precision is not None else None
     trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, plugins=plugins, **plan.trainer_kwargs)

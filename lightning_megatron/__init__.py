@@ -1,6 +1,6 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
-from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floating_point_operations
 from lightning_megatron.hf import HFCheckpointLoader, config_from_hf, config_to_hf, export_hf, load_hf_weights
+from lightning_megatron.callbacks import LossCurve, MFUMonitor, flops_per_token, num_floating_point_operations
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.kv_cache import KVCache
@@ -48,6 +48,7 @@ __all__ = [
     "apply_tp",
     "vocab_parallel_cross_entropy",
     "MFUMonitor",
+    "LossCurve",
     "num_floating_point_operations",
     "flops_per_token",
     "Plan",

@@ -37,7 +37,6 @@ not multiples of 16 (cuBLAS FP8 needs them). Which modules were converted is in 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.optional import TRANSFORMER_ENGINE
 from lightning_megatron.contract import PipelineModel
 from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.parallel.tensor_parallel.mappings import group_size
@@ -382,7 +382,7 @@ def import_transformer_engine() -> Any:
 def transformer_engine_available() -> bool:
     """Whether ``transformer_engine.pytorch`` imports here (it is imported: call only where it would be used). A
     broken installation (e.g. its library not loadable) counts as unavailable; the reason is logged."""
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not TRANSFORMER_ENGINE:   # not installed (lightning_utilities RequirementCache)
         return False
     try:
         import_transformer_engine()

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import typing
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Union
@@ -411,3 +412,22 @@ class MegatronStrategy(DDPStrategy):
 
 
 MegatronStrategy.register_strategies(StrategyRegistry)
+
+
+def _signature_with_layout_options() -> inspect.Signature:
+    """``MegatronStrategy.__init__``'s signature with the :class:`ParallelConfig` options (its ``**options``) as
+    keyword-only parameters of their own types and defaults, so that ``inspect.signature`` and LightningCLI's
+    parser (``trainer.strategy.init_args`` in a YAML file) see every layout keyword; the other ``**options``
+    (DDP's keywords) stay accepted by the constructor."""
+    sig = inspect.signature(MegatronStrategy.__init__)
+    hints = typing.get_type_hints(ParallelConfig)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for f in dataclasses.fields(ParallelConfig):
+        if f.init and f.name not in sig.parameters:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=hints[f.name]))
+    return sig.replace(parameters=params)
+
+
+MegatronStrategy.__init__.__signature__ = _signature_with_layout_options()  # type: ignore[attr-defined]

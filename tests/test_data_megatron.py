@@ -312,6 +312,42 @@ def test_huggingface_tokenizer_errors(tmp_path: Path) -> None:
         HuggingFaceTokenizer(path)
 
 
+def test_huggingface_tokenizer_sentencepiece_model_and_unreadable_files(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A model directory's SentencePiece ``tokenizer.model`` is read with sentencepiece (the same ids as
+    SentencePieceTokenizer); a ``.model`` that is not SentencePiece (Llama 3's is tiktoken text) or a
+    ``tokenizer.json`` that is not one is a ValueError naming the file to give, and preprocessing with it
+    exits 1 with one ``error:`` line, no traceback."""
+    model = Path(train_sentencepiece(read_corpus()[:2], str(tmp_path / "hf" / "tokenizer"), vocab_size=400))
+    ref = build_tokenizer("SentencePieceTokenizer", model)
+    text = "Ownership is Rust's most unique feature.\nNext line."
+    for source in (model, model.parent):   # the file, or a directory with tokenizer.model and no tokenizer.json
+        tok = build_tokenizer("HuggingFaceTokenizer", source)
+        assert isinstance(tok, HuggingFaceTokenizer)
+        assert (tok.vocab_size, tok.eod, tok.encode(text)) == (ref.vocab_size, ref.eod, ref.encode(text))
+        assert tok.decode(tok.encode(text) + [tok.eod]) == text
+    (model.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
+    assert HuggingFaceTokenizer(model).eod == 1   # <s>, named beside the model
+    tiktoken = tmp_path / "llama3" / "tokenizer.model"
+    tiktoken.parent.mkdir()
+    tiktoken.write_text("IQ== 0\nIg== 1\nIw== 2\n")   # tiktoken's format: base64 token, rank
+    with pytest.raises(ValueError, match=r"is not a SentencePiece model .*give the tokenizer.json"):
+        HuggingFaceTokenizer(tiktoken)
+    pytest.importorskip("tokenizers")
+    bad_json = tmp_path / "bad" / "tokenizer.json"
+    bad_json.parent.mkdir()
+    bad_json.write_bytes(model.read_bytes())   # a binary file under the JSON name
+    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
+        HuggingFaceTokenizer(bad_json)
+    src = write_jsonl(tmp_path / "d.jsonl", ["some text"])
+    for bad in (tiktoken, bad_json):
+        rc = preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "out" / "x"), "--tokenizer-type",
+                              "HuggingFaceTokenizer", "--tokenizer-model", str(bad), "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.startswith("error: ") and "Traceback" not in err and str(bad) in err, err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
 # ----------------------------------------------------------------------------- GPTDataset indices
 def reference_sample_index(sizes: np.ndarray, doc_index: np.ndarray, s: int, epochs: int, tokens: int) -> np.ndarray:
     """Straight port of the loop of Megatron's build_sample_idx (drop last partial, one extra token)."""

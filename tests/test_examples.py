@@ -27,8 +27,8 @@ def test_pretrain_gpt_default_run_learns(tmp_path):
     train_loss 3.90, val_loss 4.41.)
     """
     log = _run([sys.executable, "examples/pretrain_gpt.py", "--train-iters", "60", "--eval-interval", "60",
-                "--eval-iters", "4", "--log-throughput", "--log-interval", "1", "--save", str(tmp_path / "ckpt")],
-               tmp_path)
+                "--eval-iters", "4", "--log-throughput", "--log-interval", "1", "--save", str(tmp_path / "ckpt"),
+                "--loss-curve", str(tmp_path / "logs" / "loss_curve")], tmp_path)
     assert "layout: world 2 (tp 2, pp 1, cp 1, ep 1, dp 1); global batch 8 = micro 8 x dp 1 x 1 micro-batches" in log
     losses = {int(m.group(1)): float(m.group(2))
               for m in re.finditer(r"iteration +(\d+)/60 \| consumed samples \d+ \| train_loss ([0-9.]+)", log)}
@@ -40,6 +40,28 @@ def test_pretrain_gpt_default_run_learns(tmp_path):
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
     # the end: a greedy continuation of the prompt (generation under tp=2 with sequence parallelism switched off)
     assert re.search(r"^sample: 'The compiler.{8,}'$", log, re.M), log[-2000:]
+    # the loss curve: the logged losses per step as CSV, and the PNG (matplotlib is a test dependency)
+    curve = (tmp_path / "logs" / "loss_curve.csv").read_text().splitlines()
+    assert curve[0] == "step,train_loss,val_loss" and len(curve) == 61
+    assert [round(float(line.split(",")[1]), 4) for line in curve[1:]] == [round(losses[s], 4) for s in range(1, 61)]
+    assert abs(float(curve[-1].split(",")[2]) - done["val_loss"]) < 1e-5
+    assert (tmp_path / "logs" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"loss curve: {tmp_path / 'logs' / 'loss_curve.png'}" in log
+
+
+def test_plot_results_draws_the_measured_tables(tmp_path):
+    """benchmarks/plot_results.py finds every table it draws in benchmarks/RESULTS.md, with the numbers there."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_results
+    finally:
+        sys.path.pop(0)
+    throughput, memory = plot_results.panels(plot_results.read_tables((ROOT / "benchmarks" / "RESULTS.md").read_text()))
+    assert len(throughput) == 8 and len(memory) == 6 and all(len(bars) >= 2 for _, bars in throughput + memory)
+    tp = dict(throughput[1][1])
+    assert tp["tp=2 + SP"] == 32124 and tp["Lightning DTensor\ntp=2 (peer)"] == 7735   # RESULTS.md, call 5
+    assert plot_results.main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "throughput.png").is_file() and (tmp_path / "memory.png").is_file()
 
 
 def test_pretrain_gpt_help_shows_the_example_and_the_flag_mapping(tmp_path):

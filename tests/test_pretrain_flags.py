@@ -20,10 +20,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_megatron.strategy import LAYOUT_OPTIONS
 from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, MFUMonitor, ParallelGPTModule
+from lightning_megatron.callbacks import LossCurve
+from lightning_megatron.cli.callbacks import MemoryHousekeeping, StepProfiler
+from lightning_megatron.cli.flags import accepted_flags
 from lightning_megatron.cli import (
     FLAG_MAPPING,
     FlagError,
@@ -34,7 +38,13 @@ from lightning_megatron.cli import (
     plan_from_args,
     refused_flags,
 )
-from lightning_megatron.data import GPTDataModule, TinyCorpusDataModule, parse_data_path, train_sentencepiece
+from lightning_megatron.data import (
+    GPTDataModule,
+    MockGPTDataModule,
+    TinyCorpusDataModule,
+    parse_data_path,
+    train_sentencepiece,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352,
@@ -330,6 +340,20 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--recompute-activations", "--recompute-modules", "moe"], "recompute_modules ['moe'] recompute parts of "
                                                                 "mixture-of-experts layers, but the model is dense"),
     (["--recompute-activations", "--recompute-modules", "mla_up_proj"], "no multi-latent attention"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5: rotary embeddings over part of the head dimension"),
+    (GPT_DATA + ["--eod-mask-loss", "--calculate-per-token-loss"], "--calculate-per-token-loss with --eod-mask-loss"),
+    (["--train-iters", "5", "--train-samples", "80"], "give --train-iters or --train-samples, not both"),
+    (["--lr-warmup-samples", "8"], "--lr-warmup-samples need --train-samples"),
+    (["--train-samples", "80", "--lr-decay-iters", "5"], "give --lr-decay-samples (as Megatron)"),
+    (["--train-samples", "4"], "--train-samples 4 is less than one global batch (8 samples)"),
+    (["--mock-data"] + GPT_DATA, "--mock-data and --data-path: give one"),
+    (["--profile-step-start", "3"], "--profile-step-start need --profile"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], "need 0 <= start < end"),
+    (["--manual-gc-interval", "5"], "--manual-gc-interval needs --manual-gc"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0"),
+    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--apply-layernorm-1p", "--precision", "bf16-true"], "--apply-layernorm-1p with --precision bf16-true"),
+    (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr 0.001 is larger than"),
 ])
 def test_bad_combinations_exit_before_launch(capsys, argv, needle):
     assert needle in exit_message(argv, capsys)
@@ -366,6 +390,53 @@ def test_several_not_supported_flags_are_all_named(capsys):
         assert flag in err
 
 
+# Megatron flags that change nothing here, with a value each: the plan with the flag equals the plan without it
+ACCEPTED = {"--use-mcore-models": [], "--transformer-impl": ["transformer_engine"], "--attention-backend": ["flash"],
+            "--rotary-percent": ["1.0"], "--cross-entropy-loss-fusion": [], "--calculate-per-token-loss": [],
+            "--tiktoken-pattern": ["v2"], "--no-create-attention-mask-in-dataloader": [], "--no-mmap-bin-files": [],
+            "--apply-layernorm-1p": []}
+
+
+def test_accepted_flags_change_nothing_and_say_so():
+    assert set(ACCEPTED) == {flag for flag, _ in accepted_flags(build_parser()).values()}
+    base = plan_of(GPT_DATA)
+    for flag, values in ACCEPTED.items():
+        plan = plan_of(GPT_DATA + [flag] + values)
+        for field in ("config", "strategy_kwargs", "module_kwargs", "data_kwargs", "precision_kwargs",
+                      "callback_kwargs", "mfu_kwargs", "checkpoint_kwargs"):
+            assert getattr(plan, field) == getattr(base, field), (flag, field)
+        assert {k: v for k, v in plan.trainer_kwargs.items()} == base.trainer_kwargs, flag
+        assert base.notes == [] and len(plan.notes) == 1 and plan.notes[0].startswith(f"{flag} "), plan.notes
+        assert "changes nothing here" in plan.notes[0]
+
+
+def test_sample_counts_become_iterations_of_the_global_batch():
+    """Megatron's sample-based schedule: samples // global batch, for the layout's global batch."""
+    plan = plan_of(TP1 + ["--devices", "2", "--micro-batch-size", "2", "--global-batch-size", "12",
+                          "--train-samples", "1000", "--lr-warmup-samples", "100", "--lr-decay-samples", "900"])
+    assert plan.global_batch_size == 12 and plan.num_microbatches == 3
+    assert plan.trainer_kwargs["max_steps"] == 83
+    assert (plan.module_kwargs["lr_warmup_iters"], plan.module_kwargs["lr_decay_iters"]) == (8, 75)
+    frac = plan_of(["--train-samples", "800", "--lr-warmup-fraction", "0.25", "--lr-decay-samples", "400"])
+    assert frac.module_kwargs["lr_warmup_iters"] == 12   # a quarter of the 50 decay iterations
+
+
+def test_tensorboard_dir_logs_with_tensorboard_or_says_it_writes_csv(monkeypatch, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning_utilities.core.imports import RequirementCache
+
+    import lightning_megatron.cli.plan as plan_module
+
+    plan = plan_of(["--tensorboard-dir", str(tmp_path)])
+    assert isinstance(plan.trainer_kwargs["logger"], TensorBoardLogger) and plan.notes == []
+    assert Path(plan.trainer_kwargs["logger"].log_dir) == tmp_path   # events directly in the directory, as Megatron
+    assert plan.callback_kwargs["LossCurve"] == {"path": str(tmp_path / "loss_curve")}
+    monkeypatch.setattr(plan_module, "TENSORBOARD", RequirementCache("tensorboard-not-installed-here"))
+    plan = plan_of(["--tensorboard-dir", str(tmp_path)])
+    assert isinstance(plan.trainer_kwargs["logger"], CSVLogger)
+    assert len(plan.notes) == 1 and "tensorboard is not installed" in plan.notes[0] and "metrics.csv" in plan.notes[0]
+
+
 def test_precision_tokenizers_and_load(tmp_path):
     assert plan_of(["--bf16"]).precision_kwargs == dict(precision="bf16-mixed")
     assert plan_of(["--fp16"]).precision.scaler is None and plan_of(["--fp16"]).precision.precision == "16-mixed"
@@ -396,6 +467,8 @@ TARGET_OWNERS = {  # "Class" of a "Class.argument" target -> the callable whose 
     "MFUMonitor": MFUMonitor, "ModelCheckpoint": ModelCheckpoint, "seed_everything": pl.seed_everything,
     "MegatronPrecision": MegatronPrecision,
     "Trainer.fit": pl.Trainer.fit,
+    "MockGPTDataModule": MockGPTDataModule, "TensorBoardLogger": TensorBoardLogger, "Timer": Timer,
+    "StepProfiler": StepProfiler, "MemoryHousekeeping": MemoryHousekeeping, "LossCurve": LossCurve,
 }
 
 
@@ -412,7 +485,9 @@ def value_at(plan, target):
         "ModelCheckpoint": plan.checkpoint_kwargs, "MegatronPrecision": plan.precision_kwargs,
         "TinyCorpusDataModule": plan.data_kwargs if isinstance(plan.data_module, TinyCorpusDataModule) else None,
         "GPTDataModule": plan.data_kwargs if isinstance(plan.data_module, GPTDataModule) else None,
-    }[owner]
+        "MockGPTDataModule": plan.data_kwargs if isinstance(plan.data_module, MockGPTDataModule) else None,
+        "TensorBoardLogger": plan.logger_kwargs,
+    }.get(owner, plan.callback_kwargs.get(owner))   # the run-control callbacks: their kwargs, or None
     if not name:
         return source
     return None if source is None else source.get(name)
@@ -492,6 +567,10 @@ CASES = [
     ([], ["--global-batch-size", "32"], {"Trainer.accumulate_grad_batches": 4}),
     (GPT_DATA, ["--global-batch-size", "32"], {"GPTDataModule.global_batch_size": 32}),
     ([], ["--train-iters", "50"], {"Trainer.max_steps": 50}),
+    ([], ["--train-samples", "800"], {"Trainer.max_steps": 100}),   # global batch 8
+    (GPT_DATA, ["--train-samples", "800"], {"GPTDataModule.train_iters": 100}),
+    (["--train-samples", "800"], ["--lr-warmup-samples", "87"], {"ParallelGPTModule.lr_warmup_iters": 10}),
+    (["--train-samples", "800"], ["--lr-decay-samples", "400"], {"ParallelGPTModule.lr_decay_iters": 50}),
     (GPT_DATA, ["--train-iters", "50"], {"GPTDataModule.train_iters": 50}),
     ([], ["--lr", "1e-3"], {"ParallelGPTModule.lr": 1e-3}),
     ([], ["--min-lr", "1e-4"], {"ParallelGPTModule.min_lr": 1e-4}),
@@ -499,6 +578,8 @@ CASES = [
     ([], ["--lr-warmup-fraction", "0.1"], {"ParallelGPTModule.lr_warmup_iters": 40}),
     ([], ["--lr-decay-iters", "300"], {"ParallelGPTModule.lr_decay_iters": 300}),
     ([], ["--lr-decay-style", "linear"], {"ParallelGPTModule.lr_decay_style": "linear"}),
+    ([], ["--decoupled-lr", "5e-3"], {"ParallelGPTModule.decoupled_lr": 5e-3}),
+    (["--decoupled-lr", "5e-3"], ["--decoupled-min-lr", "5e-4"], {"ParallelGPTModule.decoupled_min_lr": 5e-4}),
     ([], ["--weight-decay", "0.01"], {"ParallelGPTModule.weight_decay": 0.01}),
     ([], ["--adam-beta1", "0.8"], {"ParallelGPTModule.adam_beta1": 0.8}),
     ([], ["--adam-beta2", "0.99"], {"ParallelGPTModule.adam_beta2": 0.99}),
@@ -543,6 +624,20 @@ CASES = [
     (GPT_DATA, ["--eod-mask-loss"], {"GPTDataModule.eod_mask_loss": True, "GPTDataModule.eod_id": 256}),
     ([], ["--num-workers", "3"], {"TinyCorpusDataModule.num_workers": 3}),
     (GPT_DATA, ["--num-workers", "3"], {"GPTDataModule.num_workers": 3}),
+    ([], ["--mock-data"], {"MockGPTDataModule": dict(vocab_size=2048, seq_length=128, micro_batch_size=8,
+                                                     num_train_samples=400 * 8, num_val_samples=10 * 8, seed=1234,
+                                                     num_workers=0)}),
+    # run control
+    ([], ["--tensorboard-dir", "/tmp/tb"], {"TensorBoardLogger.save_dir": "/tmp/tb"}),
+    ([], ["--exit-duration-in-mins", "5"], {"Timer.duration": {"minutes": 5.0}}),
+    ([], ["--profile"], {"StepProfiler": dict(start_step=10, end_step=12, ranks=[0], output_dir="profile")}),
+    (["--profile"], ["--profile-step-start", "3"], {"StepProfiler.start_step": 3}),
+    (["--profile"], ["--profile-step-end", "20"], {"StepProfiler.end_step": 20}),
+    (["--profile"], ["--profile-ranks", "0", "1"], {"StepProfiler.ranks": [0, 1]}),
+    ([], ["--manual-gc"], {"MemoryHousekeeping.manual_gc": True}),
+    (["--manual-gc"], ["--manual-gc-interval", "10"], {"MemoryHousekeeping.gc_interval": 10}),
+    ([], ["--empty-unused-memory-level", "2"], {"MemoryHousekeeping.empty_unused_memory_level": 2}),
+    ([], ["--loss-curve", "/tmp/lc"], {"LossCurve.path": "/tmp/lc"}),
     # checkpoints
     ([], ["--save", "/tmp/ck"], {"ModelCheckpoint.dirpath": "/tmp/ck", "Trainer.enable_checkpointing": True}),
     (["--save", "/tmp/ck"], ["--save-interval", "5"], {"ModelCheckpoint.every_n_train_steps": 5}),
@@ -642,11 +737,15 @@ def test_help_lists_every_flag_with_its_target(capsys, monkeypatch):
     assert " ".join(FLAG_MAPPING.split()) in " ".join(text.split()) and "docs/data.md" in text
     entries = help_entries(text)
     refused = {flag: feature for flag, feature in refused_flags(build_parser()).values()}
+    accepted = {flag: reason for flag, reason in accepted_flags(build_parser()).values()}
     targets = flag_targets(build_parser())
     assert set(entries) == set(targets) | {"-h"}
     for flag, names in targets.items():
         if flag in refused:
             assert entries[flag].endswith(f"refused: {refused[flag]} has not landed"), entries[flag]
+        elif flag in accepted:
+            assert entries[flag].endswith(f"accepted, changes nothing: {' '.join(accepted[flag].split())}"), \
+                entries[flag]
         else:
             assert entries[flag].endswith("-> " + ", ".join(names)), entries[flag]
 

@@ -17,7 +17,8 @@ from lightning_megatron.parallel.config import CP_COMM_TYPES
 from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
 from lightning_megatron.parallel.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
-__all__ = ["DESCRIPTION", "FLAG_MAPPING", "TINY", "TINY_LR", "add_flag", "add_refused_flag", "build_parser", "flag_targets", "refused_flags"]
+__all__ = ["DESCRIPTION", "FLAG_MAPPING", "TINY", "TINY_LR", "accepted_flags", "add_accepted_flag", "add_flag",
+           "add_refused_flag", "build_parser", "flag_targets", "refused_flags"]
 
 # The shipped-corpus run's model and learning rate; shape / lr flags left out take these values.
 TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352,
@@ -35,7 +36,9 @@ How the flags map (each flag's help ends with what it sets: "-> Class.argument")
     Trainer(accumulate_grad_batches) (under pipeline parallelism the pipeline's micro-batches, at least pp for
     the 1f1b schedules). Without it the global batch is micro-batch x dp (Megatron's default).
   * --train-iters is max_steps (optimizer steps); --eval-interval is in optimizer steps and --eval-iters in
-    global batches, as in Megatron.
+    global batches, as in Megatron. --train-samples / --lr-warmup-samples / --lr-decay-samples are divided by
+    the global batch size (floor) into --train-iters / --lr-warmup-iters / --lr-decay-iters.
+  * --mock-data trains on random tokens below the vocabulary (MockGPTDataModule), no files needed.
   * --data-path uses GPTDataModule on Megatron indexed datasets (docs/data.md: preprocessing); one prefix,
     several, or a weighted blend '0.3 a 0.7 b'. The vocabulary comes from --tokenizer-type/--tokenizer-model.
   * --bf16 / --fp16 and the FP8 flags (--fp8-format, --fp8-recipe, ...) build MegatronPrecision, passed to the
@@ -49,7 +52,8 @@ beta2 0.95, no dropout, and the model is LLaMA-style (RMSNorm, RoPE, SwiGLU, no 
 embeddings) unless --normalization / --position-embedding-type / --no-swiglu say otherwise. When
 --hidden-size is given, --ffn-hidden-size defaults to Megatron's rule; when --num-attention-heads is given,
 query groups default to the heads (--group-query-attention: 1). Flags of features that have not landed are
-recognised and refused with a message naming them.
+recognised and refused with a message naming them; flags that change nothing here (e.g. --use-mcore-models) are
+accepted and the run prints a note saying why (docs/megatron_flags.md lists them).
 """
 
 
@@ -76,6 +80,21 @@ def add_refused_flag(group: Any, flag: str, feature: str, **kwargs: Any) -> argp
     action.targets = ()
     action.refused = feature
     return action
+
+
+def add_accepted_flag(group: Any, flag: str, reason: str, **kwargs: Any) -> argparse.Action:
+    """A Megatron flag that changes nothing here, for ``reason`` (the run prints it as a note when given)."""
+    action = group.add_argument(flag, help=f"accepted, changes nothing: {reason}", **kwargs)
+    action.targets = ()
+    action.refused = None
+    action.accepted = reason
+    return action
+
+
+def accepted_flags(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, str]]:
+    """``{dest: (flag, reason)}`` of the flags that are accepted and change nothing."""
+    return {action.dest: (action.option_strings[0], action.accepted) for action in parser._actions
+            if getattr(action, "accepted", None)}
 
 
 def flag_targets(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, ...]]:
@@ -200,7 +219,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              type=int, default=8)
     add_flag(g, "--global-batch-size", ("Trainer.accumulate_grad_batches", "GPTDataModule.global_batch_size"),
              type=int, default=None, help="default micro-batch x dp")
-    add_flag(g, "--train-iters", ("Trainer.max_steps", "GPTDataModule.train_iters"), type=int, default=400)
+    add_flag(g, "--train-iters", ("Trainer.max_steps", "GPTDataModule.train_iters"), type=int, default=None,
+             help="default 400")
+    add_flag(g, "--train-samples", ("Trainer.max_steps", "GPTDataModule.train_iters"), type=int, default=None,
+             help="instead of --train-iters: iterations = samples // global batch")
     add_flag(g, "--lr", "ParallelGPTModule.lr", type=float, default=None, help=f"default {TINY_LR['lr']}")
     add_flag(g, "--min-lr", "ParallelGPTModule.min_lr", type=float, default=None,
              help=f"default {TINY_LR['min_lr']} with the default --lr, else 0 (Megatron's)")
@@ -210,6 +232,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="warmup = fraction x decay iters")
     add_flag(g, "--lr-decay-iters", "ParallelGPTModule.lr_decay_iters", type=int, default=None,
              help="default --train-iters")
+    add_flag(g, "--lr-warmup-samples", "ParallelGPTModule.lr_warmup_iters", type=int, default=None,
+             help="with --train-samples: warmup iterations = samples // global batch")
+    add_flag(g, "--lr-decay-samples", "ParallelGPTModule.lr_decay_iters", type=int, default=None,
+             help="with --train-samples: decay iterations = samples // global batch")
+    add_flag(g, "--decoupled-lr", "ParallelGPTModule.decoupled_lr", type=float, default=None,
+             help="the word embedding's and output layer's own peak learning rate (same warmup and decay)")
+    add_flag(g, "--decoupled-min-lr", "ParallelGPTModule.decoupled_min_lr", type=float, default=None,
+             help="their minimum learning rate (default --min-lr)")
     add_flag(g, "--lr-decay-style", "ParallelGPTModule.lr_decay_style", choices=("cosine", "linear", "constant"),
              default="cosine")
     add_flag(g, "--weight-decay", "ParallelGPTModule.weight_decay", type=float, default=0.1)
@@ -287,7 +317,57 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="also save every N optimizer steps")
     add_flag(g, "--load", "Trainer.fit.ckpt_path", default=None, help="checkpoint file, or a directory holding last.ckpt")
 
+    g = p.add_argument_group("run control, logging, profiling")
+    add_flag(g, "--mock-data", "MockGPTDataModule", action="store_true",
+             help="random tokens below the vocabulary instead of a dataset (--vocab-size sets it)")
+    add_flag(g, "--tensorboard-dir", "TensorBoardLogger.save_dir", default=None,
+             help="TensorBoard event files (Lightning's TensorBoardLogger; CSV files there, with a note, when "
+                  "tensorboard is not installed)")
+    add_flag(g, "--exit-duration-in-mins", "Timer.duration", type=float, default=None,
+             help="stop cleanly after this many minutes of training (Lightning's Timer; --save still saves)")
+    add_flag(g, "--profile", "StepProfiler", action="store_true",
+             help="torch.profiler over steps [--profile-step-start, --profile-step-end) on --profile-ranks; "
+                  "traces under --tensorboard-dir (else ./profile)")
+    add_flag(g, "--profile-step-start", "StepProfiler.start_step", type=int, default=None, help="default 10")
+    add_flag(g, "--profile-step-end", "StepProfiler.end_step", type=int, default=None, help="default 12")
+    add_flag(g, "--profile-ranks", "StepProfiler.ranks", type=int, nargs="+", default=None, help="default 0")
+    add_flag(g, "--manual-gc", "MemoryHousekeeping.manual_gc", action="store_true",
+             help="Python's garbage collector off during training, run every --manual-gc-interval steps")
+    add_flag(g, "--manual-gc-interval", "MemoryHousekeeping.gc_interval", type=int, default=None,
+             help="steps between collections with --manual-gc (default 0: only at validation)")
+    add_flag(g, "--empty-unused-memory-level", "MemoryHousekeeping.empty_unused_memory_level", type=int,
+             choices=(0, 1, 2), default=None,
+             help="CUDA caching allocator: 1 empties it after each optimizer step, 2 also after validation")
+    add_flag(g, "--loss-curve", "LossCurve.path", default=None,
+             help="(not a Megatron flag) the loss curve's path without suffix: .csv, and .png with matplotlib "
+                  "(default: <--tensorboard-dir, else lightning_logs>/loss_curve)")
+    add_accepted_flag(g, "--use-mcore-models", "the one model here is built as Megatron Core's GPTModel",
+                      action="store_true")
+    add_accepted_flag(g, "--transformer-impl", "the layers are torch modules either way; Transformer Engine is "
+                      "used for the FP8 GEMMs only, as --fp8-backend says", choices=("local", "transformer_engine"),
+                      default=None)
+    add_accepted_flag(g, "--attention-backend", "attention is torch's scaled_dot_product_attention, which picks its "
+                      "flash / memory-efficient / math kernel itself",
+                      choices=("flash", "fused", "unfused", "local", "auto"), default=None)
+    add_accepted_flag(g, "--rotary-percent", "rotary embeddings cover the whole head dimension (only 1.0 is "
+                      "accepted)", type=float, default=None)
+    add_accepted_flag(g, "--apply-layernorm-1p", "norm weights stay fp32 and, as in Megatron, get no weight decay, "
+                      "so storing them as scale - 1 would train the same up to fp32 rounding; they are stored as the "
+                      "scale (refused with a bf16-true / 16-true --precision)", action="store_true")
+    add_accepted_flag(g, "--cross-entropy-loss-fusion", "the vocabulary-parallel cross entropy is already one "
+                      "autograd function over the logit shards (no separate unfused path)", action="store_true")
+    add_accepted_flag(g, "--calculate-per-token-loss", "without a loss mask every micro-batch counts the same "
+                      "tokens, so the loss is already the step's per-token mean (refused with --eod-mask-loss)",
+                      action="store_true")
+    add_accepted_flag(g, "--tiktoken-pattern", "only a TikTokenizer reads it, and that tokenizer type is not "
+                      "offered here", default=None)
+    add_accepted_flag(g, "--no-create-attention-mask-in-dataloader", "the data modules never build attention masks "
+                      "(attention is causal inside the kernel)", action="store_true")
+    add_accepted_flag(g, "--no-mmap-bin-files", ".bin files are read through memory maps either way (the same "
+                      "tokens)", action="store_true")
+
     g = p.add_argument_group("not supported yet (refused with a message)")
+
     add_refused_flag(g, "--fp8-param-gather", "FP8 parameters and their all-gather", action="store_true")
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
     add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")

@@ -16,15 +16,21 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_megatron.cli.flags import DESCRIPTION, TINY, TINY_LR, build_parser, refused_flags
+from lightning_megatron.callbacks.loss_curve import LossCurve
+from lightning_megatron.cli.callbacks import MemoryHousekeeping, StepProfiler
+from lightning_megatron.cli.flags import DESCRIPTION, TINY, TINY_LR, accepted_flags, build_parser, refused_flags
 from lightning_megatron.data import (
     ByteTokenizer,
     GPTDataModule,
+    MockGPTDataModule,
     TinyCorpusDataModule,
     build_tokenizer,
     compute_num_microbatches,
 )
+from lightning_megatron.optional import TENSORBOARD
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
@@ -48,6 +54,10 @@ MOE_FLAGS = {
 # --tokenizer-type values the shipped corpus can be tokenised with -> TinyCorpusDataModule(tokenizer=...)
 TINY_TOKENIZERS = {"SentencePieceTokenizer": "sentencepiece", "GPTSentencePieceTokenizer": "sentencepiece",
                    "ByteTokenizer": "byte"}
+DEFAULT_TRAIN_ITERS = 400
+# The plan's callbacks by class, in the order they run (PretrainPlan.callback_kwargs keys).
+PLAN_CALLBACKS = {"Timer": Timer, "StepProfiler": StepProfiler, "MemoryHousekeeping": MemoryHousekeeping,
+                  "LossCurve": LossCurve}
 
 
 class FlagError(ValueError):
@@ -64,9 +74,11 @@ class PretrainPlan:
             vocabulary asked for; the trained tokenizer's (``data_module.vocab_size``) replaces it.
         strategy: the ``MegatronStrategy`` for the Trainer (built once; its layout is resolved against the world
             size: see :attr:`layout`).
-        data_module: ``TinyCorpusDataModule`` (no ``--data-path``) or ``GPTDataModule``.
+        data_module: ``TinyCorpusDataModule`` (no ``--data-path``), ``GPTDataModule`` or ``MockGPTDataModule``
+            (``--mock-data``).
         module_kwargs: ``ParallelGPTModule(config, **module_kwargs)``.
-        trainer_kwargs: ``pl.Trainer(strategy=strategy, callbacks=..., **trainer_kwargs)``.
+        trainer_kwargs: ``pl.Trainer(strategy=strategy, callbacks=..., **trainer_kwargs)`` (``logger`` is a built
+            ``TensorBoardLogger`` / ``CSVLogger`` with ``--tensorboard-dir``, else False).
         mfu_kwargs: ``MFUMonitor(**mfu_kwargs)``, or None for no throughput logging.
         checkpoint_kwargs: ``ModelCheckpoint(**checkpoint_kwargs)``, or None for no checkpoints.
         resume: ``trainer.fit(ckpt_path=...)``.
@@ -78,6 +90,9 @@ class PretrainPlan:
         precision: the ``MegatronPrecision`` plugin for ``pl.Trainer(plugins=[precision])`` (``--bf16``, ``--fp16``,
             the FP8 flags), or None (then ``trainer_kwargs["precision"]`` is Lightning's string).
         precision_kwargs: what ``precision`` was built from (None without it).
+        callback_kwargs: ``{"Timer" | "StepProfiler" | "MemoryHousekeeping" | "LossCurve": kwargs}`` of the
+            flags' callbacks (:meth:`build_callbacks`).
+        logger_kwargs: what the logger of ``--tensorboard-dir`` was built from (None without it).
     """
 
     config: GPTConfig
@@ -96,6 +111,13 @@ class PretrainPlan:
     notes: List[str] = dataclasses.field(default_factory=list)
     precision: Optional[MegatronPrecision] = None
     precision_kwargs: Optional[Dict[str, Any]] = None
+    callback_kwargs: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
+    logger_kwargs: Optional[Dict[str, Any]] = None
+
+    def build_callbacks(self) -> List[Callback]:
+        """The callbacks of :attr:`callback_kwargs` (``--exit-duration-in-mins``, ``--profile``, ``--manual-gc``,
+        ``--empty-unused-memory-level``, the loss curve), built fresh on each call."""
+        return [PLAN_CALLBACKS[name](**kwargs) for name, kwargs in self.callback_kwargs.items()]
 
     @property
     def layout(self) -> ParallelConfig:
@@ -135,21 +157,50 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
         FlagError: a flag of a feature that has not landed, or a layout / batch / shape / data setting that
             cannot run (the library's message, prefixed with the flags and numbers it came from).
     """
+    args = argparse.Namespace(**vars(args))   # train_iters is resolved below; the caller's namespace stays
     refused = [f"{flag} ({feature})" for dest, (flag, feature) in refused_flags(build_parser()).items()
                if getattr(args, dest) not in (None, False)]
     if refused:
         raise FlagError("not supported yet in lightning-megatron: " + ", ".join(refused)
                         + "; drop these flags; each feature lands with its own issue")
+    accepted = [f"{flag} {'' if getattr(args, dest) is True else str(getattr(args, dest)) + ' '}changes nothing "
+                f"here: {reason}" for dest, (flag, reason) in accepted_flags(build_parser()).items()
+                if getattr(args, dest) not in (None, False)]
+    if args.rotary_percent is not None and args.rotary_percent != 1.0:
+        raise FlagError(f"--rotary-percent {args.rotary_percent}: rotary embeddings over part of the head "
+                        "dimension are not implemented; only 1.0 (the whole head) is accepted")
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise FlagError("--calculate-per-token-loss with --eod-mask-loss: the loss here is each micro-batch's "
+                        "token mean averaged over the micro-batches, which differs from the step's per-token mean "
+                        "when the mask leaves micro-batches different token counts; drop one of the flags")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise FlagError("give --train-iters or --train-samples, not both")
+    sample_flags = [f for f, v in (("--lr-warmup-samples", args.lr_warmup_samples),
+                                   ("--lr-decay-samples", args.lr_decay_samples)) if v is not None]
+    iter_flags = [f for f, v in (("--lr-warmup-iters", args.lr_warmup_iters),
+                                 ("--lr-decay-iters", args.lr_decay_iters)) if v is not None]
+    if sample_flags and args.train_samples is None:
+        raise FlagError(f"{', '.join(sample_flags)} need --train-samples (with --train-iters give "
+                        f"{', '.join(f.replace('samples', 'iters') for f in sample_flags)})")
+    if iter_flags and args.train_samples is not None:
+        raise FlagError(f"{', '.join(iter_flags)} with --train-samples: give "
+                        f"{', '.join(f.replace('iters', 'samples') for f in iter_flags)} (as Megatron)")
     for flag, value in (("--devices", args.devices), ("--num-nodes", args.num_nodes),
-                        ("--train-iters", args.train_iters), ("--eval-interval", args.eval_interval),
-                        ("--log-interval", args.log_interval)):
-        if value < 1:
-            raise FlagError(f"{flag} must be >= 1, got {value}")
+                        ("--train-iters", args.train_iters), ("--train-samples", args.train_samples),
+                        ("--eval-interval", args.eval_interval), ("--log-interval", args.log_interval),
+                        ("--exit-duration-in-mins", args.exit_duration_in_mins)):
+        if value is not None and value <= 0:
+            raise FlagError(f"{flag} must be >= 1, got {value}" if flag != "--exit-duration-in-mins"
+                            else f"{flag} must be > 0, got {value}")
     if args.eval_iters < 0:
         raise FlagError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.save_interval is not None and not args.save:
         raise FlagError("--save-interval needs --save")
     precision = _precision(args)
+    if args.apply_layernorm_1p and precision in ("bf16-true", "16-true", "bf16", "16", "half"):
+        raise FlagError(f"--apply-layernorm-1p with --precision {precision}: the norm weights would be half-precision "
+                        "scales near 1, where zero-centred storage (not implemented) keeps precision; use a -mixed "
+                        "precision (fp32 weights) or drop --apply-layernorm-1p")
     precision_kwargs = _precision_kwargs(args, precision)
     plugin = None
     if precision_kwargs is not None:
@@ -160,7 +211,11 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
         except ValueError as e:
             raise FlagError(f"precision flags: {e}") from e
     gpt_data = args.data_path is not None
-    if not gpt_data:
+    if args.mock_data and gpt_data:
+        raise FlagError("--mock-data and --data-path: give one (random tokens, or the dataset)")
+    if args.mock_data and args.eod_mask_loss:
+        raise FlagError("--eod-mask-loss with --mock-data: random tokens have no documents to mask")
+    if not gpt_data and not args.mock_data:
         for flag, value in (("--split", args.split), ("--tokenizer-model", args.tokenizer_model),
                             ("--eod-mask-loss", args.eod_mask_loss)):
             if value:
@@ -169,8 +224,10 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     # ---- model (vocabulary from the tokenizer)
     model_kwargs = _model_kwargs(args)
     eod = None
-    if gpt_data:
+    if gpt_data or (args.mock_data and args.tokenizer_type is not None):
         model_kwargs["vocab_size"], eod = _tokenizer_vocab(args)
+    elif args.mock_data:
+        model_kwargs["vocab_size"] = args.vocab_size if args.vocab_size is not None else TINY["vocab_size"]
     else:
         tokenizer = TINY_TOKENIZERS.get(args.tokenizer_type or "SentencePieceTokenizer")
         if tokenizer is None:
@@ -236,6 +293,15 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     except ValueError as e:
         raise FlagError(f"--global-batch-size {gbs}, --micro-batch-size {micro}, data-parallel size {dp} (= world "
                         f"{world} / (tp {layout.tp} x pp {layout.pp} x cp {layout.cp})): {e}") from e
+    # ---- sample counts -> iterations (Megatron's: samples // global batch)
+    if args.train_samples is not None:
+        args.train_iters = _iterations("--train-samples", args.train_samples, gbs)
+    elif args.train_iters is None:
+        args.train_iters = DEFAULT_TRAIN_ITERS
+    if args.lr_warmup_samples is not None:
+        args.lr_warmup_iters = args.lr_warmup_samples // gbs
+    if args.lr_decay_samples is not None:
+        args.lr_decay_iters = _iterations("--lr-decay-samples", args.lr_decay_samples, gbs)
     need = min_microbatches(strategy.pipeline_schedule, layout.pp) if layout.pp > 1 else 1
     if micro_batches < need:
         raise FlagError(
@@ -257,6 +323,15 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     module_kwargs = dict(lr=lr, min_lr=min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                          adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, lr_warmup_iters=warmup,
                          lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise FlagError("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None:
+        module_kwargs["decoupled_lr"] = args.decoupled_lr
+        low = args.decoupled_min_lr if args.decoupled_min_lr is not None else min_lr
+        if low > args.decoupled_lr:
+            raise FlagError(f"--decoupled-min-lr {low} is larger than --decoupled-lr {args.decoupled_lr}")
+        if args.decoupled_min_lr is not None:
+            module_kwargs["decoupled_min_lr"] = args.decoupled_min_lr
 
     # ---- data
     data_kwargs: Dict[str, Any]
@@ -269,6 +344,12 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                            eod_id=eod if args.eod_mask_loss else None, data_parallel_size=dp)
         limit_val = 1.0 if args.eval_iters > 0 else 0  # the valid split is eval_iters global batches
         data_cls: Any = GPTDataModule
+    elif args.mock_data:
+        data_kwargs = dict(vocab_size=config.vocab_size, seq_length=config.seq_length, micro_batch_size=micro,
+                           num_train_samples=args.train_iters * gbs, num_val_samples=max(args.eval_iters, 1) * gbs,
+                           seed=args.seed, num_workers=args.num_workers if args.num_workers is not None else 0)
+        limit_val = args.eval_iters * micro_batches  # micro-batches per rank
+        data_cls = MockGPTDataModule
     else:
         data_kwargs = dict(seq_length=config.seq_length, micro_batch_size=micro, tokenizer=tokenizer,
                            vocab_size=args.vocab_size if args.vocab_size is not None else TINY["vocab_size"],
@@ -294,6 +375,18 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     if plugin is not None:  # the plugin carries the precision
         del trainer_kwargs["precision"]
 
+    logger_kwargs = None
+    notes = accepted
+    if args.tensorboard_dir:
+        logger_kwargs = dict(save_dir=args.tensorboard_dir, name="", version="")
+        if TENSORBOARD:
+            trainer_kwargs["logger"] = TensorBoardLogger(**logger_kwargs)
+        else:
+            trainer_kwargs["logger"] = CSVLogger(**logger_kwargs)
+            notes.append(f"--tensorboard-dir {args.tensorboard_dir}: tensorboard is not installed ({TENSORBOARD}); "
+                         "the metrics go to metrics.csv there instead")
+    callback_kwargs = _callback_kwargs(args)
+
     mfu_kwargs = None
     if gpt_data or args.log_throughput or args.peak_tflops is not None:
         mfu_kwargs = dict(log_every_n_steps=args.log_interval,
@@ -303,12 +396,14 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
         checkpoint_kwargs = dict(dirpath=args.save, save_last=True, enable_version_counter=False)
         if args.save_interval is not None:
             checkpoint_kwargs["every_n_train_steps"] = args.save_interval
-    resume, notes = _resume_path(args.load)
+    resume, load_notes = _resume_path(args.load)
+    notes += load_notes
     return PretrainPlan(config=config, strategy=strategy, data_module=data_module, module_kwargs=module_kwargs,
                         trainer_kwargs=trainer_kwargs, mfu_kwargs=mfu_kwargs, checkpoint_kwargs=checkpoint_kwargs,
                         resume=resume, seed=args.seed, global_batch_size=gbs, num_microbatches=micro_batches,
                         strategy_kwargs=strategy_kwargs, data_kwargs=data_kwargs, notes=notes, precision=plugin,
-                        precision_kwargs=precision_kwargs)
+                        precision_kwargs=precision_kwargs, callback_kwargs=callback_kwargs,
+                        logger_kwargs=logger_kwargs)
 
 
 def parse_data_path_args(words: Sequence[str]) -> List[Any]:
@@ -345,6 +440,43 @@ def parse_data_path_args(words: Sequence[str]) -> List[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _iterations(flag: str, samples: int, gbs: int) -> int:
+    """``samples // gbs`` (Megatron's conversion), refused when it is 0."""
+    if samples // gbs < 1:
+        raise FlagError(f"{flag} {samples} is less than one global batch ({gbs} samples)")
+    return samples // gbs
+
+
+def _callback_kwargs(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
+    """``PretrainPlan.callback_kwargs`` of the run-control flags (only the callbacks they ask for, and the loss
+    curve, which every run writes)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    if args.exit_duration_in_mins is not None:
+        out["Timer"] = dict(duration=dict(minutes=args.exit_duration_in_mins), interval="step", verbose=True)
+    given = [f for f, v in (("--profile-step-start", args.profile_step_start),
+                            ("--profile-step-end", args.profile_step_end),
+                            ("--profile-ranks", args.profile_ranks)) if v is not None]
+    if given and not args.profile:
+        raise FlagError(f"{', '.join(given)} need --profile")
+    if args.profile:
+        start = args.profile_step_start if args.profile_step_start is not None else 10
+        end = args.profile_step_end if args.profile_step_end is not None else 12
+        if start < 0 or end <= start:
+            raise FlagError(f"--profile-step-start {start} / --profile-step-end {end}: need 0 <= start < end")
+        out["StepProfiler"] = dict(start_step=start, end_step=end, ranks=list(args.profile_ranks or [0]),
+                                   output_dir=str(Path(args.tensorboard_dir or ".") / "profile"))
+    if args.manual_gc_interval is not None and not args.manual_gc:
+        raise FlagError("--manual-gc-interval needs --manual-gc")
+    if args.manual_gc_interval is not None and args.manual_gc_interval < 0:
+        raise FlagError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.manual_gc or args.empty_unused_memory_level:
+        out["MemoryHousekeeping"] = dict(manual_gc=args.manual_gc, gc_interval=args.manual_gc_interval or 0,
+                                         empty_unused_memory_level=args.empty_unused_memory_level or 0)
+    out["LossCurve"] = dict(path=args.loss_curve or str(Path(args.tensorboard_dir or "lightning_logs")
+                                                        / "loss_curve"))
+    return out
+
+
 def _precision(args: argparse.Namespace) -> str:
     if args.bf16 and args.fp16:
         raise FlagError("--bf16 and --fp16 are mutually exclusive")

@@ -22,6 +22,7 @@ from lightning_megatron.data.gpt_dataset import (
     parse_split,
     split_ranges,
 )
+from lightning_megatron.data.mock import MockGPTDataModule, MockGPTDataset
 from lightning_megatron.data.indexed_dataset import (
     DTYPE_CODES,
     IndexedDataset,
@@ -66,6 +67,8 @@ __all__ = [
     "IndexedDatasetWriter",
     "MegatronDataLoader",
     "MegatronPretrainingSampler",
+    "MockGPTDataModule",
+    "MockGPTDataset",
     "PreprocessError",
     "PreprocessResult",
     "SentencePieceTokenizer",

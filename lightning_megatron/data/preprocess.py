@@ -347,6 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PreprocessError, FileNotFoundError, ImportError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; no output was written", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - a tokenizer library or the file system failed: say so, no traceback
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

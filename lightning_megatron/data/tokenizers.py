@@ -213,38 +213,52 @@ _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>", 
 
 
 class HuggingFaceTokenizer:
-    """A local Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``), without downloads.
+    """A local Hugging Face tokenizer, without downloads: the model's ``tokenizer.json`` (read with the
+    ``tokenizers`` package), or its SentencePiece ``tokenizer.model`` (read with ``sentencepiece``).
 
-    Needs the ``tokenizers`` package (imported only here). The end-of-document id is, in
-    order: the ``eod_token`` argument; the ``eos_token`` of a ``tokenizer_config.json`` /
-    ``special_tokens_map.json`` beside the file; the first of ``<|endoftext|>``,
-    ``<|end_of_text|>``, ``</s>``, ``<|eot_id|>``, ``<eos>``, ``<|im_end|>``, ``[SEP]`` in the
-    vocabulary.
+    ``path`` is a ``tokenizer.json``, a SentencePiece ``.model`` file, or a model directory holding one of them
+    (``tokenizer.json`` preferred). The end-of-document id is, in order: the ``eod_token`` argument; the
+    ``eos_token`` of a ``tokenizer_config.json`` / ``special_tokens_map.json`` beside the file; then, for a
+    ``tokenizer.json``, the first of ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<|eot_id|>``,
+    ``<eos>``, ``<|im_end|>``, ``[SEP]`` in the vocabulary, and for a SentencePiece model its eos piece.
 
     Args:
-        path: a ``tokenizer.json`` file, or a directory containing one.
+        path: a ``tokenizer.json`` / ``.model`` file, or a directory containing one.
         eod_token: the end-of-document token's text, overriding the search.
 
     Raises:
-        ImportError: ``tokenizers`` is not installed (with the pip command to fix it).
-        FileNotFoundError: no ``tokenizer.json`` at ``path``.
-        ValueError: no end-of-document token found.
+        ImportError: ``tokenizers`` (for a ``tokenizer.json``) is not installed (with the pip command to fix it).
+        FileNotFoundError: no ``tokenizer.json`` / ``tokenizer.model`` at ``path``.
+        ValueError: the file is not what its name says (e.g. Llama 3's ``tokenizer.model``, a tiktoken file
+            rather than a SentencePiece model), naming the file to give instead; or no end-of-document token.
     """
 
     def __init__(self, path: str | os.PathLike[str], eod_token: str | None = None) -> None:
+        p = Path(path)
+        if p.is_dir() and not (p / "tokenizer.json").is_file() and (p / "tokenizer.model").is_file():
+            p = p / "tokenizer.model"
+        if p.suffix == ".model":
+            self._init_sentencepiece(p, eod_token)
+            return
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "HuggingFaceTokenizer needs the 'tokenizers' package, which is not installed: "
-                "pip install tokenizers (it only reads a local tokenizer.json; nothing is downloaded)"
+                "HuggingFaceTokenizer needs the 'tokenizers' package for a tokenizer.json, which is not installed: "
+                "pip install tokenizers (or pip install 'lightning-megatron[tokenizers]'; it only reads a local "
+                "tokenizer.json; nothing is downloaded)"
             ) from err
-        p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
         if not file.is_file():
-            raise FileNotFoundError(f"no Hugging Face tokenizer file at {file} (expected a tokenizer.json)")
+            raise FileNotFoundError(f"no Hugging Face tokenizer file at {file} (expected a tokenizer.json, a "
+                                    "SentencePiece tokenizer.model, or a model directory holding one)")
         self.path = str(file)
-        self._tok = _HFTokenizer.from_file(self.path)
+        try:
+            self._tok = _HFTokenizer.from_file(self.path)
+        except Exception as err:  # noqa: BLE001 - the Rust library raises a bare Exception
+            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({err}); HuggingFaceTokenizer "
+                             "needs the model's tokenizer.json (or its directory), or a SentencePiece .model") from err
+        self._sp = None
         token = eod_token or _hf_configured_eos(file.parent)
         candidates = (token,) if token else _HF_EOD_CANDIDATES
         eod = None
@@ -258,9 +272,31 @@ class HuggingFaceTokenizer:
             )
         self._eod = int(eod)
 
+    def _init_sentencepiece(self, file: Path, eod_token: str | None) -> None:
+        """A SentencePiece ``tokenizer.model`` (LLaMA-1/2, Mistral, Mixtral ship one beside tokenizer.json)."""
+        if not file.is_file():
+            raise FileNotFoundError(f"no SentencePiece model at {file}")
+        self.path = str(file)
+        self._tok = None
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (RuntimeError, OSError) as err:
+            raise ValueError(
+                f"{self.path} is not a SentencePiece model ({err}). Llama 3's tokenizer.model is a tiktoken file, "
+                f"which is not read here: give the tokenizer.json of the same model directory "
+                f"(--tokenizer-model {file.parent / 'tokenizer.json'})") from err
+        token = eod_token or _hf_configured_eos(file.parent)
+        eod = self._sp.piece_to_id(token) if token else self._sp.eos_id()
+        if eod < 0 or (token and self._sp.id_to_piece(eod) != token):
+            raise ValueError(f"{self.path}: no end-of-document token ({token or 'eos piece'}) in the model; "
+                             "pass eod_token=")
+        self._eod = int(eod)
+
     @property
     def vocab_size(self) -> int:
         """Vocabulary size including added tokens."""
+        if self._sp is not None:
+            return int(self._sp.get_piece_size())
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property
@@ -270,10 +306,14 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens (no BOS/EOS added)."""
+        if self._sp is not None:
+            return list(self._sp.encode(text))
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the ids, special tokens dropped."""
+        if self._sp is not None:
+            return str(self._sp.decode([int(i) for i in ids]))
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
     def __repr__(self) -> str:
@@ -307,7 +347,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike[str]
     """Build a tokenizer by Megatron-style type name.
 
     * ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer``: ``tokenizer_model`` is the ``.model`` file.
-    * ``HuggingFaceTokenizer``: ``tokenizer_model`` is a local ``tokenizer.json`` or its directory.
+    * ``HuggingFaceTokenizer``: ``tokenizer_model`` is a local ``tokenizer.json``, a SentencePiece
+      ``tokenizer.model``, or the model directory holding one.
     * ``ByteTokenizer``: UTF-8 bytes, no model.
 
     Raises:

@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_megatron.contract import ParallelContext
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.generation import check_sampling, generate_tokens
-from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.kv_cache import KVCache
+from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
 from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
 from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -110,7 +110,10 @@ class ParallelGPTModule(pl.LightningModule):
 
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
     no weight decay on norms and biases (1-D parameters); schedule: linear warmup over ``lr_warmup_iters``
-    then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default ``Trainer.max_steps``).
+    then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default ``Trainer.max_steps``). With
+    ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer weights
+    (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
+    ``decoupled_lr`` to ``decoupled_min_lr`` (default ``min_lr``) with the same warmup and decay.
 
     Under :class:`MegatronStrategy` the model is built on the meta device in :meth:`configure_model` and
     the strategy materialises it already sharded, so no rank ever holds the full model.
@@ -135,11 +138,21 @@ class ParallelGPTModule(pl.LightningModule):
         lr_warmup_iters: int = 0,
         lr_decay_iters: Optional[int] = None,
         lr_decay_style: str = "cosine",
+        decoupled_lr: Optional[float] = None,
+        decoupled_min_lr: Optional[float] = None,
     ) -> None:
         super().__init__()
         check_optimizer_arguments(lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
                                   adam_beta2=adam_beta2, adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
                                   lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
+        if decoupled_lr is None and decoupled_min_lr is not None:
+            raise ValueError(f"decoupled_min_lr={decoupled_min_lr} needs decoupled_lr (the embedding and output "
+                             "layer's own learning rate)")
+        if decoupled_lr is not None:
+            check_optimizer_arguments(lr=decoupled_lr, min_lr=min_lr if decoupled_min_lr is None else decoupled_min_lr,
+                                      weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+                                      adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
+                                      lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.config = config
@@ -417,17 +430,25 @@ class ParallelGPTModule(pl.LightningModule):
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        decoupled_lr = hp.get("decoupled_lr")
+        params = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        vocab = [p for n, p in params if decoupled_lr is not None and n.endswith(VOCAB_PARAMS)]
+        decay = [p for n, p in params if p.dim() >= 2 and not any(p is v for v in vocab)]
+        no_decay = [p for n, p in params if p.dim() < 2 and not any(p is v for v in vocab)]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if vocab:   # not on pipeline stages without the embedding / output layer
+            groups.append({"params": vocab, "weight_decay": hp.weight_decay, "lr": decoupled_lr})
         on_cuda = any(p.is_cuda for p in decay)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
                                       fused=True if on_cuda else None)
         decay_iters = hp.lr_decay_iters
         if decay_iters is None and self._trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
             decay_iters = self.trainer.max_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: megatron_lr_lambda(step, hp.lr, hp.min_lr, hp.lr_warmup_iters, decay_iters, hp.lr_decay_style),
-        )
+        lambdas = [lambda step: megatron_lr_lambda(step, hp.lr, hp.min_lr, hp.lr_warmup_iters, decay_iters,
+                                                   hp.lr_decay_style)] * 2
+        if vocab:
+            low = hp.min_lr if hp.get("decoupled_min_lr") is None else hp.decoupled_min_lr
+            lambdas.append(lambda step: megatron_lr_lambda(step, decoupled_lr, low, hp.lr_warmup_iters, decay_iters,
+                                                           hp.lr_decay_style))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,88 @@
+"""``LossCurve``: the run's train / validation loss per optimizer step as a CSV and a PNG."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any, List, Optional, Tuple, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_megatron.optional import MATPLOTLIB
+
+__all__ = ["LossCurve", "plot_loss_curve"]
+
+
+class LossCurve(Callback):
+    """Record ``train_loss`` after every optimizer step and ``val_loss`` after every validation (global rank 0;
+    both are already the global values), and write them at the end of training as ``<path>.csv`` and
+    ``<path>.png`` (the PNG needs matplotlib; without it the run prints a note and writes the CSV only).
+    Communicates nothing.
+
+    Args:
+        path: output path without suffix, e.g. ``lightning_logs/loss_curve``.
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path).with_suffix("") if Path(path).suffix in (".png", ".csv") else Path(path)
+        self.train: List[Tuple[int, float]] = []
+        self.val: List[Tuple[int, float]] = []
+        self._last_step = 0
+        self.png: Optional[Path] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:   # accumulating: no optimizer step in this batch
+            return
+        self._last_step = step
+        loss = trainer.callback_metrics.get("train_loss")
+        if trainer.is_global_zero and loss is not None:
+            self.train.append((step, float(loss)))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val_loss")
+        if trainer.is_global_zero and loss is not None and not trainer.sanity_checking:
+            self.val.append((trainer.global_step, float(loss)))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero or not self.train:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "train_loss", "val_loss"])
+            val = dict(self.val)
+            for step, loss in self.train:
+                writer.writerow([step, f"{loss:.6f}", f"{val[step]:.6f}" if step in val else ""])
+        if not MATPLOTLIB:
+            print(f"note: loss curve written as {self.path.with_suffix('.csv')} only; the PNG needs matplotlib "
+                  f"({MATPLOTLIB})", flush=True)
+            return
+        self.png = plot_loss_curve(self.train, self.val, self.path.with_suffix(".png"))
+        print(f"loss curve: {self.png}", flush=True)
+
+
+def plot_loss_curve(train: List[Tuple[int, float]], val: List[Tuple[int, float]], path: Union[str, Path],
+                    title: str = "loss") -> Path:
+    """Draw ``(step, loss)`` series into the PNG ``path`` with matplotlib's object API (no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.6), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([s for s, _ in train], [v for _, v in train], label="train_loss", linewidth=1.2)
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", label="val_loss", markersize=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return Path(path)
