@@ -6,6 +6,7 @@ from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
+from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -32,6 +33,8 @@ __all__ = [
     "ParallelConfig",
     "ParallelMesh",
     "DeferredWgrad",
+    "apply_fsdp",
+    "FSDPModel",
     "MegatronStrategy",
     "MegatronPrecision",
     "parallelize",

@@ -119,7 +119,12 @@ def _layout_cases(world: int) -> Dict[str, Tuple[tuple, Any]]:
 
 
 def test_fsdp_dp2_matches_single_process():
+    """Both levels at dp2, and ZeRO-3 with full activation recompute (each layer's recompute runs inside its
+    backward, where FSDP has gathered the layer's parameters)."""
     cases = _layout_cases(2)
+    (args, ref) = cases["dp2-optim_grads_params"]
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    cases["dp2-optim_grads_params-full-recompute"] = ((*args[:2], dict(args[2], **recompute), *args[3:]), ref)
     results = run_distributed(run_cases, 2, [(name, args) for name, (args, _) in cases.items()])
     for name, (args, (losses, state)) in cases.items():
         per_rank = [r[name] for r in results]
