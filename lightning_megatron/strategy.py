@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -384,8 +385,8 @@ class MegatronStrategy(DDPStrategy):
         """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
         pipeline stage) raise, naming them, as plain Lightning does."""
         state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
-        if self.fsdp is not None:   # this rank's TP shard laid out as the FSDP-sharded parameter (no communication)
-            current = self.lightning_module.state_dict()
+        current = self.lightning_module.state_dict()
+        if any(isinstance(v, DTensor) for v in current.values()):   # FSDP: the TP shard laid out as the parameter
             state = {k: distribute_like(current[k], v) if k in current and isinstance(v, torch.Tensor) else v
                      for k, v in state.items()}
         self.lightning_module.load_state_dict(state, strict=strict)

@@ -125,12 +125,25 @@ def test_fsdp_dp2_matches_single_process():
     (args, ref) = cases["dp2-optim_grads_params"]
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     cases["dp2-optim_grads_params-full-recompute"] = ((*args[:2], dict(args[2], **recompute), *args[3:]), ref)
+    # ep2 at world 2: edp = 1, the experts stay out of FSDP (nothing to shard them over) and are reduced as under DDP
+    from tests.test_parity_moe import moe_config, moe_reference
+
+    moe = moe_config()
+    moe_samples = make_samples(moe, STEPS * ACCUMULATE * MICRO * 2)
+    cases["ep2-edp1-optim_grads_params"] = (("layout", moe, dict(ep=2, data_parallel_sharding_strategy="optim_grads_params"),
+                                             moe_samples, True), moe_reference(moe, moe_samples, MICRO * 2, ACCUMULATE, CLIP))
     results = run_distributed(run_cases, 2, [(name, args) for name, (args, _) in cases.items()])
-    for name, (args, (losses, state)) in cases.items():
+    for name, (args, ref) in cases.items():
         per_rank = [r[name] for r in results]
         assert not isinstance(per_rank[0], str), per_rank[0]
-        _assert_run_matches(per_rank, losses, state)
-        _assert_sharded(per_rank, dp=2)
+        if name.startswith("ep2"):
+            losses, aux, state = ref
+            _assert_run_matches(per_rank, losses, state, aux)
+            dtensors, grads, local, whole, state_local = per_rank[0]["probe"]
+            assert not dtensors and local < whole, per_rank[0]["probe"]   # dense sharded, experts whole
+        else:
+            _assert_run_matches(per_rank, *ref)
+            _assert_sharded(per_rank, dp=2)
 
 
 def test_fsdp_world4_layouts_moe_and_checkpoints(tmp_path):
@@ -229,4 +242,5 @@ def test_mixed_precision_policy_from_the_precision_setting():
     reduced_bf16 = mixed_precision_policy("bf16-mixed", ParallelConfig(grad_reduce_in_bf16=True))
     assert reduced_bf16.reduce_dtype == torch.bfloat16
     assert mixed_precision_policy("32-true", ParallelConfig()) is None
+    assert mixed_precision_policy("32-true", ParallelConfig(grad_reduce_in_bf16=True)).reduce_dtype == torch.bfloat16
     assert mixed_precision_policy("bf16-true", ParallelConfig()) is None

@@ -54,10 +54,11 @@ def mixed_precision_policy(precision: Optional[str], config: ParallelConfig) -> 
     """FSDP's mixed precision from the precision plugin's setting: ``"bf16-mixed"`` gathers bfloat16 parameters for
     compute and reduces gradients in float32 (bfloat16 with ``grad_reduce_in_bf16``), as Lightning's
     ``ModelParallelStrategy`` users configure FSDP2; ``"16-mixed"`` the same with float16 parameters. Any other
-    setting (``"32-true"``, ``"bf16-true"``, ...): None, parameters are used in their own dtype."""
+    setting (``"32-true"``, ``"bf16-true"``, ...): parameters are used in their own dtype (None; with
+    ``grad_reduce_in_bf16`` a policy reducing in bfloat16)."""
     dtypes = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
     if precision not in dtypes:
-        return None
+        return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if config.grad_reduce_in_bf16 else None
     reduce = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
     return MixedPrecisionPolicy(param_dtype=dtypes[precision], reduce_dtype=reduce)
 
