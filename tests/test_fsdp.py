@@ -47,15 +47,29 @@ class ShardProbe(pl.Callback):
 def fsdp_layout_run(rank: int, world: int, cfg, kwargs: Dict[str, Any], samples, moe: bool) -> Dict[str, Any]:
     """One rank of a 3-step run (2 micro-batches of 2 samples per step and rank, clip 0.05): each step's loss (and
     MoE aux loss), the sharding probe and (rank 0) the full final state."""
+    import torch.distributed as dist
+
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, STEPS)
     recorder = StepLossRecorder(ACCUMULATE, keys=("train_loss", "moe_aux_loss") if moe else ("train_loss",))
     probe = ShardProbe()
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[recorder, probe],
                           gradient_clip_val=CLIP, accumulate_grad_batches=ACCUMULATE)
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=MICRO, shuffle=False))
+    # FSDP's gradient reduce-scatters (torch 2.13 issues them through dist.reduce_scatter_single), counted
+    calls, reduce_scatter = [], dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=MICRO, shuffle=False))
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
     state = trainer.strategy.lightning_module_state_dict()
     return {"losses": recorder.losses, "aux": recorder.values.get("moe_aux_loss"),
+            "reductions": (len(calls), len(trainer.strategy.fsdp.units)),
             "probe": (probe.dtensors, probe.grads, probe.local, probe.whole, probe.state_local),
             "state": {k: v.cpu() for k, v in state.items()} if rank == 0 else None}
 
@@ -87,6 +101,9 @@ def _reference(cfg, samples, global_batch: int) -> Tuple[List[float], Dict[str, 
 
 def _assert_run_matches(results: List[Dict[str, Any]], ref_losses: List[float], ref_state, ref_aux=None) -> None:
     for r in results:
+        # one reduce-scatter per FSDP unit and optimizer step: none for the non-final micro-batch
+        reductions, units = r["reductions"]
+        assert reductions == units * STEPS, r["reductions"]
         assert len(r["losses"]) == STEPS, r["losses"]
         for got, want in zip(r["losses"] + (r["aux"] or []), ref_losses + (ref_aux or [])):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["aux"], ref_losses, ref_aux)
