@@ -36,6 +36,7 @@ def build_strategy(args) -> MegatronStrategy:
                             ep=args.ep, sequence_parallel=args.sp, pipeline_schedule=args.schedule,
                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                             use_distributed_optimizer=args.use_distributed_optimizer,
+                            data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
                             delay_wgrad_compute=args.delay_wgrad_compute, cp_attention_kernel=args.cp_attention_kernel,
                             cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout,
                             compile=args.compile, recompute_granularity=args.recompute_granularity,
@@ -57,6 +58,7 @@ def option_suffix(args) -> str:
                   + (f"-carveout{args.cp_sm_carveout}" if args.cp_sm_carveout is not None else ""))
     return ((f"-cp{args.cp}-{args.cp_comm_type}{cp_options}" if args.cp > 1 else "")
             + ("-gradbf16" if args.grad_reduce_in_bf16 else "") + ("-distopt" if args.use_distributed_optimizer else "")
+            + (f"-{args.data_parallel_sharding_strategy}" if args.data_parallel_sharding_strategy else "")
             + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
             + ("-compile" if args.compile else "") + recompute_suffix(args)
             + ("" if args.check_for_nan_in_loss_and_grad else "-nonancheck"))
@@ -331,6 +333,9 @@ if __name__ == "__main__":
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", help="data-parallel gradient reduction in bf16")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="optimizer states sharded over dp x cp")
+    p.add_argument("--data-parallel-sharding-strategy", default=None,
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="Megatron's sharding level (optim_grads / optim_grads_params: FSDP2 over dp x cp)")
     p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
                    help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
                         "on where it applies; --no-delay-wgrad-compute: the plain backward)")

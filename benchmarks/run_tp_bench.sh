@@ -18,6 +18,9 @@
 #   pretrain  examples/pretrain_gpt.py on preprocessed data: MFUMonitor against an independent timer
 #   compile   1 GPU: plain PyTorch eager and compiled (the peers), ours eager and with compile=True
 #   distopt   distributed optimizer at dp=2: NCCL numerics against 1 GPU, speed and memory with and without
+#   fsdp      FSDP sharding levels at dp=2: NCCL numerics of optim_grads_params against 1 GPU, then tokens/s and
+#             memory of no_shard, optim_grads, optim_grads_params and Lightning's FSDP2 peer (peer_x2.py fsdp2)
+#   fsdp8b    the llama3_8b model on 2 GPUs: optim_grads_params with full recompute (uniform 1), mbs 1
 #   recompute 1 GPU: no activation recompute, selective (core_attn; core_attn+layernorm+mlp), full (uniform 1,
 #             block 8): tokens/s, peak and activation memory
 # Environment: WATCHDOG (seconds before a hung run dumps its stacks and exits, default 240), ARM_TIMEOUT
@@ -94,6 +97,15 @@ for arm in $ARMS; do
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --use-distributed-optimizer --mbs 1 --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
       run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --watchdog $WD ;;
+    fsdp)
+      run python3 benchmarks/bench_tp.py check --watchdog $WD --mbs 2
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --data-parallel-sharding-strategy optim_grads_params --mbs 1 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --data-parallel-sharding-strategy optim_grads --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --data-parallel-sharding-strategy optim_grads_params --watchdog $WD
+      run python3 benchmarks/peer_x2.py fsdp2 ;;
+    fsdp8b)
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --model llama3_8b --mbs 1 --data-parallel-sharding-strategy optim_grads_params --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --watchdog $WD ;;
     recompute)
       run python3 benchmarks/bench_tp.py ours --watchdog $WD
       run python3 benchmarks/bench_tp.py ours --recompute-granularity selective --watchdog $WD
@@ -102,7 +114,7 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py ours --recompute-granularity full --recompute-method block --recompute-num-layers 8 --watchdog $WD
       run python3 benchmarks/bench_tp.py ours --watchdog $WD ;;
     *)
-      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt recompute" >&2
+      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt fsdp fsdp8b recompute" >&2
       exit 2 ;;
   esac
 done

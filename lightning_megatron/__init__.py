@@ -9,6 +9,7 @@ from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKR
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -37,6 +38,8 @@ __all__ = [
     "ParallelMesh",
     "DeferredWgrad",
     "MainParams",
+    "apply_fsdp",
+    "FSDPModel",
     "MegatronStrategy",
     "MegatronPrecision",
     "parallelize",

@@ -15,6 +15,8 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     main params      bf16 parameters with fp32 main copies (params_dtype)  parallel/main_grad.py
     apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
                                                                   parallel/data_parallel.py
+                     or FSDP2 (data_parallel_sharding_strategy optim_grads / optim_grads_params)
+                                                                  parallel/fsdp.py
 
 Everything up to ``split_pipeline`` runs on the meta device, so no rank ever holds more than its shard.
 ``apply_dp`` is left to the caller (the strategy wraps only when fitting; pipeline stages are not wrapped).
@@ -59,6 +61,8 @@ class ParallelizedModel:
         layout: the layout it was split under (a second call with another layout is refused).
         fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
         main_params: bf16 parameters with fp32 main parameters and gradients (``params_dtype``), else None.
+        sequence_parallel_owners: ``(module, name)`` of the SP-replicated parameters (to find them again after
+            FSDP replaced the parameter objects: :meth:`refresh`).
     """
 
     module: nn.Module
@@ -71,6 +75,14 @@ class ParallelizedModel:
     layout: str = ""
     fp8: Optional[Float8Layers] = None
     main_params: Optional[MainParams] = None
+    sequence_parallel_owners: List[tuple] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        """Find the recorded parameters again after a step that replaced the parameter objects (FSDP's
+        ``fully_shard`` registers ``DTensor`` parameters in their place): TP-sharded, SP-replicated and expert."""
+        self.sharded_params = tensor_parallel_sharded(self.module)
+        self.sequence_parallel_params = owned_parameters(self.sequence_parallel_owners)
+        self.expert_params = expert_parameters(self.module)
 
 
 def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
@@ -215,6 +227,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
         pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
         main_params=main_params,
+        sequence_parallel_owners=list(sp_owners),
     )
     module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
     return record

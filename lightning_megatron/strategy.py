@@ -30,6 +30,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -46,6 +47,7 @@ from lightning_megatron.parallel.distributed_optimizer import (
     shard_optimizers,
 )
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
+from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, distribute_like, mixed_precision_policy
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
@@ -138,6 +140,8 @@ class MegatronStrategy(DDPStrategy):
         self.parallelized: Optional[ParallelizedModel] = None
         self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
+        #: the FSDP units under data_parallel_sharding_strategy optim_grads / optim_grads_params (after fit's setup)
+        self.fsdp: Optional[FSDPModel] = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -195,8 +199,16 @@ class MegatronStrategy(DDPStrategy):
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
         main_params = self.parallelized.main_params
+        if fitting and self.parallel_config.fsdp:
+            if main_params is not None:
+                raise ValueError(
+                    f"data_parallel_sharding_strategy={self.parallel_config.data_parallel_sharding_strategy!r} with "
+                    "MegatronPrecision(params_dtype=torch.bfloat16): FSDP keeps its own bf16 compute copies and fp32 "
+                    "sharded parameters (its mixed-precision policy follows the precision plugin); drop params_dtype, "
+                    "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
+            self._apply_fsdp()
         # bf16 parameters: their fp32 main gradients are averaged over dp x cp by the gradient finaliser, not DDP
-        if fitting and self.parallelized.pipeline is None and main_params is None:
+        elif fitting and self.parallelized.pipeline is None and main_params is None:
             register_ours = self._ddp_comm_hook is None
             self.model = apply_dp(self.model, self.mesh, self.parallel_config,
                                   expert_params=self.parallelized.expert_params,
@@ -206,7 +218,7 @@ class MegatronStrategy(DDPStrategy):
                 self._register_ddp_hooks()
         if fitting:
             self.setup_optimizers(trainer)
-            if self.parallel_config.use_distributed_optimizer and self.mesh.size("dp_cp") > 1:
+            if self.parallel_config.data_parallel_sharding_strategy == "optim" and self.mesh.size("dp_cp") > 1:
                 experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
                                                    experts, self.mesh.group("edp"))
@@ -216,6 +228,24 @@ class MegatronStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_fsdp(self) -> None:
+        """FSDP2 over dp x cp (experts: edp) at the sharding level asked for (:mod:`lightning_megatron.parallel.fsdp`),
+        once; the gradient finalisation then works on the sharded parameters."""
+        if self.fsdp is not None:
+            return
+        parallelized, cfg = self.parallelized, self.parallel_config
+        if parallelized.fp8 is not None:
+            raise ValueError(f"data_parallel_sharding_strategy={cfg.data_parallel_sharding_strategy!r} with FP8 "
+                             "layers is not built: use 'no_shard' / 'optim' with FP8, or drop FP8")
+        stages = parallelized.pipeline
+        policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None), cfg)
+        self.fsdp = apply_fsdp(self.lightning_module, parallelized.models, self.mesh, cfg,
+                               pipeline_modules=stages.modules if stages is not None else None, mp_policy=policy)
+        parallelized.refresh()
+        guard_grads = self._grads.guard.grads
+        self._grads = GradientFinalizer(parallelized, self.mesh, self.fsdp)
+        self._grads.guard.grads = guard_grads
 
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
         """:func:`~lightning_megatron.parallelize.parallelize` ``module`` over the mesh, and tell it the layout."""
@@ -378,6 +408,10 @@ class MegatronStrategy(DDPStrategy):
         """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
         pipeline stage) raise, naming them, as plain Lightning does."""
         state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
+        current = self.lightning_module.state_dict()
+        if any(isinstance(v, DTensor) for v in current.values()):   # FSDP: the TP shard laid out as the parameter
+            state = {k: distribute_like(current[k], v) if k in current and isinstance(v, torch.Tensor) else v
+                     for k, v in state.items()}
         with self._main_view():   # bf16 parameters: the checkpoint's values are the fp32 main parameters
             self.lightning_module.load_state_dict(state, strict=strict)
 

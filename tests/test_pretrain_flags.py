@@ -368,7 +368,7 @@ def test_unknown_flags_are_listed(capsys):
 
 NOT_SUPPORTED = [
     ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
+    ["--use-torch-fsdp2"],
 ]
 
 
@@ -385,7 +385,7 @@ def test_every_refused_flag_is_tested():
 
 def test_several_not_supported_flags_are_all_named(capsys):
     err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
-    for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP)",
+    for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP2 outside the sharding levels)",
                  "--tp-comm-overlap (tensor-parallel communication overlap)"):
         assert flag in err
 
@@ -522,6 +522,10 @@ CASES = [
     (MOE, ["--expert-tensor-parallel-size", "1"], {"MegatronStrategy.etp": 1}),
     ([], ["--no-sequence-parallel"], {"MegatronStrategy.sequence_parallel": False}),
     ([], ["--use-distributed-optimizer"], {"MegatronStrategy.use_distributed_optimizer": True}),
+    ([], ["--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+     {"MegatronStrategy.data_parallel_sharding_strategy": "optim_grads"}),
+    (["--use-custom-fsdp"], ["--data-parallel-sharding-strategy", "optim_grads_params"],
+     {"MegatronStrategy.data_parallel_sharding_strategy": "optim_grads_params"}),
     (TP1 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--no-delay-wgrad-compute"],
      {"MegatronStrategy.delay_wgrad_compute": False}),
     ([], ["--grad-reduce-in-bf16"], {"MegatronStrategy.grad_reduce_in_bf16": True}),
@@ -849,3 +853,14 @@ def test_end_to_end_on_a_preprocessed_dataset_tp2_with_mfu_and_resume(tmp_path):
         assert (resumed[step]["train_loss"], resumed[step]["lr"]) == (lines[step]["train_loss"], lines[step]["lr"])
     again = _done(log)
     assert (again["train_loss"], again["val_loss"]) == pytest.approx((done["train_loss"], done["val_loss"]), abs=1e-6)
+
+
+def test_sharding_strategy_flags():
+    """Megatron's FSDP spelling: the FSDP levels need --use-custom-fsdp; contradictions are refused by name."""
+    assert plan_of(["--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+                   ).strategy.parallel_config.fsdp
+    assert plan_of(["--data-parallel-sharding-strategy", "optim"]).strategy.parallel_config.use_distributed_optimizer
+    with pytest.raises(FlagError, match="optim_grads shards gradients .* add --use-custom-fsdp"):
+        plan_of(["--data-parallel-sharding-strategy", "optim_grads"])
+    with pytest.raises(FlagError, match="'no_shard' contradicts use_distributed_optimizer=True"):
+        plan_of(["--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"])

@@ -13,7 +13,7 @@ import ast
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from lightning_megatron.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
-from lightning_megatron.parallel.config import CP_COMM_TYPES
+from lightning_megatron.parallel.config import CP_COMM_TYPES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
 from lightning_megatron.parallel.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
@@ -151,6 +151,13 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              default=None, help="default: on when tp > 1")
     add_flag(g, "--use-distributed-optimizer", "MegatronStrategy.use_distributed_optimizer", action="store_true",
              help="shard the optimizer states over dp x cp (ZeRO-1)")
+    add_flag(g, "--use-custom-fsdp", "MegatronStrategy.data_parallel_sharding_strategy", action="store_true",
+             help="FSDP (torch FSDP2 fully_shard per layer) at the level of --data-parallel-sharding-strategy")
+    add_flag(g, "--data-parallel-sharding-strategy", "MegatronStrategy.data_parallel_sharding_strategy",
+             choices=SHARDING_STRATEGIES, default=None,
+             help="what is sharded over dp x cp: no_shard (DDP), optim (= --use-distributed-optimizer), optim_grads "
+                  "and optim_grads_params (FSDP, with --use-custom-fsdp); default: optim with "
+                  "--use-distributed-optimizer, else no_shard")
     add_flag(g, "--delay-wgrad-compute", "MegatronStrategy.delay_wgrad_compute",
              action=argparse.BooleanOptionalAction, default=None,
              help="a2a context parallel (tp=1): run the weight-gradient GEMMs during the backward all-to-alls "
@@ -372,8 +379,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
     add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")
     add_refused_flag(g, "--tp-comm-overlap", "tensor-parallel communication overlap", action="store_true")
-    add_refused_flag(g, "--use-custom-fsdp", "FSDP", action="store_true")
-    add_refused_flag(g, "--use-torch-fsdp2", "FSDP", action="store_true")
+    # FSDP runs through Megatron's sharding levels: --use-custom-fsdp --data-parallel-sharding-strategy ...
+    add_refused_flag(g, "--use-torch-fsdp2", "FSDP2 outside the sharding levels", action="store_true")
 
     g = p.add_argument_group("mixture of experts (with --expert-model-parallel-size / --expert-tensor-parallel-size)")
     add_flag(g, "--num-experts", "GPTConfig.num_moe_experts", type=int, default=None,

@@ -32,7 +32,7 @@ from lightning_megatron.data import (
 )
 from lightning_megatron.optional import TENSORBOARD
 from lightning_megatron.models.config import GPTConfig
-from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, ParallelConfig
 from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
 from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.strategy import MegatronStrategy
@@ -259,6 +259,10 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
             raise FlagError(f"--recompute-activations means --recompute-granularity selective, not {granularity}")
         granularity = "selective"
     cp_comm = args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else list(args.cp_comm_type)
+    sharding = args.data_parallel_sharding_strategy
+    if sharding in FSDP_STRATEGIES and not args.use_custom_fsdp:
+        raise FlagError(f"--data-parallel-sharding-strategy {sharding} shards gradients (and parameters) with FSDP: add "
+                        "--use-custom-fsdp (Megatron's spelling), or use optim / no_shard")
     optional = (("etp", args.expert_tensor_parallel_size), ("pipeline_schedule", args.pipeline_schedule),
                 ("num_layers_in_first_pipeline_stage", args.decoder_first_pipeline_num_layers),
                 ("num_layers_in_last_pipeline_stage", args.decoder_last_pipeline_num_layers),
@@ -266,6 +270,7 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                 ("cp_comm_type", None if cp_comm == "p2p" else cp_comm),
                 ("grad_reduce_in_bf16", args.grad_reduce_in_bf16 or None),
                 ("use_distributed_optimizer", args.use_distributed_optimizer or None),
+                ("data_parallel_sharding_strategy", sharding),
                 ("delay_wgrad_compute", args.delay_wgrad_compute),
                 ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad),
                 ("recompute_granularity", granularity),

@@ -12,6 +12,10 @@ A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 #: flash where cuDNN refuses; the fastest measured on H200, benchmarks/RESULTS.md), ``cudnn``, ``flash``, or
 #: ``math`` (explicit softmax in float32, the path CPU and float32 inputs always take)
 CP_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "math")
+#: Megatron's ``--data-parallel-sharding-strategy`` levels: what is sharded over dp x cp (experts: over edp)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: the levels built on torch FSDP2 (:mod:`lightning_megatron.parallel.fsdp`)
+FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
 def _is_int(value: Any) -> bool:
@@ -69,7 +73,12 @@ class ParallelConfig:
         num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: uneven pipeline splits.
         grad_reduce_in_bf16: reduce data-parallel gradients in bfloat16 (``--grad-reduce-in-bf16``).
         use_distributed_optimizer: optimizer states sharded over dp x cp (``--use-distributed-optimizer``); with
-            ep > 1 the routed experts' states over edp.
+            ep > 1 the routed experts' states over edp. The same as ``data_parallel_sharding_strategy="optim"``.
+        data_parallel_sharding_strategy: Megatron's sharding level over dp x cp (routed experts: over edp), one of
+            :data:`SHARDING_STRATEGIES`: ``"no_shard"`` (DDP), ``"optim"`` (the distributed optimizer),
+            ``"optim_grads"`` (FSDP2, parameters kept gathered between forward and backward: ZeRO-2) or
+            ``"optim_grads_params"`` (FSDP2, parameters gathered per layer and freed after use: ZeRO-3). None
+            (default): ``"optim"`` with ``use_distributed_optimizer``, else ``"no_shard"``.
         compile: ``torch.compile`` each transformer layer (the ``apply_compile`` step of ``parallelize``; models
             implementing the GPT layout), compiled lazily at its first call.
         delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
@@ -108,6 +117,7 @@ class ParallelConfig:
     num_layers_in_last_pipeline_stage: Optional[int] = None
     grad_reduce_in_bf16: bool = False
     use_distributed_optimizer: bool = False
+    data_parallel_sharding_strategy: Optional[str] = None
     delay_wgrad_compute: Optional[bool] = None
     compile: bool = False
     cp_attention_kernel: str = "auto"
@@ -170,6 +180,7 @@ class ParallelConfig:
         elif "a2a+p2p" in types and self.cp > 1:
             raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
         self._check_pipeline()
+        self._check_sharding()
         if self.delay_wgrad_compute and not self.delay_wgrad_applies:
             raise ValueError(
                 "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
@@ -184,6 +195,41 @@ class ParallelConfig:
         self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
                                                          self.recompute_num_layers, self.recompute_modules)
         self._resolved = False
+
+    def _check_sharding(self) -> None:
+        """Resolve ``data_parallel_sharding_strategy`` against ``use_distributed_optimizer`` (its alias for
+        ``"optim"``) and refuse the combinations FSDP does not run."""
+        level = self.data_parallel_sharding_strategy
+        if level is None:
+            level = "optim" if self.use_distributed_optimizer else "no_shard"
+        if level not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy={level!r} is not one of {SHARDING_STRATEGIES}")
+        if level == "no_shard" and self.use_distributed_optimizer:
+            raise ValueError(
+                "data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True (which shards "
+                "the optimizer states, the level 'optim'): drop one of them, or pick 'optim', 'optim_grads' or "
+                "'optim_grads_params'")
+        self.data_parallel_sharding_strategy = level
+        if level == "optim":
+            self.use_distributed_optimizer = True
+        if level not in FSDP_STRATEGIES:
+            return
+        if self.vp is not None and self.vp > 1:
+            raise ValueError(
+                f"data_parallel_sharding_strategy={level!r} with vp={self.vp}: FSDP shards one pipeline stage per rank "
+                "(virtual stages would share FSDP units between schedule chunks); use vp=None or the levels "
+                "'no_shard' / 'optim'")
+        if self.delay_wgrad_compute:
+            raise ValueError(
+                f"data_parallel_sharding_strategy={level!r} with delay_wgrad_compute=True: FSDP reduces each layer's "
+                "weight gradients when its backward ends, before delayed weight-gradient GEMMs would have run; set "
+                "delay_wgrad_compute=False (or None) or use 'no_shard' / 'optim'")
+        self.delay_wgrad_compute = False
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the sharding level shards gradients (and parameters) with FSDP2."""
+        return self.data_parallel_sharding_strategy in FSDP_STRATEGIES
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.pipeline import check_schedule, default_schedule

@@ -2,7 +2,7 @@
 does not do, and clipping by the true global norm (Megatron's ``finalize_model_grads`` + ``clip_grad_norm``)."""
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import TYPE_CHECKING, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.nonfinite import NonFiniteGuard
 from lightning_megatron.parallelize import ParallelizedModel
 
+if TYPE_CHECKING:
+    from lightning_megatron.parallel.fsdp import FSDPModel
+
 
 class GradientFinalizer:
     """Finishes the gradients of a :class:`~lightning_megatron.parallelize.ParallelizedModel` once per step.
@@ -29,10 +32,16 @@ class GradientFinalizer:
     :meth:`clip` scales gradients to a global L2 norm counted over tp, pp and the ep x etp block; a non-finite
     norm raises (``guard``: :class:`~lightning_megatron.parallel.nonfinite.NonFiniteGuard`, on with
     ``config.check_for_nan_in_loss_and_grad``) before anything is scaled.
+
+    ``fsdp``: the model's FSDP units (:func:`~lightning_megatron.parallel.fsdp.apply_fsdp`), or None. Under FSDP the
+    data-parallel reductions are FSDP's (the dense gradients averaged over dp x cp, the experts' over edp when edp > 1);
+    the tensor-parallel and embedding sums act on each rank's gradient shards, and the norm sums the shards' squares
+    over dp x cp (experts: edp) too.
     """
 
-    def __init__(self, parallelized: ParallelizedModel, mesh: ParallelMesh) -> None:
-        self.parallelized, self.mesh = parallelized, mesh
+    def __init__(self, parallelized: ParallelizedModel, mesh: ParallelMesh,
+                 fsdp: Optional["FSDPModel"] = None) -> None:
+        self.parallelized, self.mesh, self.fsdp = parallelized, mesh, fsdp
         config = mesh.config
         self.reduce_dtype: Optional[torch.dtype] = torch.bfloat16 if config.grad_reduce_in_bf16 else None
         self.experts: Set[int] = {id(p) for p in parallelized.expert_params}
@@ -50,10 +59,10 @@ class GradientFinalizer:
         p, mesh = self.parallelized, self.mesh
         if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
             p.main_params.to_main()
-        if (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1:
+        if (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
             allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
-        if p.expert_params:
+        if p.expert_params and not (self.fsdp is not None and self.fsdp.experts_sharded):
             allreduce_expert_parallel_grads(p.expert_params, mesh.group("edp"), mesh.size("dp_cp"),
                                             reduce_dtype=self.reduce_dtype)
         if p.sequence_parallel_params:
@@ -63,7 +72,9 @@ class GradientFinalizer:
             if group is not None and weight is not None:
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
-                dist.all_reduce(weight.grad, group=group)
+                # FSDP: both stages hold the same dp x cp shard of the weight (same shape, same dp rank)
+                grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+                dist.all_reduce(grad, group=group)
         if p.fp8 is not None:   # FP8 delayed scaling: the step's amaxes, reduced, join the histories
             p.fp8.end_step(num_microbatches if p.pipeline is not None else None)
 
@@ -77,13 +88,17 @@ class GradientFinalizer:
         mesh = self.mesh
         counted = [p for p in params if id(p) not in self.excluded_from_norm]
         pp_groups = [mesh.group("pp")] if mesh.config.pp > 1 else []
+        fsdp = self.fsdp is not None
         norm = clip_grad_norm_(counted, float(max_norm), self.parallelized.sharded_params, mesh.group("tp"),
                                pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"),
-                               check=self.guard.check_grad_norm)
+                               check=self.guard.check_grad_norm,
+                               shard_group=mesh.group("dp_cp") if fsdp else None,
+                               expert_shard_group=mesh.group("edp") if fsdp and self.fsdp.experts_sharded else None)
         excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]
         if excluded:
             with torch.no_grad():
                 coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
                 for p in excluded:
-                    p.grad.mul_(coef.to(p.grad.device))
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    grad.mul_(coef.to(grad.device))
         return norm

@@ -10,9 +10,17 @@ from torch import Tensor
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a ``DTensor`` gradient (FSDP), any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,
                      model_parallel_groups: Optional[List[Group]] = None, expert: Optional[Set[int]] = None,
-                     expert_group: Group = None) -> Tensor:
+                     expert_group: Group = None, shard_group: Group = None,
+                     expert_shard_group: Group = None) -> Tensor:
     """L2 norm of the gradients of the whole model, the same value on every rank.
 
     Args:
@@ -25,6 +33,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
             the total is summed over each.
         expert, expert_group: ``id()`` of expert parameters (split over the ep x etp block ``expert_group``,
             identical over expert data parallel); their squared norms are summed over ``expert_group``.
+        shard_group, expert_shard_group: under FSDP, the groups the gradients are sharded over (dp x cp, and edp
+            for the experts): ``DTensor`` gradients count by their local shards, whose squares are summed over
+            these groups. None: gradients are whole on every data-parallel rank.
 
     The norm is accumulated in float32, or float64 when any parameter is float64 (never narrower than the
     gradients). The dtype comes from the parameters, not their gradients, so every rank of a group agrees on
@@ -37,20 +48,25 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
     for p in params:
         if p.grad is None:
             continue
+        grad = _local(p.grad.detach())
         if id(p) in expert:
-            grads_expert.append(p.grad.detach())
+            grads_expert.append(grad)
         else:
-            (grads_sharded if id(p) in sharded else grads_replicated).append(p.grad.detach())
+            (grads_sharded if id(p) in sharded else grads_replicated).append(grad)
     every = grads_sharded + grads_replicated + grads_expert
     device = every[0].device if every else torch.device("cpu")
     sharded_sq = _sum_squares(grads_sharded, device, acc)
     if group_size(tp_group) > 1:
         dist.all_reduce(sharded_sq, group=tp_group)
     total = sharded_sq + _sum_squares(grads_replicated, device, acc)
+    if shard_group is not None and group_size(shard_group) > 1:
+        dist.all_reduce(total, group=shard_group)
     if expert:
         expert_sq = _sum_squares(grads_expert, device, acc)
         if group_size(expert_group) > 1:
             dist.all_reduce(expert_sq, group=expert_group)
+        if expert_shard_group is not None and group_size(expert_shard_group) > 1:
+            dist.all_reduce(expert_sq, group=expert_shard_group)
         total = total + expert_sq
     for group in model_parallel_groups or []:
         if group_size(group) > 1:
@@ -74,19 +90,22 @@ def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) 
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
                     model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
                     expert: Optional[Set[int]] = None, expert_group: Group = None,
-                    check: Optional[Callable[[Tensor], None]] = None) -> Tensor:
+                    check: Optional[Callable[[Tensor], None]] = None, shard_group: Group = None,
+                    expert_shard_group: Group = None) -> Tensor:
     """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
-    but with the norm from :func:`global_grad_norm`. ``check(norm)`` runs before any gradient is scaled (the
+    but with the norm from :func:`global_grad_norm` (``shard_group`` / ``expert_shard_group``: FSDP's, see there;
+    ``DTensor`` gradients are scaled shard by shard). ``check(norm)`` runs before any gradient is scaled (the
     non-finite guard raises there, so a NaN norm never reaches the gradients).
     """
     params = list(params)
-    norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group)
+    norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group, shard_group,
+                            expert_shard_group)
     if check is not None:
         check(norm)
     params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     if params:
-        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+        torch._foreach_mul_([_local(p.grad) for p in params], coef.to(params[0].grad.device))
     return norm

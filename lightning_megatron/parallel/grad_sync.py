@@ -53,8 +53,10 @@ def _allreduce_grads(params: List[nn.Parameter], group: Group, average: bool,
         return
     buckets: Dict[tuple, List[List[torch.Tensor]]] = {}
     filled: Dict[tuple, int] = {}
+    from lightning_megatron.parallel.fsdp import local_tensor
+
     for p in params:
-        g = p.grad
+        g = local_tensor(p.grad)   # FSDP: this rank's shard, laid out alike on every rank of a tp / embedding group
         if g is None:
             continue
         key = (g.dtype, g.device)
@@ -112,7 +114,9 @@ def allreduce_expert_parallel_grads(params: List[nn.Parameter], edp_group: Group
     """
     _allreduce_grads(params, edp_group, average=False, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
     if dp_cp_size != 1:
-        grads = [p.grad for p in params if p.grad is not None]
+        from lightning_megatron.parallel.fsdp import local_tensor
+
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, float(dp_cp_size))
 

@@ -39,7 +39,10 @@ def _distributed() -> bool:
 def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     """Sum over ``tensors`` of their largest absolute value, in float32 (NaN and inf propagate; an empty list
     gives 0): finite exactly when every element of every tensor is finite. One fused pass."""
-    tensors = [t.detach() for t in tensors if t is not None and t.is_floating_point() and t.numel() > 0]
+    from lightning_megatron.parallel.fsdp import local_tensor
+
+    tensors = [local_tensor(t.detach()) for t in tensors if t is not None and t.is_floating_point()]
+    tensors = [t for t in tensors if t.numel() > 0]   # FSDP shards: this rank's part (the check sums over ranks)
     if not tensors:
         return torch.zeros(())
     norms = torch._foreach_norm(tensors, float("inf"))
@@ -48,7 +51,10 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
 
 def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
     """``(name, "nan" or "inf")`` of the first tensor holding a non-finite value, or None."""
+    from lightning_megatron.parallel.fsdp import local_tensor
+
     for name, t in named:
+        t = local_tensor(t)
         if t is None or not t.is_floating_point():
             continue
         if torch.isnan(t).any():

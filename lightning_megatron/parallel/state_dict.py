@@ -5,7 +5,10 @@ A checkpoint written from these functions holds every tensor in the layout of th
 their full ffn dimension), so it loads under any tp/pp/dp/ep/etp layout,
 and into a plain ``GPTModel``. Optimizer state is keyed by parameter *name*, not by position, for the same
 reason. Gathering is collective over each layer's TP group (experts: ETP then EP group) and over the pipeline
-group: call on every rank.
+group: call on every rank. Under FSDP (``data_parallel_sharding_strategy`` ``optim_grads`` / ``optim_grads_params``)
+parameters and optimizer states are ``DTensor`` s over dp x cp (experts: edp): they are gathered into the
+tensor-parallel shard first (collective over that group), and the loading side lays the shard out as the
+parameter again (:func:`~lightning_megatron.parallel.fsdp.distribute_like`, no communication).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
@@ -54,7 +58,7 @@ def _merge_over(group: Optional[dist.ProcessGroup], local: Dict[str, Any]) -> Di
 def full_model_state_dict(module: nn.Module, pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     """``module.state_dict()`` with TP shards gathered and pipeline stages merged (collective)."""
     owners = tensor_parallel_owners(module)
-    state = module.state_dict()
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
     for key, (mod, pname) in owners.items():
         if key in state:
             state[key] = mod.gather_global(pname, state[key])
@@ -157,6 +161,8 @@ def full_optimizer_state_dict(optimizer: Optimizer, module: nn.Module,
         owner = owners.get(name)
         entry = {}
         for k, v in values.items():
+            if isinstance(v, DTensor):
+                v = v.full_tensor()
             if isinstance(v, Tensor) and owner is not None and v.shape == p.shape:
                 v = owner[0].gather_global(owner[1], v)
             entry[k] = v.detach().cpu() if isinstance(v, Tensor) else v
@@ -180,7 +186,10 @@ def full_optimizer_state_dict(optimizer: Optimizer, module: nn.Module,
 
 
 def shard_optimizer_state_dict(full: Dict[str, Any], optimizer: Optimizer, module: nn.Module) -> Dict[str, Any]:
-    """A ``optimizer.load_state_dict`` argument for this rank from a full, name-keyed optimizer state."""
+    """A ``optimizer.load_state_dict`` argument for this rank from a full, name-keyed optimizer state (per-parameter
+    states of an FSDP-sharded parameter laid out as that parameter)."""
+    from lightning_megatron.parallel.fsdp import distribute_like
+
     owners = tensor_parallel_owners(module)
     names = _param_names(module)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -196,6 +205,8 @@ def shard_optimizer_state_dict(full: Dict[str, Any], optimizer: Optimizer, modul
                 v = _strip_canonical_padding(owner[0], owner[1], v)
                 if tuple(v.shape) == tuple(owner[0].global_shape(owner[1])):
                     v = owner[0].shard_global(owner[1], v)
+            if isinstance(v, Tensor) and isinstance(p, DTensor) and tuple(v.shape) == tuple(p.shape):
+                v = distribute_like(p, v)
             entry[k] = v
         state[index] = entry
     groups, start = [], 0
