@@ -72,6 +72,7 @@ class StepPath:
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         lm.set_moe_aux_loss_scale((float(dp) if self.pipeline is not None else dp / m) * loss_scale)
         ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
+        strategy._grads.start_step(m)
         loss = step.forward_backward(microbatches, self.functions(strategy.precision_plugin.train_step_context),
                                      device=strategy.root_device, dp_group=mesh.group("dp_cp"), dp=dp,
                                      pipeline=self.pipeline, no_sync=ddp.no_sync if ddp else contextlib.nullcontext)

@@ -45,6 +45,7 @@ from lightning_megatron.parallel.distributed_optimizer import (
 )
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -136,6 +137,7 @@ class MegatronStrategy(DDPStrategy):
         self.parallelized: Optional[ParallelizedModel] = None
         self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
+        self._param_gather: Optional[OverlappedParamGather] = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -206,9 +208,22 @@ class MegatronStrategy(DDPStrategy):
                 experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
                                                    experts, self.mesh.group("edp"))
+                if self.parallel_config.overlap_param_gather:
+                    self._param_gather = OverlappedParamGather(zero_optimizers(self.optimizers), self.model,
+                                                               self._tied_head_waits())
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _tied_head_waits(self) -> Dict[Any, List[Any]]:
+        """``{LM head: [word-embedding weight]}`` for tied heads (the head reads the embedding's weight, whose module
+        may not run on this pipeline stage): what :class:`OverlappedParamGather` waits for besides own parameters."""
+        waits: Dict[Any, List[Any]] = {}
+        for model in self.parallelized.models:
+            head, embedding = getattr(model, "output_layer", None), getattr(model, "embedding", None)
+            if head is not None and embedding is not None and getattr(head, "weight", 0) is None:
+                waits[head] = [embedding.word_embeddings.weight]
+        return waits
 
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
         """:func:`~lightning_megatron.parallelize.parallelize` ``module`` over the mesh, and tell it the layout."""
@@ -268,6 +283,8 @@ class MegatronStrategy(DDPStrategy):
             self.lightning_module.trainer.fit_loop._skip_backward = True
 
     def on_train_end(self) -> None:
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
         super().on_train_end()
         if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
@@ -305,6 +322,8 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
+        if self._param_gather is not None:   # before the step writes the parameters again
+            self._param_gather.wait_all()
         self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
         self._grads.guard.step = self.lightning_module.trainer.global_step
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
@@ -345,6 +364,8 @@ class MegatronStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
         :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
         if self._grads is not None:
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None

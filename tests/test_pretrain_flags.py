@@ -342,8 +342,7 @@ def test_unknown_flags_are_listed(capsys):
 
 
 NOT_SUPPORTED = [
-    ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
+    ["--fp8-param-gather"], ["--use-custom-fsdp"], ["--use-torch-fsdp2"],
 ]
 
 
@@ -359,9 +358,9 @@ def test_every_refused_flag_is_tested():
 
 
 def test_several_not_supported_flags_are_all_named(capsys):
-    err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
+    err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2", "--use-custom-fsdp"], capsys)
     for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP)",
-                 "--tp-comm-overlap (tensor-parallel communication overlap)"):
+                 "--use-custom-fsdp (FSDP)"):
         assert flag in err
 
 
@@ -449,6 +448,10 @@ CASES = [
     (TP1 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--no-delay-wgrad-compute"],
      {"MegatronStrategy.delay_wgrad_compute": False}),
     ([], ["--grad-reduce-in-bf16"], {"MegatronStrategy.grad_reduce_in_bf16": True}),
+    ([], ["--no-overlap-grad-reduce"], {"MegatronStrategy.overlap_grad_reduce": False}),
+    ([], ["--ddp-bucket-size", "1000000"], {"MegatronStrategy.bucket_size": 1000000}),
+    (["--use-distributed-optimizer"], ["--overlap-param-gather"], {"MegatronStrategy.overlap_param_gather": True}),
+    ([], ["--tp-comm-overlap"], {"MegatronStrategy.tp_comm_overlap": True}),
     ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
     ([], ["--recompute-activations"], {"MegatronStrategy.recompute_granularity": "selective"}),
     ([], ["--recompute-granularity", "selective"], {"MegatronStrategy.recompute_granularity": "selective"}),

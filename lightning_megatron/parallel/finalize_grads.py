@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_megatron.parallel.grad_buckets import GradBucketReducer, overlaps_grad_reduce
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
     allreduce_data_parallel_grads,
@@ -40,13 +41,30 @@ class GradientFinalizer:
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
         self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
+        #: pipeline stages' data-parallel reduction started in backward (``overlap_grad_reduce``), else None
+        self.reducer: Optional[GradBucketReducer] = None
+        if stages is not None and mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config):
+            uses: dict = {}
+            for stage in stages.modules:
+                for q in stage.parameters():
+                    uses[id(q)] = uses.get(id(q), 0) + 1
+            dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
+            self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Before a step's forward and backward passes (``num_microbatches`` of them per pipeline chunk): arm the
+        overlapped reduction of pipeline stages, if on (the schedule divides gradients by ``num_microbatches``)."""
+        if self.reducer is not None:
+            self.reducer.start_step(num_microbatches, num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply), then the
         FP8 delayed-scaling amax update (over tp and dp_cp; ``num_microbatches``: the step's micro-batches, under
         pipeline parallelism, whose schedule may run extra metadata-inference passes)."""
         p, mesh = self.parallelized, self.mesh
-        if p.pipeline is not None and mesh.size("dp_cp") > 1:
+        if self.reducer is not None:
+            self.reducer.finish()
+        elif p.pipeline is not None and mesh.size("dp_cp") > 1:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
             allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
         if p.expert_params:
