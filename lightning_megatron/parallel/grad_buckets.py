@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
@@ -125,6 +125,8 @@ class GradBucketReducer:
         self._divisor = 1
         self._counts: Dict[int, int] = {}
         self._next = 0
+        #: buckets whose all-reduce started inside backward, over all steps (the rest started in :meth:`finish`)
+        self.started_in_backward = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params] if self.size > 1 else []
 
@@ -152,6 +154,7 @@ class GradBucketReducer:
                 break
             self._launch(bucket, self._divisor)
             self._next += 1
+            self.started_in_backward += 1
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket, divisor: int) -> None:
@@ -159,7 +162,7 @@ class GradBucketReducer:
         bucket.grads = grads
         if not grads:
             return
-        flat = _flatten_dense_tensors(grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])   # a copy (flattening one tensor would alias its grad)
         if divisor != 1:
             flat.div_(divisor)
         if self.reduce_dtype is not None:

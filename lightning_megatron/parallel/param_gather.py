@@ -50,6 +50,8 @@ class OverlappedParamGather:
     def __init__(self, optimizers: Sequence[ZeroRedundancyOptimizer], module: nn.Module,
                  also_waits: Optional[Dict[nn.Module, List[nn.Parameter]]] = None) -> None:
         self.pending: Dict[int, Any] = {}
+        #: broadcasts waited for by a forward pre-hook, over all steps (the rest by :meth:`wait_all`)
+        self.waited_in_forward = 0
         self.optimizers = list(optimizers)
         for zero in self.optimizers:
             if zero.parameters_as_bucket_view:
@@ -85,6 +87,7 @@ class OverlappedParamGather:
                     work = self.pending.pop(i, None)
                     if work is not None:
                         work.wait()
+                        self.waited_in_forward += 1
         return wait_own
 
     def wait_all(self) -> None:
