@@ -108,7 +108,17 @@ def _ring_layers(rank: int, world: int) -> Dict[str, float]:
 
 
 def _case(rank: int, world: int, kind: str, *args: Any) -> Any:
+    if kind == "moe":
+        from tests.test_parity_moe import moe_layout_run
+
+        return moe_layout_run(rank, world, *args)
     return _ring_layers(rank, world) if kind == "layers" else _train(rank, world, *args)
+
+
+# ep2 x dp4 (edp 2) MoE: the distributed optimizer's two parts (dense over dp, experts over edp) both broadcast
+# without waiting, with the SP rings at tp2 and the overlapped pipeline reduction in the other cases
+MOE_KWARGS = dict(ep=2, use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True,
+                  bucket_size=3000)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +134,13 @@ def runs():
         refs[name] = ([sum(ref["losses"][i * accumulate:(i + 1) * accumulate]) / accumulate for i in range(STEPS)],
                       ref["state"])
         cases.append((name, ("train", cfg, kwargs, samples, accumulate, clip)))
+    from tests.test_parity_moe import STEPS as MOE_STEPS, moe_config, moe_reference
+
+    assert MOE_STEPS == STEPS
+    moe = moe_config()
+    samples = make_samples(moe, STEPS * 2 * 4)
+    refs["moe"] = moe_reference(moe, samples, 2 * 4, 1, 0.05)
+    cases.append(("moe", ("moe", moe, MOE_KWARGS, samples, 2, 1, 0.05)))
     cases.append(("layers", ("layers",)))   # after the Trainers: the process group exists
     return run_distributed(run_each, 4, _case, cases), refs
 
@@ -161,3 +178,16 @@ def test_overlap_matches_single_process(runs, case):
             assert seen["buckets"] > 1 and seen["started_in_backward"] == STEPS * seen["buckets"], seen
         elif evidence == "forward":   # parameters waited for by the forward pre-hooks, after the first step
             assert seen["waited_in_forward"] > 0, seen
+
+
+def test_ep2_distributed_optimizer_with_overlaps_matches_single_process(runs):
+    """ep2 at world 4 (edp 2): loss and aux loss of every step and the final weights within 1e-5 of one process."""
+    results, refs = runs
+    ref_losses, ref_aux, ref_state = refs["moe"]
+    for r in results:
+        out = r["moe"]
+        assert isinstance(out, dict), out
+        assert len(out["losses"]) == STEPS
+        for got, want in zip(out["losses"] + out["aux"], ref_losses + ref_aux):
+            assert abs(got - want) <= 1e-5 * abs(want), (out["losses"], out["aux"], ref_losses, ref_aux)
+    assert_state_close(results[0]["moe"]["state"], ref_state)
