@@ -191,3 +191,27 @@ def test_ep2_distributed_optimizer_with_overlaps_matches_single_process(runs):
         for got, want in zip(out["losses"] + out["aux"], ref_losses + ref_aux):
             assert abs(got - want) <= 1e-5 * abs(want), (out["losses"], out["aux"], ref_losses, ref_aux)
     assert_state_close(results[0]["moe"]["state"], ref_state)
+
+
+def test_option_rules_name_the_values_and_the_fix():
+    from lightning_megatron import ParallelConfig
+    from lightning_megatron.parallel.grad_buckets import ddp_bucket_kwargs, overlaps_grad_reduce
+
+    with pytest.raises(ValueError, match="overlap_param_gather=True .* needs use_distributed_optimizer=True"):
+        MegatronStrategy(overlap_param_gather=True)
+    with pytest.raises(ValueError, match="tp_comm_overlap=True .* needs tp > 1 and sequence_parallel=True, got tp=2, "
+                                         "sequence_parallel=False"):
+        MegatronStrategy(tp=2, tp_comm_overlap=True)
+    with pytest.raises(ValueError, match="bucket_size=0 must be None or a positive number"):
+        ParallelConfig(bucket_size=0)
+    with pytest.raises(ValueError, match="overlap_grad_reduce='yes' must be None"):
+        ParallelConfig(overlap_grad_reduce="yes")
+    # the default keeps each path's own: DDP's overlapped buckets (pp = 1), one reduction after the schedule (pp > 1)
+    assert overlaps_grad_reduce(ParallelConfig()) and not overlaps_grad_reduce(ParallelConfig(pp=2))
+    assert overlaps_grad_reduce(ParallelConfig(pp=2, overlap_grad_reduce=True))
+    linear = torch.nn.Linear(1024, 1024)   # 4 MiB of fp32 weight
+    assert ddp_bucket_kwargs(linear, ParallelConfig(), {}) == {}
+    assert ddp_bucket_kwargs(linear, ParallelConfig(bucket_size=2**20), {}) == {"bucket_cap_mb": 4.0}
+    assert ddp_bucket_kwargs(linear, ParallelConfig(overlap_grad_reduce=False), {})["bucket_cap_mb"] > 4.0
+    with pytest.raises(ValueError, match="bucket_cap_mb=10 and bucket_size=1000 .* give one of them"):
+        ddp_bucket_kwargs(linear, ParallelConfig(bucket_size=1000), {"bucket_cap_mb": 10})

@@ -66,7 +66,9 @@ class GradientFinalizer:
             self.reducer.finish()
         elif p.pipeline is not None and mesh.size("dp_cp") > 1:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
-            allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
+            size = mesh.config.bucket_size   # elements; the buckets' default otherwise (64 MiB)
+            kwargs = {"bucket_bytes": size * dense[0].element_size()} if size is not None and dense else {}
+            allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype, **kwargs)
         if p.expert_params:
             allreduce_expert_parallel_grads(p.expert_params, mesh.group("edp"), mesh.size("dp_cp"),
                                             reduce_dtype=self.reduce_dtype)
