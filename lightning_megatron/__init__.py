@@ -6,7 +6,9 @@ from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
+from lightning_megatron.parallel.grad_buckets import GradBucketReducer
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,6 +34,8 @@ __all__ = [
     "ParallelConfig",
     "ParallelMesh",
     "DeferredWgrad",
+    "GradBucketReducer",
+    "OverlappedParamGather",
     "MegatronStrategy",
     "MegatronPrecision",
     "parallelize",
