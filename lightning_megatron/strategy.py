@@ -209,11 +209,20 @@ class MegatronStrategy(DDPStrategy):
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
                                                    experts, self.mesh.group("edp"))
                 if self.parallel_config.overlap_param_gather:
+                    if self._param_gather is not None:   # a second fit: the hooks of the first go
+                        self._param_gather.remove()
                     self._param_gather = OverlappedParamGather(zero_optimizers(self.optimizers), self.model,
                                                                self._tied_head_waits())
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def wait_for_parameters(self) -> None:
+        """With ``overlap_param_gather``: wait for the distributed optimizer's parameter broadcasts still in flight
+        (this rank's weights are then the current ones). Forward waits per module by itself; call this before reading
+        weights elsewhere between steps (e.g. in a callback)."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
 
     def _tied_head_waits(self) -> Dict[Any, List[Any]]:
         """``{LM head: [word-embedding weight]}`` for tied heads (the head reads the embedding's weight, whose module
@@ -283,8 +292,7 @@ class MegatronStrategy(DDPStrategy):
             self.lightning_module.trainer.fit_loop._skip_backward = True
 
     def on_train_end(self) -> None:
-        if self._param_gather is not None:
-            self._param_gather.wait_all()
+        self.wait_for_parameters()
         super().on_train_end()
         if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
@@ -322,8 +330,7 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
-        if self._param_gather is not None:   # before the step writes the parameters again
-            self._param_gather.wait_all()
+        self.wait_for_parameters()   # before the step writes the parameters again
         self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
         self._grads.guard.step = self.lightning_module.trainer.global_step
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
@@ -364,8 +371,7 @@ class MegatronStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
         :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
-        if self._param_gather is not None:
-            self._param_gather.wait_all()
+        self.wait_for_parameters()
         if self._grads is not None:
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None
