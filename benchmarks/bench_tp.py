@@ -41,7 +41,9 @@ def build_strategy(args) -> MegatronStrategy:
                             cp_compile_merge=args.cp_compile_merge, cp_sm_carveout=args.cp_sm_carveout,
                             compile=args.compile, recompute_granularity=args.recompute_granularity,
                             recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-                            recompute_modules=args.recompute_modules,
+                            recompute_modules=args.recompute_modules, overlap_grad_reduce=args.overlap_grad_reduce,
+                            bucket_size=args.ddp_bucket_size, overlap_param_gather=args.overlap_param_gather,
+                            tp_comm_overlap=args.tp_comm_overlap,
                             check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
 
 
@@ -61,6 +63,9 @@ def option_suffix(args) -> str:
             + (f"-{args.data_parallel_sharding_strategy}" if args.data_parallel_sharding_strategy else "")
             + {True: "-delaywgrad", False: "-nodelay", None: ""}[args.delay_wgrad_compute]
             + ("-compile" if args.compile else "") + recompute_suffix(args)
+            + {True: "-overlapgrad", False: "-nooverlapgrad", None: ""}[args.overlap_grad_reduce]
+            + (f"-bucket{args.ddp_bucket_size}" if args.ddp_bucket_size else "")
+            + ("-overlapparam" if args.overlap_param_gather else "") + ("-tpoverlap" if args.tp_comm_overlap else "")
             + ("" if args.check_for_nan_in_loss_and_grad else "-nonancheck"))
 
 
@@ -339,6 +344,11 @@ if __name__ == "__main__":
     p.add_argument("--delay-wgrad-compute", action=argparse.BooleanOptionalAction, default=None,
                    help="a2a CP: weight-gradient GEMMs run during the backward all-to-alls (default: the strategy's, "
                         "on where it applies; --no-delay-wgrad-compute: the plain backward)")
+    p.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="MegatronStrategy(overlap_grad_reduce=...) (default: each path's own)")
+    p.add_argument("--ddp-bucket-size", type=int, default=None, help="MegatronStrategy(bucket_size=...) in elements")
+    p.add_argument("--overlap-param-gather", action="store_true", help="MegatronStrategy(overlap_param_gather=True)")
+    p.add_argument("--tp-comm-overlap", action="store_true", help="MegatronStrategy(tp_comm_overlap=True): SP rings")
     p.add_argument("--compile", action="store_true", help="MegatronStrategy(compile=True): torch.compile each layer")
     p.add_argument("--cp-attention-kernel", default="auto", choices=["auto", "cudnn", "flash", "math"],
                    help="CP block kernel on CUDA half types (MegatronStrategy(cp_attention_kernel=...))")

@@ -23,6 +23,11 @@
 #   fsdp8b    the llama3_8b model on 2 GPUs: optim_grads_params with full recompute (uniform 1), mbs 1
 #   recompute 1 GPU: no activation recompute, selective (core_attn; core_attn+layernorm+mlp), full (uniform 1,
 #             block 8): tokens/s, peak and activation memory
+#   overlap   the three overlaps on and off, NCCL numerics of each first: 1 GPU baseline; dp=2 with
+#             --no-overlap-grad-reduce / the default (DDP's 25 MiB buckets) / 40M-element buckets; dp=2 distributed
+#             optimizer with and without --overlap-param-gather; tp=2+SP with and without --tp-comm-overlap (also
+#             with --recompute-gather, and with --compile). The pipeline path's overlapped reduction needs dp > 1
+#             beside pp=2, i.e. 4 GPUs (not in this 2-GPU arm).
 # Environment: WATCHDOG (seconds before a hung run dumps its stacks and exits, default 240), ARM_TIMEOUT
 # (seconds per command, default 330), OUT (where the log goes, default /tmp).
 LOG_NAME=tp_bench
@@ -113,8 +118,22 @@ for arm in $ARMS; do
       run python3 benchmarks/bench_tp.py ours --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --watchdog $WD
       run python3 benchmarks/bench_tp.py ours --recompute-granularity full --recompute-method block --recompute-num-layers 8 --watchdog $WD
       run python3 benchmarks/bench_tp.py ours --watchdog $WD ;;
+    overlap)
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --no-overlap-grad-reduce --mbs 2 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --use-distributed-optimizer --overlap-param-gather --mbs 2 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --tp 2 --sp --tp-comm-overlap --watchdog $WD
+      run python3 benchmarks/bench_tp.py ours --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --no-overlap-grad-reduce --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --ddp-bucket-size 40000000 --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --use-distributed-optimizer --overlap-param-gather --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp --tp-comm-overlap --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp --tp-comm-overlap --recompute-gather --watchdog $WD
+      run torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 --sp --tp-comm-overlap --compile --watchdog $WD ;;
     *)
-      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt fsdp fsdp8b recompute" >&2
+      echo "unknown arm '$arm': expected one of check ours tp2 peers compile ppcheck pp cpcheck cp cpkernels cpdelay moe pretrain distopt fsdp fsdp8b recompute overlap" >&2
       exit 2 ;;
   esac
 done

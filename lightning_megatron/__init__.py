@@ -10,7 +10,9 @@ from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from lightning_megatron.parallel.main_grad import MainParams
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp
+from lightning_megatron.parallel.grad_buckets import GradBucketReducer
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,6 +42,8 @@ __all__ = [
     "MainParams",
     "apply_fsdp",
     "FSDPModel",
+    "GradBucketReducer",
+    "OverlappedParamGather",
     "MegatronStrategy",
     "MegatronPrecision",
     "parallelize",

@@ -5,6 +5,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
 (the strategy and the plain-PyTorch quick-start loop call the same functions)::
 
     apply_tp         tensor (+ sequence) parallel layers          parallel/tensor_parallel/plan.py
+                     (+ tp_comm_overlap rings)                    parallel/tensor_parallel/comm_overlap.py
     apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute                         parallel/recompute.py
@@ -41,6 +42,7 @@ from lightning_megatron.parallel.main_grad import MainParams
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
 from lightning_megatron.parallel.recompute import apply_recompute
+from lightning_megatron.parallel.tensor_parallel.comm_overlap import apply_tp_comm_overlap
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
 from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
@@ -206,6 +208,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             )
         for model in models:
             apply_tp(model, mesh.group("tp"), config.sequence_parallel, tp_fork=tp_fork)
+            apply_tp_comm_overlap(model, config.tp_comm_overlap)
     delay_wgrad = apply_cp(models, mesh, config)
     apply_ep(models, mesh, config)
     apply_recompute(module, config, tp_rng)

@@ -76,6 +76,7 @@ class StepPath:
         lm.set_moe_aux_loss_scale((float(dp) if self.pipeline is not None else dp / m) * loss_scale)
         ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
         no_sync = ddp.no_sync if ddp else strategy.fsdp.no_sync if strategy.fsdp else contextlib.nullcontext
+        strategy._grads.start_step(m)
         loss = step.forward_backward(microbatches, self.functions(strategy.precision_plugin.train_step_context),
                                      device=strategy.root_device, dp_group=mesh.group("dp_cp"), dp=dp,
                                      pipeline=self.pipeline, no_sync=no_sync)

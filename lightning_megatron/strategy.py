@@ -49,6 +49,7 @@ from lightning_megatron.parallel.distributed_optimizer import (
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, distribute_like, mixed_precision_policy
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -142,6 +143,7 @@ class MegatronStrategy(DDPStrategy):
         self._steps: Optional[StepPath] = None
         #: the FSDP units under data_parallel_sharding_strategy optim_grads / optim_grads_params (after fit's setup)
         self.fsdp: Optional[FSDPModel] = None
+        self._param_gather: Optional[OverlappedParamGather] = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -199,6 +201,13 @@ class MegatronStrategy(DDPStrategy):
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
         main_params = self.parallelized.main_params
+        cfg = self.parallel_config
+        if main_params is not None and (cfg.overlap_grad_reduce or cfg.overlap_param_gather):
+            raise ValueError(
+                f"overlap_grad_reduce={cfg.overlap_grad_reduce}, overlap_param_gather={cfg.overlap_param_gather} with "
+                "MegatronPrecision(params_dtype=torch.bfloat16): the fp32 main gradients are reduced after the "
+                "backward and the main parameters copied back to bf16 right after the optimizer step, so neither "
+                "overlap is built for bf16 parameters; leave both options unset (or use the default fp32 parameters)")
         if fitting and self.parallel_config.fsdp:
             if main_params is not None:
                 raise ValueError(
@@ -222,6 +231,11 @@ class MegatronStrategy(DDPStrategy):
                 experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
                                                    experts, self.mesh.group("edp"))
+                if self.parallel_config.overlap_param_gather:
+                    if self._param_gather is not None:   # a second fit: the hooks of the first go
+                        self._param_gather.remove()
+                    self._param_gather = OverlappedParamGather(zero_optimizers(self.optimizers), self.model,
+                                                               self._tied_head_waits())
             if main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
                 for optimizer in self.optimizers:
                     optimizer.register_step_post_hook(main_params.optimizer_hook)
@@ -246,6 +260,23 @@ class MegatronStrategy(DDPStrategy):
         guard_grads = self._grads.guard.grads
         self._grads = GradientFinalizer(parallelized, self.mesh, self.fsdp)
         self._grads.guard.grads = guard_grads
+
+    def wait_for_parameters(self) -> None:
+        """With ``overlap_param_gather``: wait for the distributed optimizer's parameter broadcasts still in flight
+        (this rank's weights are then the current ones). Forward waits per module by itself; call this before reading
+        weights elsewhere between steps (e.g. in a callback)."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
+
+    def _tied_head_waits(self) -> Dict[Any, List[Any]]:
+        """``{LM head: [word-embedding weight]}`` for tied heads (the head reads the embedding's weight, whose module
+        may not run on this pipeline stage): what :class:`OverlappedParamGather` waits for besides own parameters."""
+        waits: Dict[Any, List[Any]] = {}
+        for model in self.parallelized.models:
+            head, embedding = getattr(model, "output_layer", None), getattr(model, "embedding", None)
+            if head is not None and embedding is not None and getattr(head, "weight", 0) is None:
+                waits[head] = [embedding.word_embeddings.weight]
+        return waits
 
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
         """:func:`~lightning_megatron.parallelize.parallelize` ``module`` over the mesh, and tell it the layout."""
@@ -308,6 +339,7 @@ class MegatronStrategy(DDPStrategy):
             self.lightning_module.trainer.fit_loop._skip_backward = True
 
     def on_train_end(self) -> None:
+        self.wait_for_parameters()
         super().on_train_end()
         if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
@@ -345,6 +377,7 @@ class MegatronStrategy(DDPStrategy):
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
         assert self._grads is not None
+        self.wait_for_parameters()   # before the step writes the parameters again
         self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
         self._grads.guard.step = self.lightning_module.trainer.global_step
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
@@ -390,6 +423,7 @@ class MegatronStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
         :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
+        self.wait_for_parameters()
         if self._grads is not None:
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None

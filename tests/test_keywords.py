@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_misspelt_strategy_keyword_names_the_right_one(layout):
     with pytest.raises(TypeError, match=r"unexpected keyword argument `sequence_paralel`; did you mean `sequence_parallel`"):
         MegatronStrategy(**layout, sequence_paralel=True)
-    with pytest.raises(TypeError, match="`tp_comm_overlap`"):
-        MegatronStrategy(**layout, tp_comm_overlap=True)
+    with pytest.raises(TypeError, match="`tp_comm_overlapp`; did you mean `tp_comm_overlap`"):
+        MegatronStrategy(**layout, tp_comm_overlapp=True)
 
 
 def test_misspelt_config_keyword_names_the_right_one():

@@ -367,8 +367,7 @@ def test_unknown_flags_are_listed(capsys):
 
 
 NOT_SUPPORTED = [
-    ["--fp8-param-gather"], ["--overlap-grad-reduce"], ["--overlap-param-gather"], ["--tp-comm-overlap"],
-    ["--use-torch-fsdp2"],
+    ["--fp8-param-gather"], ["--use-torch-fsdp2"],
 ]
 
 
@@ -384,9 +383,8 @@ def test_every_refused_flag_is_tested():
 
 
 def test_several_not_supported_flags_are_all_named(capsys):
-    err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2", "--tp-comm-overlap"], capsys)
-    for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP2 outside the sharding levels)",
-                 "--tp-comm-overlap (tensor-parallel communication overlap)"):
+    err = exit_message(["--fp8-param-gather", "--use-torch-fsdp2"], capsys)
+    for flag in ("--fp8-param-gather (FP8 parameters and their all-gather)", "--use-torch-fsdp2 (FSDP2 outside the sharding levels)"):
         assert flag in err
 
 
@@ -529,6 +527,10 @@ CASES = [
     (TP1 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--no-delay-wgrad-compute"],
      {"MegatronStrategy.delay_wgrad_compute": False}),
     ([], ["--grad-reduce-in-bf16"], {"MegatronStrategy.grad_reduce_in_bf16": True}),
+    ([], ["--no-overlap-grad-reduce"], {"MegatronStrategy.overlap_grad_reduce": False}),
+    ([], ["--ddp-bucket-size", "1000000"], {"MegatronStrategy.bucket_size": 1000000}),
+    (["--use-distributed-optimizer"], ["--overlap-param-gather"], {"MegatronStrategy.overlap_param_gather": True}),
+    ([], ["--tp-comm-overlap"], {"MegatronStrategy.tp_comm_overlap": True}),
     ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
     ([], ["--recompute-activations"], {"MegatronStrategy.recompute_granularity": "selective"}),
     ([], ["--recompute-granularity", "selective"], {"MegatronStrategy.recompute_granularity": "selective"}),

@@ -164,6 +164,17 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                   "(default: on wherever it applies; --no-delay-wgrad-compute keeps them in place)")
     add_flag(g, "--grad-reduce-in-bf16", "MegatronStrategy.grad_reduce_in_bf16", action="store_true",
              help="reduce data-parallel gradients in bf16 (half the traffic)")
+    add_flag(g, "--overlap-grad-reduce", "MegatronStrategy.overlap_grad_reduce",
+             action=argparse.BooleanOptionalAction, default=None,
+             help="data-parallel gradient buckets reduced during backward (default: on for pp=1, torch DDP's "
+                  "buckets; off for pp>1)")
+    add_flag(g, "--ddp-bucket-size", "MegatronStrategy.bucket_size", type=int, default=None,
+             help="elements per data-parallel gradient bucket")
+    add_flag(g, "--overlap-param-gather", "MegatronStrategy.overlap_param_gather", action="store_true",
+             help="with --use-distributed-optimizer: the parameter broadcast after the step overlaps the next "
+                  "forward, layer by layer")
+    add_flag(g, "--tp-comm-overlap", "MegatronStrategy.tp_comm_overlap", action="store_true",
+             help="with sequence parallelism: SP all-gather / reduce-scatter as rings of chunked GEMMs")
     add_flag(g, "--check-for-nan-in-loss-and-grad", "MegatronStrategy.check_for_nan_in_loss_and_grad",
              action=argparse.BooleanOptionalAction, default=None,
              help="stop at a NaN/inf loss or gradient norm, naming the step and parameter (default on)")
@@ -376,9 +387,6 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     g = p.add_argument_group("not supported yet (refused with a message)")
 
     add_refused_flag(g, "--fp8-param-gather", "FP8 parameters and their all-gather", action="store_true")
-    add_refused_flag(g, "--overlap-grad-reduce", "communication overlap", action="store_true")
-    add_refused_flag(g, "--overlap-param-gather", "communication overlap", action="store_true")
-    add_refused_flag(g, "--tp-comm-overlap", "tensor-parallel communication overlap", action="store_true")
     # FSDP runs through Megatron's sharding levels: --use-custom-fsdp --data-parallel-sharding-strategy ...
     add_refused_flag(g, "--use-torch-fsdp2", "FSDP2 outside the sharding levels", action="store_true")
 

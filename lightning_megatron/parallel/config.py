@@ -101,6 +101,19 @@ class ParallelConfig:
         recompute_num_layers: with ``"full"``: layers per group (uniform) or per stage (block).
         recompute_modules: with ``"selective"``: Megatron's names, any of ``"core_attn"`` (the default),
             ``"mlp"``, ``"layernorm"``, ``"moe"``, ``"moe_act"``, ``"shared_experts"``.
+        overlap_grad_reduce: data-parallel gradient reduction in buckets launched during backward
+            (``--overlap-grad-reduce``; :mod:`lightning_megatron.parallel.grad_buckets`). None (default): each
+            path's own default, overlapped for pp = 1 (torch DDP's buckets) and one reduction after the schedule
+            for pp > 1; True / False force it on both paths.
+        bucket_size: elements per gradient bucket (``--ddp-bucket-size``); None: torch DDP's 25 MiB (pp = 1),
+            40M elements (pp > 1, overlapped) or 64 MiB (pp > 1, after the schedule).
+        overlap_param_gather: with the distributed optimizer, the parameter broadcast after the optimizer step is
+            launched without waiting and each module waits for its own parameters in the next forward
+            (``--overlap-param-gather``; :mod:`lightning_megatron.parallel.param_gather`).
+        tp_comm_overlap: under sequence parallelism, the all-gather before column-parallel GEMMs and the
+            reduce-scatter after row-parallel GEMMs run as a ring of chunked GEMMs and point-to-point exchanges,
+            forward and backward (``--tp-comm-overlap``;
+            :mod:`lightning_megatron.parallel.tensor_parallel.comm_overlap`).
     """
 
     tp: int = 1
@@ -128,6 +141,10 @@ class ParallelConfig:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[Sequence[str]] = None
+    overlap_grad_reduce: Optional[bool] = None
+    bucket_size: Optional[int] = None
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
     dp: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +156,8 @@ class ParallelConfig:
             self.etp = self.tp
         if not _is_int(self.etp) or self.etp < 1:
             raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
-        for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile"):
+        for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile",
+                     "overlap_param_gather", "tp_comm_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False (a string such as 'no' "
                                  "would count as True)")
@@ -181,6 +199,7 @@ class ParallelConfig:
             raise ValueError("cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes, e.g. [2, cp // 2]")
         self._check_pipeline()
         self._check_sharding()
+        self._check_overlaps()
         if self.delay_wgrad_compute and not self.delay_wgrad_applies:
             raise ValueError(
                 "delay_wgrad_compute=True runs the weight-gradient GEMMs during the a2a context-parallel "
@@ -230,6 +249,22 @@ class ParallelConfig:
     def fsdp(self) -> bool:
         """Whether the sharding level shards gradients (and parameters) with FSDP2."""
         return self.data_parallel_sharding_strategy in FSDP_STRATEGIES
+    def _check_overlaps(self) -> None:
+        """Validate ``overlap_grad_reduce``, ``bucket_size``, ``overlap_param_gather`` and ``tp_comm_overlap``."""
+        if self.overlap_grad_reduce is not None and not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"overlap_grad_reduce={self.overlap_grad_reduce!r} must be None (each path's default), "
+                             "True or False")
+        if self.bucket_size is not None and (not _is_int(self.bucket_size) or self.bucket_size < 1):
+            raise ValueError(f"bucket_size={self.bucket_size!r} must be None or a positive number of elements per "
+                             "gradient bucket")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather=True overlaps the distributed optimizer's parameter broadcast "
+                             "with the next forward: it needs use_distributed_optimizer=True (Megatron's rule)")
+        if self.tp_comm_overlap and not (self.tp > 1 and self.sequence_parallel):
+            raise ValueError(
+                f"tp_comm_overlap=True overlaps the sequence-parallel all-gather / reduce-scatter with the GEMMs: it "
+                f"needs tp > 1 and sequence_parallel=True, got tp={self.tp}, sequence_parallel="
+                f"{self.sequence_parallel}")
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.pipeline import check_schedule, default_schedule

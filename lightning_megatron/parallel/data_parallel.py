@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.grad_buckets import ddp_bucket_kwargs
 from lightning_megatron.parallel.grad_sync import bf16_allreduce_hook, mean_allreduce_hook
 from lightning_megatron.parallel.mesh import ParallelMesh
 
@@ -32,7 +33,8 @@ def apply_dp(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
     Gradients live in DDP's buckets (``gradient_as_bucket_view=True`` unless given; Megatron's contiguous grad
     buffer). Expert parameters and router buffers are ignored by DDP. With ``register_hook`` the bucket all-reduce
     averages once per bucket (:func:`mean_allreduce_hook`; :func:`bf16_allreduce_hook` under
-    ``grad_reduce_in_bf16``) instead of DDP's per-parameter division kernels. Pipeline stages are not wrapped (a
+    ``grad_reduce_in_bf16``) instead of DDP's per-parameter division kernels. Bucket sizes follow
+    ``overlap_grad_reduce`` / ``bucket_size`` (:func:`~lightning_megatron.parallel.grad_buckets.ddp_bucket_kwargs`). Pipeline stages are not wrapped (a
     schedule runs one backward per micro-batch; their gradients are averaged in ``finalize_grads``).
     """
     if mesh.size("dp_cp") == 1:
@@ -41,6 +43,7 @@ def apply_dp(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
     kwargs = dict(ddp_kwargs or {})
     kwargs.setdefault("process_group", group)
     kwargs.setdefault("gradient_as_bucket_view", True)
+    kwargs.update(ddp_bucket_kwargs(module, config, kwargs))   # overlap_grad_reduce / bucket_size
     ignored = ddp_ignored_names(module, expert_params or [])
     if ignored:
         module._ddp_params_and_buffers_to_ignore = list(getattr(module, "_ddp_params_and_buffers_to_ignore", [])) + ignored

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_megatron.parallel.grad_buckets import GradBucketReducer, overlaps_grad_reduce
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
     allreduce_data_parallel_grads,
@@ -49,6 +50,22 @@ class GradientFinalizer:
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
         self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
+        #: pipeline stages' data-parallel reduction started in backward (``overlap_grad_reduce``), else None
+        self.reducer: Optional[GradBucketReducer] = None
+        if (stages is not None and mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config) and not config.fsdp
+                and parallelized.main_params is None):   # FSDP reduce-scatters per unit in backward by itself
+            uses: dict = {}
+            for stage in stages.modules:
+                for q in stage.parameters():
+                    uses[id(q)] = uses.get(id(q), 0) + 1
+            dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
+            self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Before a step's forward and backward passes (``num_microbatches`` of them per pipeline chunk): arm the
+        overlapped reduction of pipeline stages, if on (the schedule divides gradients by ``num_microbatches``)."""
+        if self.reducer is not None:
+            self.reducer.start_step(num_microbatches, num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient), reduce what DDP
@@ -59,9 +76,13 @@ class GradientFinalizer:
         p, mesh = self.parallelized, self.mesh
         if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
             p.main_params.to_main()
-        if (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:
+        if self.reducer is not None:
+            self.reducer.finish()
+        elif (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
-            allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype)
+            size = mesh.config.bucket_size   # elements; the buckets' default otherwise (64 MiB)
+            kwargs = {"bucket_bytes": size * dense[0].element_size()} if size is not None and dense else {}
+            allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype, **kwargs)
         if p.expert_params and not (self.fsdp is not None and self.fsdp.experts_sharded):
             allreduce_expert_parallel_grads(p.expert_params, mesh.group("edp"), mesh.size("dp_cp"),
                                             reduce_dtype=self.reduce_dtype)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.parallel.tensor_parallel.comm_overlap import ring_column_parallel_linear, ring_row_parallel_linear
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     Group,
     all_gather_dim0,
@@ -230,6 +231,8 @@ class ColumnParallelLinear(TensorParallelModule):
     recompute_input_gather: bool = False
     #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
     fp8_gemm = None
+    #: under SP: the gather and GEMM as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
+    tp_comm_overlap: bool = False
 
     def __init__(
         self,
@@ -295,6 +298,9 @@ class ColumnParallelLinear(TensorParallelModule):
             y = self.fp8_gemm(x, w, self.bias)
         elif self.tp_size == 1:
             y = F.linear(x, w, self.bias)
+        elif self.tp_comm_overlap and self.sequence_parallel:
+            y = ring_column_parallel_linear(x, w, self.bias, self.group, _autocast_dtype(x),
+                                            self.recompute_input_gather)
         else:
             y = _ColumnParallelLinearFn.apply(x, w, self.bias, self.group, self.sequence_parallel, _autocast_dtype(x),
                                               self.recompute_input_gather)
@@ -323,6 +329,8 @@ class RowParallelLinear(TensorParallelModule):
     reduce_bias_grad: bool = True
     #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
     fp8_gemm = None
+    #: under SP: the GEMM and reduce-scatter as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
+    tp_comm_overlap: bool = False
 
     def __init__(
         self,
@@ -363,11 +371,12 @@ class RowParallelLinear(TensorParallelModule):
         linear = F.linear if self.fp8_gemm is None else self.fp8_gemm
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
-        y = linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        if self.sequence_parallel and self.tp_comm_overlap and self.fp8_gemm is None:
+            y = ring_row_parallel_linear(x, self.weight, self.group, _autocast_dtype(x))
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(linear(x, self.weight), self.group)
         else:
-            y = reduce_from_tensor_model_parallel_region(y, self.group)
+            y = reduce_from_tensor_model_parallel_region(linear(x, self.weight), self.group)
         if self.bias is not None:
             reduce = self.sequence_parallel and self.reduce_bias_grad
             bias = copy_to_tensor_model_parallel_region(self.bias, self.group) if reduce else self.bias
