@@ -148,6 +148,15 @@ class InitialisableModel(Protocol):
     def init_weights(self, seed: Optional[int] = None) -> None: ...
 
 
+@runtime_checkable
+class TiedWeightsModel(Protocol):
+    """A model with modules that read a parameter another module owns (a tied LM head reads the word embedding)."""
+
+    def tied_weight_readers(self) -> Dict[nn.Module, List[nn.Parameter]]:
+        """``{module: [parameters it reads but does not own]}`` for the modules this (pipeline-split) model holds."""
+        ...
+
+
 # ---------------------------------------------------------------------------------------------- LightningModule
 @runtime_checkable
 class ConfiguredModule(Protocol):

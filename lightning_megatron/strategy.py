@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_megatron.checkpoint_io import AtomicCheckpointIO
-from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule
+from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule, TiedWeightsModel
 from lightning_megatron.keywords import check_keywords
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
 from lightning_megatron.parallel.config import ParallelConfig
@@ -273,9 +273,8 @@ class MegatronStrategy(DDPStrategy):
         may not run on this pipeline stage): what :class:`OverlappedParamGather` waits for besides own parameters."""
         waits: Dict[Any, List[Any]] = {}
         for model in self.parallelized.models:
-            head, embedding = getattr(model, "output_layer", None), getattr(model, "embedding", None)
-            if head is not None and embedding is not None and getattr(head, "weight", 0) is None:
-                waits[head] = [embedding.word_embeddings.weight]
+            if isinstance(model, TiedWeightsModel):
+                waits.update(model.tied_weight_readers())
         return waits
 
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
@@ -465,7 +464,9 @@ class MegatronStrategy(DDPStrategy):
         layout) or a ``Layout``; ``options`` are further ``MegatronStrategy`` keywords and override the layout's.
         The layout's micro-batch size and micro-batches per step belong to the data module and to
         ``Trainer(accumulate_grad_batches=...)``: read them from ``plan.best``."""
-        layout = plan.best if hasattr(plan, "best") else plan
+        from lightning_megatron.planner import Plan
+
+        layout = plan.best if isinstance(plan, Plan) else plan
         return cls(**{**layout.strategy_kwargs(), **options})
 
     # ------------------------------------------------------------------ registry

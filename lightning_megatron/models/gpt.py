@@ -449,6 +449,14 @@ class GPTModel(nn.Module):
         gen.manual_seed(parameter_seed(seed, name))
         return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
+    def tied_weight_readers(self) -> Dict[nn.Module, List[nn.Parameter]]:
+        """``{output_layer: [word-embedding weight]}`` when the LM head is tied to the word embeddings and this
+        (possibly pipeline-split) model holds both, else ``{}``: the head reads a weight the embedding owns."""
+        head, embedding = self.output_layer, self.embedding
+        if head is None or embedding is None or head.weight is not None:
+            return {}
+        return {head: [embedding.word_embeddings.weight]}
+
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
         """Initialise every parameter from ``seed`` (default ``torch.initial_seed()``), layout-independently.
