@@ -52,6 +52,7 @@ from lightning_megatron.parallel.distributed_optimizer import (
 )
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -155,6 +156,8 @@ class MegatronStrategy(DDPStrategy):
         self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
         self._sharded_io: Optional[Any] = None
+        #: optimizer steps dropped by ``check_for_nan_in_loss_and_grad="skip"`` (also logged as ``skipped_steps``)
+        self.skipped_steps: int = 0
 
     @property
     def pipeline_schedule(self) -> str:
@@ -353,7 +356,15 @@ class MegatronStrategy(DDPStrategy):
             self.finalize_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
+            self.skipped_steps += 1
+            if self.is_global_zero:
+                log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+            self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
+                                      prog_bar=False, logger=True, rank_zero_only=True)
+            return None
 
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""

@@ -39,7 +39,8 @@ class GradientFinalizer:
         stages = parallelized.pipeline
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
-        self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
+        check = config.check_for_nan_in_loss_and_grad
+        self.guard = NonFiniteGuard(parallelized.module, enabled=bool(check), skip=check == "skip")
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Reduce what DDP does not (collective over dp_cp / edp / tp / embedding groups as they apply), then the
