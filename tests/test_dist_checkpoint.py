@@ -47,9 +47,9 @@ def _resume(rank, world, cfg, samples, kwargs, micro_batch, path):
     recorder = LossRecorder()
     trainer = trainer_for(world, MegatronStrategy(**kwargs), RESUME_STEPS, callbacks=[recorder])
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch), ckpt_path=path)
+    state = trainer.strategy.full_state_dict()   # collective
     return {"losses": recorder.losses, "global_step": trainer.global_step,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "state": trainer.strategy.full_state_dict() if rank == 0 else None}
+            "lr": trainer.optimizers[0].param_groups[0]["lr"], "state": state if rank == 0 else None}
 
 
 @pytest.fixture(scope="module")
