@@ -1,5 +1,6 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
 from lightning_megatron.callbacks import MFUMonitor, flops_per_token, num_floating_point_operations
+from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.module import ParallelGPTModule
@@ -45,4 +46,5 @@ __all__ = [
     "MFUMonitor",
     "num_floating_point_operations",
     "flops_per_token",
+    "ShardedCheckpointIO",
 ]

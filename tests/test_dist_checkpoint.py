@@ -9,7 +9,6 @@ import time
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
