@@ -211,7 +211,8 @@ class MegatronStrategy(DDPStrategy):
         env = self.cluster_environment
         if type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0:
             die_with_parent()
-        watch_signals()
+        if self.num_processes * self.num_nodes > 1:   # a one-process run (a notebook) keeps its own Ctrl-C
+            watch_signals()
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed rank (an error, a timed-out collective) takes the ranks it launched with it."""

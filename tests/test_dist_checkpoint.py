@@ -3,6 +3,7 @@ resharding across layouts against a single-process reference, and a run killed (
 save that resumes bit-exactly from its last complete checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -108,11 +109,13 @@ class _KillDuringSave(pl.Callback):
     is writing (the writer is slowed down for that save; the kill comes at the start of the next epoch, as
     ``ModelCheckpoint`` runs after the other callbacks)."""
 
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, epoch: int, losses: LossRecorder, out: str) -> None:
+        self.epoch, self.losses, self.out = epoch, losses, out
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == self.epoch + 1:
+            with open(f"{self.out}.losses{trainer.global_rank}", "w") as f:   # what the run did before it died
+                json.dump(self.losses.losses, f)
             time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.current_epoch == self.epoch:
@@ -134,7 +137,7 @@ def _fault_run(rank, world, cfg, samples, path, kill_epoch, ckpt_path):
     recorder = LossRecorder()
     saver = ModelCheckpoint(dirpath=path, filename="{step}", save_top_k=1, every_n_epochs=1,
                             save_on_train_epoch_end=True)
-    callbacks = [recorder, saver] + ([_KillDuringSave(kill_epoch)] if kill_epoch is not None else [])
+    callbacks = [recorder, saver] + ([_KillDuringSave(kill_epoch, recorder, path)] if kill_epoch is not None else [])
     strategy = MegatronStrategy(use_distributed_optimizer=True, ckpt_format="torch_dist", async_save=True)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -147,22 +150,23 @@ def test_killed_async_save_resumes_bit_exact_from_last_complete_checkpoint(tmp_p
     """dp2 with the distributed optimizer and background saves, one checkpoint per epoch, ModelCheckpoint keeping
     one: both ranks SIGKILLed while epoch 2's checkpoint is being written. The directory then holds epoch 1's
     complete checkpoint (its removal waited for a successor that never completed) and the killed save's temporary
-    directory only; a restart from it cleans the leftover and trains steps 3-6 with losses bit-exact to an
-    uninterrupted run. A truncated shard file is named when loading."""
+    directory only; a restart from it cleans the leftover and trains steps 3-6, steps 3-4 with losses bit-exact to
+    those the killed run had trained uninterrupted. A truncated shard file is named when loading."""
     cfg = tiny_config()
     samples = make_samples(cfg, N_FAULT)
-    full = run_distributed(_fault_run, 2, cfg, samples, str(tmp_path / "full"), None, None)
     path = tmp_path / "killed"
     with pytest.raises(AssertionError, match="exit code -9"):
         run_distributed(_fault_run, 2, cfg, samples, str(path), 1, None)
+    before = [json.load(open(f"{path}.losses{r}")) for r in (0, 1)]
+    assert all(len(b) == 4 for b in before), before
     entries = sorted(os.listdir(path))
     assert len(entries) == 2 and entries[1] == "step=2.ckpt", entries
     assert entries[0].startswith(".step=4.ckpt.dcp-tmp-"), entries
     assert is_sharded_checkpoint(path / "step=2.ckpt")
     resumed = run_distributed(_fault_run, 2, cfg, samples, str(path), None, str(path / "step=2.ckpt"))
-    for r, f in zip(resumed, full):
-        assert f["global_step"] == r["global_step"] == EPOCHS * 2
-        assert r["losses"] == f["losses"][2:]            # bit-exact
+    for r, b in zip(resumed, before):
+        assert r["global_step"] == EPOCHS * 2 and len(r["losses"]) == 4
+        assert r["losses"][:2] == b[2:]                   # bit-exact
     # the leftover is cleaned and step 4's checkpoint rotated out once step 6's completed (the resumed-from one is
     # not ModelCheckpoint's to rotate)
     assert sorted(os.listdir(path)) == ["step=2.ckpt", "step=6.ckpt"]
