@@ -115,7 +115,8 @@ def test_sigterm_to_a_rank_blocked_in_a_collective_ends_the_job(tmp_path, jobs):
     out, _ = job.communicate(timeout=120)
     assert job.returncode != 0, out[-3000:]
     assert time.time() - start < 30, out[-3000:]
-    assert "SIGTERM received" in out and "exited with code 143" in out, out[-3000:]
+    assert "SIGTERM received" in out, out[-3000:]   # the rank ended itself, blocked as it was
+    assert "code 143" in out, out[-3000:]           # and rank 0 noticed its exit (its watcher or Lightning's)
     assert all(_gone(p) for p in pids), pids
 
 
