@@ -13,6 +13,9 @@ an older complete checkpoint is never deleted before its successor is complete.
 
 Loading checks, before reading, that every file the ``.metadata`` indexes exists and is long enough (a truncated
 or missing shard file is named), and reads pickled values (the loop state) with ``weights_only=True``.
+
+:func:`save_sharded` / :func:`load_sharded` turn Lightning's checkpoint dict into such a directory and back (the
+strategy's ``save_checkpoint`` / ``load_checkpoint`` under ``ckpt_format="torch_dist"``).
 """
 from __future__ import annotations
 
@@ -282,3 +285,118 @@ class ShardedCheckpointIO:
         """Fill ``state`` (load targets; pickled values are set into it) from directory ``path``."""
         dcp.load(state, storage_reader=FileSystemReader(os.path.abspath(str(path))),
                  planner=_SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
+
+
+# ---------------------------------------------------------------------------------------------- Lightning checkpoints
+class ShardedModelState(dict):
+    """This rank's model state read from a sharded checkpoint (already in the current layout)."""
+
+
+def rng_state(device: torch.device, tp_rng: Any = None) -> Dict[str, Any]:
+    """This process's RNG states: torch (and CUDA on ``device``), Python's, the tensor-parallel stream's."""
+    import random
+
+    version, words, gauss = random.getstate()
+    out: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(words), "python_version": version,
+                           "python_gauss": gauss}
+    if device.type == "cuda" and torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    if tp_rng is not None:
+        out["tensor_parallel"] = tp_rng._get_state().cpu()
+    return out
+
+
+def set_rng_state(state: Dict[str, Any], device: torch.device, tp_rng: Any = None) -> None:
+    """Restore what :func:`rng_state` returned."""
+    import random
+
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "tensor_parallel" in state and tp_rng is not None:
+        tp_rng._set_state(state["tensor_parallel"])
+
+
+def save_sharded(io: ShardedCheckpointIO, checkpoint: Dict[str, Any], path: str, rank: int,
+                 layout: Dict[str, int], device: torch.device, tp_rng: Any = None) -> None:
+    """Write Lightning's ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` already DCP entries, from
+    :mod:`lightning_megatron.parallel.sharded_state`) as sharded directory ``path``: the rest (loops, LR
+    schedulers, callbacks, data position, optimizer hyper-parameters, ``layout``) once, this rank's RNG states
+    under ``rng.<rank>``. Collective."""
+    rest = dict(checkpoint)
+    state: Dict[str, Any] = dict(rest.pop("state_dict", {}))
+    hyper = []
+    for entries, groups in rest.pop("optimizer_states", []):
+        state.update(entries)
+        hyper.append(groups)
+    rest["optimizer_param_groups"] = hyper
+    rest["megatron_layout"] = layout
+    state["lightning"] = rest
+    state[f"rng.{rank}"] = rng_state(device, tp_rng)
+    io.save(state, path)
+
+
+def check_keys(module_name: str, local: List[str], saved: List[str], strict: bool) -> None:
+    """Missing and unexpected model keys over every rank's keys (one ``all_gather_object`` of names, so that all
+    ranks raise together), in torch's wording. Collective over the world."""
+    keys = set(local)
+    if dist.is_available() and dist.is_initialized():
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        keys = {k for part in gathered for k in part}
+    if not strict:
+        return
+    saved_set = set(saved)
+    missing = sorted(k for k in keys if k not in saved_set)
+    unexpected = sorted(k for k in saved_set if k not in keys)
+    errors = []
+    if missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {module_name}:\n\t" + "\n\t".join(errors)
+                           + "\nThe checkpoint is of a model of another shape; build the model it was saved from, "
+                           "or load the common keys with strict_loading=False")
+
+
+def load_sharded(io: ShardedCheckpointIO, path: str, module: Any, optimizers: List[Any], rank: int,
+                 layout: Dict[str, int], device: torch.device, tp_rng: Any = None) -> Dict[str, Any]:
+    """Read sharded directory ``path`` for this rank: a Lightning checkpoint dict whose ``state_dict`` is a
+    :class:`ShardedModelState` (this rank's tensors in the current layout) and whose ``optimizer_states`` are
+    ``(LoadedOptimizerState, read values)`` for :func:`~lightning_megatron.parallel.sharded_state.
+    apply_optimizer_state` (``optimizers``: empty when not fitting). Strictness follows ``module.strict_loading``;
+    the RNG states come back when ``layout`` is the one that saved. Collective over the world."""
+    from lightning_megatron.parallel.sharded_state import (
+        ShardLayout,
+        model_targets,
+        optimizer_targets,
+        saved_model_keys,
+    )
+
+    saved = io.metadata(path)
+    shards = ShardLayout(module)
+    local = module.state_dict()
+    check_keys(type(module).__name__, list(local), saved_model_keys(saved), getattr(module, "strict_loading", True))
+    state, tensors = model_targets(local, shards, saved)
+    loaded = []
+    for i, optimizer in enumerate(optimizers):
+        targets, entry = optimizer_targets(i, optimizer, shards, saved, [])
+        state.update(targets)
+        loaded.append(entry)
+    state["lightning"] = None
+    rng_key = f"rng.{rank}"
+    if rng_key in saved.state_dict_metadata:
+        state[rng_key] = None
+    io.load(state, path)
+    checkpoint = dict(state["lightning"])
+    if state.get(rng_key) is not None and checkpoint.get("megatron_layout") == layout:
+        set_rng_state(state[rng_key], device, tp_rng)
+    checkpoint["state_dict"] = ShardedModelState(
+        {k: tensors.get(k, state.get("state_dict." + k)) for k in local if "state_dict." + k in saved.state_dict_metadata})
+    if loaded and checkpoint.get("optimizer_param_groups"):
+        for entry, hyper in zip(loaded, checkpoint["optimizer_param_groups"]):
+            entry.hyper = hyper
+        checkpoint["optimizer_states"] = [(entry, state) for entry in loaded]
+    return checkpoint

@@ -452,56 +452,25 @@ class MegatronStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """``"torch"``: rank 0 writes one file (``checkpoint_io``). ``"torch_dist"``: every rank writes its shards
-        into directory ``filepath``, complete or absent (:class:`~lightning_megatron.dist_checkpoint.
-        ShardedCheckpointIO`); the loop state, LR schedulers, callbacks and data position once, and each rank's
-        RNG states."""
+        into directory ``filepath``, complete or absent (:func:`~lightning_megatron.dist_checkpoint.save_sharded`)."""
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("ckpt_format='torch_dist' does not take storage_options")
-        rest = dict(checkpoint)
-        state: Dict[str, Any] = dict(rest.pop("state_dict", {}))
-        hyper = []
-        for entries, groups in rest.pop("optimizer_states", []):
-            state.update(entries)
-            hyper.append(groups)
-        rest["optimizer_param_groups"] = hyper
-        rest["megatron_layout"] = self._layout_signature()
-        state["lightning"] = rest
-        state[f"rng.{self.global_rank}"] = self._rng_state()
-        self._sharded_io.save(state, str(filepath))
+        from lightning_megatron.dist_checkpoint import save_sharded
+
+        save_sharded(self._sharded_io, checkpoint, str(filepath), self.global_rank, self._layout_signature(),
+                     self.root_device, self.tp_rng)
 
     def _layout_signature(self) -> Dict[str, int]:
         c = self.mesh.config
         return {"world": self.world_size, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "etp": c.etp}
 
-    def _rng_state(self) -> Dict[str, Any]:
-        import random
-
-        out: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-                               "python_version": random.getstate()[0], "python_gauss": random.getstate()[2]}
-        if torch.cuda.is_available() and self.root_device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(self.root_device)
-        if self.tp_rng is not None:
-            out["tensor_parallel"] = self.tp_rng._get_state().cpu()
-        return out
-
-    def _set_rng_state(self, state: Dict[str, Any]) -> None:
-        import random
-
-        torch.set_rng_state(state["torch"])
-        random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-        if "cuda" in state and self.root_device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.root_device)
-        if "tensor_parallel" in state and self.tp_rng is not None:
-            self.tp_rng._set_state(state["tensor_parallel"])
-
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A file: Lightning's load (full tensors, sharded by :meth:`load_model_state_dict`). A sharded directory:
-        every rank reads the blocks of its own shards that the checkpoint holds, whatever layout wrote it (collective;
-        a damaged or incomplete checkpoint raises naming the file). RNG states are restored when the layout is the
-        one that saved."""
-        from lightning_megatron.dist_checkpoint import ShardedCheckpointIO, is_sharded_checkpoint
+        every rank reads the blocks of its own shards, whatever layout wrote them
+        (:func:`~lightning_megatron.dist_checkpoint.load_sharded`; collective)."""
+        from lightning_megatron.dist_checkpoint import ShardedCheckpointIO, is_sharded_checkpoint, load_sharded
 
         if not is_sharded_checkpoint(checkpoint_path):
             if self._sharded_io is not None:
@@ -511,72 +480,18 @@ class MegatronStrategy(DDPStrategy):
 
                 verify_checkpoint(str(checkpoint_path))   # raises: a directory without complete metadata
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        from lightning_megatron.parallel.sharded_state import (
-            ShardLayout,
-            model_targets,
-            optimizer_targets,
-            saved_model_keys,
-        )
-
-        io = self._sharded_io if self._sharded_io is not None else ShardedCheckpointIO()
-        saved = io.metadata(str(checkpoint_path))
-        module = self.lightning_module
-        layout = ShardLayout(module)
-        local = module.state_dict()
-        self._check_keys(list(local), saved_model_keys(saved), module.strict_loading)
-        state, tensors = model_targets(local, layout, saved)
-        loaded = []
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            for i, optimizer in enumerate(self.optimizers):
-                targets, entry = optimizer_targets(i, optimizer, layout, saved, [])
-                state.update(targets)
-                loaded.append(entry)
-        state["lightning"] = None
-        rng_key = f"rng.{self.global_rank}"
-        if rng_key in saved.state_dict_metadata:
-            state[rng_key] = None
-        io.load(state, str(checkpoint_path))
-        checkpoint = dict(state["lightning"])
-        if state.get(rng_key) is not None and checkpoint.get("megatron_layout") == self._layout_signature():
-            self._set_rng_state(state[rng_key])
-        model_state = {k: tensors.get(k, state.get("state_dict." + k)) for k in local
-                       if "state_dict." + k in saved.state_dict_metadata}
-        checkpoint["state_dict"] = _ShardedModelState(model_state)
-        if fitting and "optimizer_param_groups" in checkpoint:
-            for entry, hyper in zip(loaded, checkpoint["optimizer_param_groups"]):
-                entry.hyper = hyper
-            checkpoint["optimizer_states"] = [(entry, state) for entry in loaded]
-        return checkpoint
-
-    def _check_keys(self, local: List[str], saved: List[str], strict: bool) -> None:
-        """Missing and unexpected keys over every rank's keys (one ``all_gather_object`` of names), so that all
-        ranks raise together, in torch's wording."""
-        keys = set(local)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: List[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, local)
-            keys = {k for part in gathered for k in part}
-        if not strict:
-            return
-        saved_set = set(saved)
-        missing = sorted(k for k in keys if k not in saved_set)
-        unexpected = sorted(k for k in saved_set if k not in keys)
-        errors = []
-        if missing:
-            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
-        if unexpected:
-            errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
-        if errors:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.lightning_module).__name__}:\n\t"
-                               + "\n\t".join(errors) + "\nThe checkpoint is of a model of another shape; build the "
-                               "model it was saved from, or load the common keys with strict_loading=False")
+        io = self._sharded_io if self._sharded_io is not None else ShardedCheckpointIO()
+        return load_sharded(io, str(checkpoint_path), self.lightning_module, self.optimizers if fitting else [],
+                            self.global_rank, self._layout_signature(), self.root_device, self.tp_rng)
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
         """Load a full checkpoint, keeping this rank's shards, or this rank's shards read from a sharded one;
         ``strict``: missing and unexpected keys (over every pipeline stage) raise, naming them, as plain Lightning
         does."""
-        if isinstance(checkpoint["state_dict"], _ShardedModelState):
+        from lightning_megatron.dist_checkpoint import ShardedModelState
+
+        if isinstance(checkpoint["state_dict"], ShardedModelState):
             self.lightning_module.load_state_dict(dict(checkpoint["state_dict"]), strict=strict)
             return
         state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
@@ -620,10 +535,6 @@ class MegatronStrategy(DDPStrategy):
         if "megatron_spawn" not in strategy_registry:
             strategy_registry.register("megatron_spawn", cls, description="MegatronStrategy, spawn launch",
                                        start_method="spawn")
-
-
-class _ShardedModelState(dict):
-    """This rank's model state read from a sharded checkpoint (already in the current layout)."""
 
 
 MegatronStrategy.register_strategies(StrategyRegistry)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.nonfinite import NonFiniteError
 from tests._dist import run_distributed, run_each
 from tests.parity import SEED, ListDataset, LossRecorder, make_samples, new_module, tiny_config, trainer_for
 
@@ -155,13 +156,39 @@ def _skip_run(rank, world, clip):
             "finite": bool(torch.isfinite(w[-1]).all())}
 
 
-def test_skip_mode_drops_the_step_on_every_rank_and_goes_on():
+def _refuse_sharded_save(rank, world, path):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    module = new_module(cfg, 1)
+    trainer = trainer_for(world, MegatronStrategy(tp=2, ckpt_format="torch_dist"), 1)
+    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=4))
+    if rank == 1:
+        with torch.no_grad():
+            module.model.decoder.layers["0"].self_attention.linear_qkv.weight[0, 0] = NAN
+    try:
+        trainer.save_checkpoint(path)
+    except NonFiniteError as e:
+        return str(e)
+    return None
+
+
+def _case(rank, world, kind, arg):
+    return _skip_run(rank, world, arg) if kind == "skip" else _refuse_sharded_save(rank, world, arg)
+
+
+def test_skip_mode_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     """check_for_nan_in_loss_and_grad="skip", tp=2, a NaN gradient on rank 1 at step 1 (without clipping: the
     gradient check; with clipping: the global norm): both ranks drop that step (the weights after it equal those
-    before), count and log it, and train on with finite weights to the end."""
-    cases = [("no_clip", (None,)), ("clip", (1.0,))]
-    out = run_distributed(run_each, 2, _skip_run, cases)
+    before), count and log it, and train on with finite weights to the end. Non-finite weights are still refused
+    a checkpoint, a sharded one too (nothing is written, not even a temporary directory)."""
+    path = tmp_path / "bad.ckpt"
+    cases = [("no_clip", ("skip", None)), ("clip", ("skip", 1.0)), ("refuse", ("refuse", str(path)))]
+    out = run_distributed(run_each, 2, _case, cases)
+    assert os.listdir(tmp_path) == []
     for rank, results in enumerate(out):
+        refused = results.pop("refuse")
+        assert refused is not None and "rank 1: weight model.decoder.layers.0.self_attention.linear_qkv.weight (nan)" \
+            in refused and "no checkpoint was written" in refused, refused
         for name, r in results.items():
             assert isinstance(r, dict), f"rank {rank} {name}:\n{r}"
             assert r["global_step"] == 4 and r["skipped"] == 1 and r["logged"] == 1.0, (name, r)
