@@ -68,6 +68,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner for a flat state, writing into the blocks of a ``ShardedEntry`` and reading
     pickled values with ``weights_only=True`` (no code in a checkpoint runs)."""
 
+    def set_up_planner(self, state_dict: Dict[str, Any], metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
+        # The state is flat and holds no meta tensors: DCP's own set-up would pass it through its state-dict
+        # iterator, which replaces values of types it does not know (a ShardedEntry) with None.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
 
