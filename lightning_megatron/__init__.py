@@ -1,6 +1,7 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
 from lightning_megatron.hf import HFCheckpointLoader, config_from_hf, config_to_hf, export_hf, load_hf_weights
 from lightning_megatron.callbacks import LossCurve, MFUMonitor, flops_per_token, num_floating_point_operations
+from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import GPTModel
 from lightning_megatron.models.kv_cache import KVCache
@@ -66,4 +67,5 @@ __all__ = [
     "load_hf_weights",
     "export_hf",
     "HFCheckpointLoader",
+    "ShardedCheckpointIO",
 ]

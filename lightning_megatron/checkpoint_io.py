@@ -22,7 +22,15 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves are complete or absent (a same-directory temporary file renamed into
-    place; see the module docstring). Loading is Lightning's."""
+    place; see the module docstring). Loading is Lightning's, with ``weights_only=True`` unless the caller says
+    otherwise (``Trainer.fit(weights_only=False)``): no code in a checkpoint runs, whatever the environment's
+    default."""
+
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Lightning's load, ``weights_only=True`` when not given."""
+        return super().load_checkpoint(path, map_location=map_location,
+                                       weights_only=True if weights_only is None else weights_only)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` to ``path``: a sibling temporary file, fsync, then ``os.replace`` (local paths)."""

@@ -1,10 +1,26 @@
 """Process launch for :class:`~lightning_megatron.MegatronStrategy`: the spawn launcher that hands the main
-process full (gathered) weights, and the one environment variable the library reads (Lightning's global seed)."""
+process full (gathered) weights, the one environment variable the library reads (Lightning's global seed), and
+the guards that end a job as a whole (no rank left waiting, no orphan process):
+
+- :func:`die_with_parent`: a launched rank gets SIGKILL when the process that started it exits;
+- :func:`watch_children`: the launching rank ends every rank (and itself) when a rank it started exits non-zero;
+- :func:`watch_signals`: SIGTERM / SIGINT end the process after a short grace, even when its main thread is
+  blocked in a collective, where Python-level handlers (Lightning's) cannot run.
+
+Killing one rank is enough: its peers' next (or current) collective fails at once on the closed connection, and
+the processes it started get SIGKILL from :func:`die_with_parent`.
+"""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import subprocess
+import sys
 import tempfile
-from typing import Any, Optional
+import threading
+import time
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +39,94 @@ def global_seed() -> int:
     return int(value) if value is not None else DEFAULT_SEED
 
 
+#: seconds a process gets after SIGTERM / SIGINT to stop on its own (Lightning's handling) before it is ended
+SIGNAL_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+_installed: List[str] = []   # which process-wide guards this process has (each once per process)
+
+
+def die_with_parent(parent_pid: Optional[int] = None) -> bool:
+    """Ask Linux to SIGKILL this process when the thread that started it exits (``prctl(PR_SET_PDEATHSIG)``); if
+    the parent is already gone (``parent_pid`` given and no longer the parent), exit now. Returns whether it took
+    effect (False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+    return True
+
+
+def _end(code: int, reason: str) -> None:
+    sys.stderr.write(f"lightning-megatron: {reason}; ending process {os.getpid()} (exit code {code})\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def watch_children(procs: Callable[[], List[subprocess.Popen]], poll_s: float = 0.5) -> None:
+    """Start a daemon thread that, once any process of ``procs()`` exits with a non-zero code, kills the others
+    (SIGKILL) and ends this process: a rank that died or timed out takes the job with it, even while this
+    process's main thread is blocked or busy."""
+    if "children" in _installed:
+        return
+    _installed.append("children")
+
+    def run() -> None:
+        while True:
+            time.sleep(poll_s)
+            children = list(procs())
+            failed = [p for p in children if p.poll() not in (None, 0)]
+            if failed:
+                for p in children:
+                    if p.poll() is None:
+                        p.kill()
+                _end(1, f"rank process {failed[0].pid} exited with code {failed[0].returncode}")
+
+    threading.Thread(target=run, name="lightning-megatron-children", daemon=True).start()
+
+
+def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
+    """End this process ``grace_s`` seconds after a SIGTERM or SIGINT that has a Python handler (Lightning's, or
+    Python's KeyboardInterrupt), unless it has ended by then. Python runs signal handlers only between bytecodes of
+    the main thread, so a rank blocked in a collective would otherwise never notice; the signal's arrival is seen
+    through ``signal.set_wakeup_fd`` by a daemon thread. Call from the main thread; returns whether it is watching
+    (False when another wakeup fd is set, e.g. by an asyncio loop, which is left alone)."""
+    if "signals" in _installed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:
+        return False
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return False
+    _installed.append("signals")
+    watched = {int(signal.SIGTERM), int(signal.SIGINT)}
+
+    def run() -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            hit = [b for b in data if b in watched]
+            if hit:
+                time.sleep(grace_s)
+                name = signal.Signals(hit[0]).name
+                _end(128 + hit[0], f"{name} received {grace_s:.0f}s ago and the process did not stop")
+
+    threading.Thread(target=run, name="lightning-megatron-signals", daemon=True).start()
+    return True
+
+
 class MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
     """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards."""
 
@@ -37,7 +141,7 @@ class MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
         strategy = self._strategy
-        state_dict = strategy.lightning_module_state_dict() if trainer.state.fn == TrainerFn.FITTING else None
+        state_dict = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else None
         if strategy.local_rank != 0:
             return None
         checkpoint_callback = trainer.checkpoint_callback

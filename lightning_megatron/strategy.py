@@ -18,6 +18,7 @@ import functools
 import inspect
 import logging
 import typing
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Union
@@ -38,7 +39,13 @@ import lightning.pytorch as pl
 from lightning_megatron.checkpoint_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule, TiedWeightsModel
 from lightning_megatron.keywords import check_keywords
-from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed
+from lightning_megatron.launcher import (
+    MegatronMultiProcessingLauncher,
+    die_with_parent,
+    global_seed,
+    watch_children,
+    watch_signals,
+)
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import (
@@ -50,6 +57,7 @@ from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, distribute_like, mixed_precision_policy
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
+from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
 from lightning_megatron.parallel.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -82,7 +90,12 @@ class MegatronStrategy(DDPStrategy):
             ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) or Lightning's DDP hook options
             (``ddp_comm_hook``, ...). Any other keyword raises TypeError naming the closest valid one.
         checkpoint_io: default :class:`~lightning_megatron.checkpoint_io.AtomicCheckpointIO` (a local checkpoint is
-            complete or absent, never truncated).
+            complete or absent, never truncated); used by ``ckpt_format="torch"``.
+        ckpt_format, async_save: ``"torch"`` (default) saves one file of full tensors; ``"torch_dist"`` a
+            directory where each rank writes its own shards (:mod:`lightning_megatron.dist_checkpoint`), in the
+            background with ``async_save=True``. Both load under any layout; loading detects the format.
+        timeout, distributed_timeout_minutes: the timeout of every process group (the world's and each of the
+            mesh's); give one of them (``distributed_timeout_minutes``: Megatron's name, in minutes).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
 
@@ -121,6 +134,12 @@ class MegatronStrategy(DDPStrategy):
                              "exchanges measured no gain on 2xH200 (benchmarks/RESULTS.md). The a2a layers overlap "
                              "their backward exchanges by default (delay_wgrad_compute); drop overlap_cp_a2a")
         layout = {k: options.pop(k) for k in list(options) if k in LAYOUT_OPTIONS}
+        minutes = layout.get("distributed_timeout_minutes")
+        if minutes is not None and not isinstance(minutes, bool) and isinstance(minutes, (int, float)) and minutes > 0:
+            if timeout is not default_pg_timeout and timeout != timedelta(minutes=minutes):
+                raise ValueError(f"timeout={timeout!r} and distributed_timeout_minutes={minutes!r} disagree: both set "
+                                 "the timeout of every process group; give one of them")
+            timeout = timedelta(minutes=minutes)
         ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _DDP_SET_BY_STRATEGY]
         own = [n for n in inspect.signature(MegatronStrategy.__init__).parameters if n not in ("self", "options")]
         check_keywords("MegatronStrategy", options, own + list(LAYOUT_OPTIONS) + list(_DDP_STRATEGY_KEYWORDS) + ddp)
@@ -144,6 +163,9 @@ class MegatronStrategy(DDPStrategy):
         #: the FSDP units under data_parallel_sharding_strategy optim_grads / optim_grads_params (after fit's setup)
         self.fsdp: Optional[FSDPModel] = None
         self._param_gather: Optional[OverlappedParamGather] = None
+        self._sharded_io: Optional[Any] = None
+        #: optimizer steps dropped by ``check_for_nan_in_loss_and_grad="skip"`` (also logged as ``skipped_steps``)
+        self.skipped_steps: int = 0
 
     @property
     def pipeline_schedule(self) -> str:
@@ -166,8 +188,16 @@ class MegatronStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
+        self._guard_processes()
         super().setup_environment()
-        self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type)
+        self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
+        if self.parallel_config.ckpt_format == "torch_dist":
+            from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
+
+            group = None
+            if self.parallel_config.async_save:   # background saves talk over their own gloo group
+                group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+            self._sharded_io = ShardedCheckpointIO(self.parallel_config.async_save, group)
         if isinstance(self.lightning_module, ConfiguredModule):
             self.parallel_config.validate_model(self.lightning_module.config)
         self.seed = global_seed()
@@ -175,6 +205,32 @@ class MegatronStrategy(DDPStrategy):
         torch.manual_seed(default_seed(self.seed, pp_rank))
         self.tp_rng = TensorParallelRNG(tensor_parallel_seed(self.seed, tp_rank, pp_rank), self.root_device)
         log.info("lightning-megatron mesh: %r", self.mesh)
+
+    def _guard_processes(self) -> None:
+        """No hangs, no orphans (:mod:`lightning_megatron.launcher`): a rank this process launched that exits
+        non-zero ends the job; a rank launched by this strategy's script launcher dies with its parent; SIGTERM and
+        SIGINT end the process after a short grace even inside a stalled collective."""
+        from lightning.fabric.plugins.environments import LightningEnvironment
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+        launcher = self._launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and getattr(launcher, "procs", None):
+            watch_children(lambda: launcher.procs)
+        env = self.cluster_environment
+        if type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0:
+            die_with_parent()
+        if self.num_processes * self.num_nodes > 1:   # a one-process run (a notebook) keeps its own Ctrl-C
+            watch_signals()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed rank (an error, a timed-out collective) takes the ranks it launched with it."""
+        super().on_exception(exception)
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            for proc in getattr(self._launcher, "procs", []):
+                if proc.poll() is None:
+                    proc.kill()
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
@@ -339,6 +395,7 @@ class MegatronStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self.wait_for_parameters()
+        self.finish_checkpoints()
         super().on_train_end()
         if self._steps is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
@@ -371,7 +428,15 @@ class MegatronStrategy(DDPStrategy):
             self.finalize_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
+            self.skipped_steps += 1
+            if self.is_global_zero:
+                log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+            self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
+                                      prog_bar=False, logger=True, rank_zero_only=True)
+            return None
 
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
@@ -419,27 +484,101 @@ class MegatronStrategy(DDPStrategy):
     def _pp_group(self) -> Any:
         return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
 
-    def lightning_module_state_dict(self) -> Dict[str, Any]:
-        """Full, layout-independent state (TP shards gathered; collective on every rank). Non-finite weights raise
-        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank: no checkpoint is written."""
-        self.wait_for_parameters()
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Whether checkpoints are saved as sharded directories (``ckpt_format="torch_dist"``)."""
+        return self.parallel_config.ckpt_format == "torch_dist"
+
+    def _check_weights(self) -> None:
         if self._grads is not None:
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None
             with self._main_view():
                 self._grads.guard.check_weights()
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """The model state for a checkpoint; non-finite weights raise
+        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` on every rank, so nothing is written.
+
+        ``ckpt_format="torch"``: full, layout-independent tensors (TP shards gathered; collective on every rank).
+        ``"torch_dist"``: this rank's shards, each described by its place in the full tensor (no communication).
+        With bf16 parameters the values are the fp32 main parameters.
+        """
+        self.wait_for_parameters()
+        self._check_weights()
+        if self.sharded_checkpoints:
+            from lightning_megatron.parallel.sharded_state import ShardLayout, model_entries
+
+            module = self.lightning_module
+            with self._main_view():
+                return model_entries(module, module.state_dict(), ShardLayout(module),
+                                     copy=self.parallel_config.async_save)
+        return self.full_state_dict()
+
+    def full_state_dict(self) -> Dict[str, Any]:
+        """Full, layout-independent model state (TP shards gathered, stages merged; collective on every rank)."""
         with self._main_view():
             return full_model_state_dict(self.lightning_module, self._pp_group())
 
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """Full optimizer state (per-parameter state of TP shards gathered; collective on every rank)."""
+    def optimizer_state(self, optimizer: Optimizer) -> Any:
+        """Full optimizer state (per-parameter state of TP shards gathered; collective on every rank), or under
+        ``"torch_dist"`` this rank's shards of the states it keeps (see :meth:`lightning_module_state_dict`)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)   # unwrap a LightningOptimizer
+        if self.sharded_checkpoints:
+            from lightning_megatron.parallel.sharded_state import ShardLayout, optimizer_entries
+
+            index = [getattr(o, "_optimizer", o) for o in self.optimizers].index(optimizer)
+            return optimizer_entries(index, optimizer, ShardLayout(self.lightning_module),
+                                     copy=self.parallel_config.async_save)
         raw = gathered_state_dict(optimizer) if is_sharded_optimizer(optimizer) else None
         return full_optimizer_state_dict(optimizer, self.lightning_module, self._pp_group(), raw=raw)
 
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """``"torch"``: rank 0 writes one file (``checkpoint_io``). ``"torch_dist"``: every rank writes its shards
+        into directory ``filepath``, complete or absent (:func:`~lightning_megatron.dist_checkpoint.save_sharded`)."""
+        if not self.sharded_checkpoints:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("ckpt_format='torch_dist' does not take storage_options")
+        from lightning_megatron.dist_checkpoint import save_sharded
+
+        save_sharded(self._sharded_io, checkpoint, str(filepath), self.global_rank, self._layout_signature(),
+                     self.root_device, self.tp_rng)
+
+    def _layout_signature(self) -> Dict[str, int]:
+        c = self.mesh.config
+        return {"world": self.world_size, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "etp": c.etp}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """A file: Lightning's load (full tensors, sharded by :meth:`load_model_state_dict`). A sharded directory:
+        every rank reads the blocks of its own shards, whatever layout wrote them
+        (:func:`~lightning_megatron.dist_checkpoint.load_sharded`; collective)."""
+        from lightning_megatron.dist_checkpoint import ShardedCheckpointIO, is_sharded_checkpoint, load_sharded
+
+        if not is_sharded_checkpoint(checkpoint_path):
+            if self._sharded_io is not None:
+                self._sharded_io.wait()
+            if os.path.isdir(str(checkpoint_path)):
+                from lightning_megatron.dist_checkpoint import verify_checkpoint
+
+                verify_checkpoint(str(checkpoint_path))   # raises: a directory without complete metadata
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        io = self._sharded_io if self._sharded_io is not None else ShardedCheckpointIO()
+        with self._main_view():   # bf16 parameters: the shards are read into the fp32 main parameters
+            return load_sharded(io, str(checkpoint_path), self.lightning_module, self.optimizers if fitting else [],
+                                self.global_rank, self._layout_signature(), self.root_device, self.tp_rng)
+
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full checkpoint, keeping this rank's shards; ``strict``: missing and unexpected keys (over every
-        pipeline stage) raise, naming them, as plain Lightning does."""
+        """Load a full checkpoint, keeping this rank's shards, or this rank's shards read from a sharded one;
+        ``strict``: missing and unexpected keys (over every pipeline stage) raise, naming them, as plain Lightning
+        does."""
+        from lightning_megatron.dist_checkpoint import ShardedModelState
+
+        if isinstance(checkpoint["state_dict"], ShardedModelState):
+            with self._main_view():
+                self.lightning_module.load_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+            return
         state = shard_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict, self._pp_group())
         current = self.lightning_module.state_dict()
         if any(isinstance(v, DTensor) for v in current.values()):   # FSDP: the TP shard laid out as the parameter
@@ -449,9 +588,14 @@ class MegatronStrategy(DDPStrategy):
             self.lightning_module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
-        """Load full optimizer states, keeping this rank's shards."""
+        """Load full optimizer states, keeping this rank's shards (or the states read from a sharded checkpoint)."""
+        from lightning_megatron.parallel.sharded_state import LoadedOptimizerState, apply_optimizer_state
+
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             with self._main_view():   # torch casts loaded states to the parameters' dtype: the fp32 main ones
+                if isinstance(state, tuple) and isinstance(state[0], LoadedOptimizerState):
+                    apply_optimizer_state(optimizer, state[0], state[1])
+                    continue
                 optimizer.load_state_dict(shard_optimizer_state_dict(state, optimizer, self.lightning_module))
             if is_sharded_optimizer(optimizer):
                 # ZeroRedundancyOptimizer also keeps the loaded states in its own (unused) ``state``: on the
@@ -468,6 +612,21 @@ class MegatronStrategy(DDPStrategy):
 
         layout = plan.best if isinstance(plan, Plan) else plan
         return cls(**{**layout.strategy_kwargs(), **options})
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint file or sharded directory (rank 0); while a background save runs, once it is
+        complete (an older checkpoint outlives its successor's write)."""
+        if self._sharded_io is not None:
+            if self.is_global_zero:
+                self._sharded_io.remove_checkpoint(str(filepath))
+            return
+        super().remove_checkpoint(filepath)
+
+    def finish_checkpoints(self) -> None:
+        """Wait for a background checkpoint save to complete (every rank; raises its error)."""
+        if self._sharded_io is not None:
+            self._sharded_io.wait()
+            self.barrier("finish_checkpoints")
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -614,7 +614,7 @@ def test_resume_with_lightning_trainer_checkpoint(tmp_path: Path) -> None:
     assert full[10:] == full[:4]  # the second pass starts again at sample 0
     ckpt = str(tmp_path / "k.ckpt")
     first, dm = run(3, save=ckpt)
-    assert torch.load(ckpt, weights_only=False)["GPTDataModule"]["consumed_samples"] == 12
+    assert torch.load(ckpt, weights_only=True)["GPTDataModule"]["consumed_samples"] == 12
     second, dm = run(7, ckpt=ckpt)
     assert first + second == full
     assert dm.state_dict()["consumed_samples"] == 28

@@ -64,8 +64,8 @@ def test_states_are_sharded_and_checkpoints_match_the_plain_optimizer(tmp_path):
     assert sum(r["state"] for r in sharded_runs) == 2 * params
     assert all(0 < r["state"] < 2 * params * 0.75 for r in sharded_runs), [r["state"] for r in sharded_runs]
     # the checkpoint holds the whole state, name-keyed, as the plain optimizer's
-    a = torch.load(plain, weights_only=False)
-    b = torch.load(sharded, weights_only=False)
+    a = torch.load(plain, weights_only=True)
+    b = torch.load(sharded, weights_only=True)
     sa, sb = a["optimizer_states"][0], b["optimizer_states"][0]
     assert sa["state"].keys() == sb["state"].keys() and len(sa["state"]) > 0
     for name, entry in sa["state"].items():
@@ -166,8 +166,8 @@ def test_expert_states_are_sharded_over_edp_and_checkpoints_match_the_plain_opti
     mesh_edp = [[0, 2], [1, 3]]   # ranks with the same experts (ep is the inner dimension of the expert grid)
     for ranks in mesh_edp:
         assert sum(sharded_runs[r]["sizes"]["expert"] for r in ranks) == 2 * params["expert"], ranks
-    a = torch.load(plain, weights_only=False)["optimizer_states"][0]
-    b = torch.load(sharded, weights_only=False)["optimizer_states"][0]
+    a = torch.load(plain, weights_only=True)["optimizer_states"][0]
+    b = torch.load(sharded, weights_only=True)["optimizer_states"][0]
     assert a["state"].keys() == b["state"].keys() and any("experts" in name for name in a["state"])
     for name, entry in a["state"].items():
         for key, value in entry.items():
@@ -202,8 +202,8 @@ def test_expert_sharded_checkpoint_loads_back_into_the_shards(tmp_path):
     run_distributed(_train_and_save_moe, 4, kwargs, samples, first)
     kinds = run_distributed(_resume_and_save_moe, 4, kwargs, samples, first, again)
     assert kinds == ["ExpertShardedOptimizer"] * 4
-    a = torch.load(first, weights_only=False)["optimizer_states"][0]
-    b = torch.load(again, weights_only=False)["optimizer_states"][0]
+    a = torch.load(first, weights_only=True)["optimizer_states"][0]
+    b = torch.load(again, weights_only=True)["optimizer_states"][0]
     assert a["state"].keys() == b["state"].keys()
     for name, entry in a["state"].items():
         for key, value in entry.items():

@@ -199,7 +199,7 @@ def _reshard_worker(rank, world, cfg, strategy_kwargs, ckpt_path):
     module = new_module(cfg, 1)
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), 1)
     trainer.validate(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=2), verbose=False)
-    ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
+    ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
     trainer.strategy.load_model_state_dict(ckpt)
     state = trainer.strategy.lightning_module_state_dict()
     return state if rank == 0 else None
@@ -214,7 +214,7 @@ def test_checkpoint_reshards_experts(tmp_path):
     _, _, ref_state = moe_reference(cfg, samples, micro_batch * 2, 1, None)
     path = str(tmp_path / "moe.ckpt")
     run_distributed(moe_layout_run, world, cfg, kwargs, samples, micro_batch, 1, None, path)
-    ckpt = torch.load(path, weights_only=False, map_location="cpu")
+    ckpt = torch.load(path, weights_only=True, map_location="cpu")
     assert ckpt["state_dict"]["model.decoder.layers.0.mlp.experts.weight1"].shape == (4, 32, 64)
     assert_state_close(ckpt["state_dict"], ref_state)
     opt = ckpt["optimizer_states"][0]["state"]

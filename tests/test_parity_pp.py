@@ -82,7 +82,7 @@ def test_pp_checkpoint_holds_full_state(tmp_path):
     ref = reference_loop(cfg, samples, STEPS, micro_batch, accumulate=accumulate, stop_after=2)
     path = str(tmp_path / "pp.ckpt")
     run_distributed(save_under, 4, cfg, dict(tp=2, pp=2), samples, micro_batch, accumulate, path)
-    ckpt = torch.load(path, weights_only=False, map_location="cpu")
+    ckpt = torch.load(path, weights_only=True, map_location="cpu")
     assert_state_close(ckpt["state_dict"], ref["state"])
     named = dict(ref["module"].named_parameters())
     opt = ckpt["optimizer_states"][0]

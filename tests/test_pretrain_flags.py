@@ -532,6 +532,9 @@ CASES = [
     (["--use-distributed-optimizer"], ["--overlap-param-gather"], {"MegatronStrategy.overlap_param_gather": True}),
     ([], ["--tp-comm-overlap"], {"MegatronStrategy.tp_comm_overlap": True}),
     ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
+    ([], ["--ckpt-format", "torch_dist"], {"MegatronStrategy.ckpt_format": "torch_dist"}),
+    (["--ckpt-format", "torch_dist"], ["--async-save"], {"MegatronStrategy.async_save": True}),
+    ([], ["--distributed-timeout-minutes", "5"], {"MegatronStrategy.distributed_timeout_minutes": 5.0}),
     ([], ["--recompute-activations"], {"MegatronStrategy.recompute_granularity": "selective"}),
     ([], ["--recompute-granularity", "selective"], {"MegatronStrategy.recompute_granularity": "selective"}),
     (RECOMPUTE_FULL, ["--recompute-method", "block"], {"MegatronStrategy.recompute_method": "block"}),
@@ -841,7 +844,7 @@ def test_end_to_end_on_a_preprocessed_dataset_tp2_with_mfu_and_resume(tmp_path):
     assert done["train_loss"] == pytest.approx(lines[6]["train_loss"], abs=1e-4)
     assert 4.25 < done["train_loss"] < 4.46 and 4.20 < done["val_loss"] < 4.33, done
     # --save-interval 4 saved step 4; last.ckpt holds the final step 6 and the data position
-    last = torch.load(ckpt / "last.ckpt", map_location="cpu", weights_only=False)
+    last = torch.load(ckpt / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 6 and last["GPTDataModule"]["consumed_samples"] == 24
     (step4,) = [p for p in ckpt.iterdir() if "step=4" in p.name]
 

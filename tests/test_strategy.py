@@ -119,7 +119,7 @@ def test_tp2_checkpoint_holds_full_tp1_state(resharding_case):
     for r in case["saved"]:
         assert_losses_close(r["losses"], ref["losses"])
         assert r["epoch"] == 1  # Lightning advances the epoch counter when max_steps stops it mid-epoch
-    ckpt = torch.load(case["path"], weights_only=False, map_location="cpu")
+    ckpt = torch.load(case["path"], weights_only=True, map_location="cpu")
     assert ckpt["global_step"] == SAVE_AT
     assert_state_close(ckpt["state_dict"], ref["state"])
     # the plain (tp=1) model loads it as it is

@@ -334,6 +334,12 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--save-interval", "ModelCheckpoint.every_n_train_steps", type=int, default=None,
              help="also save every N optimizer steps")
     add_flag(g, "--load", "Trainer.fit.ckpt_path", default=None, help="checkpoint file, or a directory holding last.ckpt")
+    add_flag(g, "--ckpt-format", "MegatronStrategy.ckpt_format", choices=("torch", "torch_dist"), default=None,
+             help="torch: one file of full tensors (default); torch_dist: a directory of each rank's shards")
+    add_flag(g, "--async-save", "MegatronStrategy.async_save", action="store_true",
+             help="write torch_dist checkpoints in the background")
+    add_flag(g, "--distributed-timeout-minutes", "MegatronStrategy.distributed_timeout_minutes", type=float,
+             default=None, help="timeout of every process group (default 30)")
 
     g = p.add_argument_group("run control, logging, profiling")
     add_flag(g, "--mock-data", "MockGPTDataModule", action="store_true",

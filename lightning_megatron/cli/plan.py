@@ -276,6 +276,8 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                 ("overlap_param_gather", args.overlap_param_gather or None),
                 ("tp_comm_overlap", args.tp_comm_overlap or None),
                 ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad),
+                ("ckpt_format", args.ckpt_format), ("async_save", args.async_save or None),
+                ("distributed_timeout_minutes", args.distributed_timeout_minutes),
                 ("recompute_granularity", granularity),
                 ("recompute_method", args.recompute_method), ("recompute_num_layers", args.recompute_num_layers),
                 ("recompute_modules", args.recompute_modules))
@@ -594,12 +596,15 @@ def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _resume_path(load: Optional[str]) -> Tuple[Optional[str], List[str]]:
-    """``--load``: a checkpoint file, or a directory's ``last.ckpt``; a directory without one starts fresh."""
+    """``--load``: a checkpoint file or sharded checkpoint directory, or a directory's ``last.ckpt`` (either
+    format); a directory without one starts fresh."""
     if not load:
         return None, []
     path = Path(load)
     if path.is_dir():
-        if (path / "last.ckpt").is_file():
+        if (path / ".metadata").is_file():     # a sharded (torch_dist) checkpoint itself
+            return str(path), []
+        if (path / "last.ckpt").exists():
             return str(path / "last.ckpt"), []
         return None, [f"--load {load}: no last.ckpt there; starting from scratch"]
     if path.is_file():

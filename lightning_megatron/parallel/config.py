@@ -16,6 +16,8 @@ CP_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "math")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 #: the levels built on torch FSDP2 (:mod:`lightning_megatron.parallel.fsdp`)
 FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+#: checkpoint formats (Megatron's ``--ckpt-format``): one file of full tensors, or a directory of shards (DCP)
+CKPT_FORMATS = ("torch", "torch_dist")
 
 
 def _is_int(value: Any) -> bool:
@@ -92,7 +94,14 @@ class ParallelConfig:
             a2a exchange is in flight. None (default): 16 on CUDA, none elsewhere; 0: no carveout.
         check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
             gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
-            default on; :mod:`lightning_megatron.parallel.nonfinite`).
+            default on; :mod:`lightning_megatron.parallel.nonfinite`); ``"skip"``: drop such a step on every rank
+            instead (counted and logged) and go on.
+        ckpt_format: ``"torch"`` (default: one file of full tp=1 tensors, gathered to rank 0) or ``"torch_dist"``
+            (a directory written by ``torch.distributed.checkpoint``, each rank its own shards;
+            ``--ckpt-format``; :mod:`lightning_megatron.dist_checkpoint`).
+        async_save: with ``"torch_dist"``, write checkpoints in the background (``--async-save``).
+        distributed_timeout_minutes: timeout of every process group, the world's and each of the mesh's
+            (``--distributed-timeout-minutes``); None: the strategy's ``timeout`` (Lightning's, 30 minutes).
         recompute_granularity: activation recompute (:mod:`lightning_megatron.parallel.recompute`): None (off),
             ``"selective"`` (the parts named in ``recompute_modules``) or ``"full"`` (whole layers).
         recompute_method: with ``"full"``: ``"uniform"`` (every layer, in groups of ``recompute_num_layers``
@@ -136,7 +145,10 @@ class ParallelConfig:
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
-    check_for_nan_in_loss_and_grad: bool = True
+    check_for_nan_in_loss_and_grad: Union[bool, str] = True
+    ckpt_format: str = "torch"
+    async_save: bool = False
+    distributed_timeout_minutes: Optional[float] = None
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -206,9 +218,10 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
-        if not isinstance(self.check_for_nan_in_loss_and_grad, bool):
+        if not isinstance(self.check_for_nan_in_loss_and_grad, bool) and self.check_for_nan_in_loss_and_grad != "skip":
             raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
-                             "(stop at a NaN/inf loss or gradient norm) or False")
+                             "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on) or False")
+        self._check_checkpoint_options()
         from lightning_megatron.parallel.recompute import check_recompute_options
 
         self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
@@ -265,6 +278,19 @@ class ParallelConfig:
                 f"tp_comm_overlap=True overlaps the sequence-parallel all-gather / reduce-scatter with the GEMMs: it "
                 f"needs tp > 1 and sequence_parallel=True, got tp={self.tp}, sequence_parallel="
                 f"{self.sequence_parallel}")
+
+    def _check_checkpoint_options(self) -> None:
+        if self.ckpt_format not in CKPT_FORMATS:
+            raise ValueError(f"ckpt_format={self.ckpt_format!r} is not one of {CKPT_FORMATS}: 'torch' writes one "
+                             "file of full tensors, 'torch_dist' a directory of each rank's shards")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save={self.async_save!r} must be True or False")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError("async_save=True needs ckpt_format='torch_dist' (sharded checkpoints are written in "
+                             f"the background; the single-file format is not), got ckpt_format={self.ckpt_format!r}")
+        t = self.distributed_timeout_minutes
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"distributed_timeout_minutes={t!r} must be None or a number of minutes > 0")
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.pipeline import check_schedule, default_schedule

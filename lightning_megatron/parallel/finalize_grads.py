@@ -49,7 +49,8 @@ class GradientFinalizer:
         stages = parallelized.pipeline
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
-        self.guard = NonFiniteGuard(parallelized.module, enabled=config.check_for_nan_in_loss_and_grad)
+        check = config.check_for_nan_in_loss_and_grad
+        self.guard = NonFiniteGuard(parallelized.module, enabled=bool(check), skip=check == "skip")
         #: pipeline stages' data-parallel reduction started in backward (``overlap_grad_reduce``), else None
         self.reducer: Optional[GradBucketReducer] = None
         if (stages is not None and mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config) and not config.fsdp

@@ -1,6 +1,7 @@
 """The process grid: Megatron's rank order on top of ``torch.distributed.DeviceMesh``."""
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
@@ -27,12 +28,15 @@ class ParallelMesh:
     Args:
         config: the layout; :meth:`ParallelConfig.resolve` is called with the world size.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+        timeout: timeout of every group the mesh creates (a collective waiting longer raises); None: torch's
+            default for new groups (30 minutes on gloo, 10 on NCCL), which ignores the world group's.
     """
 
-    def __init__(self, config: ParallelConfig, device_type: str = "cpu") -> None:
+    def __init__(self, config: ParallelConfig, device_type: str = "cpu", timeout: Optional[timedelta] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs torch.distributed initialised (the strategy does this)")
         self.config = config.resolve(dist.get_world_size())
+        self.timeout = timeout
         c = self.config
         world = torch.arange(c.world_size)
         self.dense = DeviceMesh(device_type, world.view(c.pp, c.dp, c.cp, c.tp), mesh_dim_names=DENSE_DIMS)
@@ -48,8 +52,20 @@ class ParallelMesh:
         self._groups["embedding"] = self._new_embedding_group(world.view(c.pp, -1))
         if c.cp > 1 and c.hierarchical_context_parallel_sizes:
             self._groups.update(self._new_hierarchical_cp_groups(world.view(c.pp, c.dp, c.cp, c.tp)))
+        if timeout is not None:
+            self._set_timeout(timeout)
         self._coords = dict(zip(DENSE_DIMS, self.dense.get_coordinate()))
         self._coords.update(zip(EXPERT_DIMS, self.expert.get_coordinate()))
+
+    def _set_timeout(self, timeout: timedelta) -> None:
+        """Give every group of both grids (and the flattened and extra ones) ``timeout`` (local, no communication):
+        ``DeviceMesh`` creates its groups with torch's default timeout, not the world group's."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        groups = [self.dense.get_group(d) for d in DENSE_DIMS] + [self.expert.get_group(d) for d in EXPERT_DIMS]
+        groups += [g for g in self._groups.values() if g is not None]
+        for group in {id(g): g for g in groups}.values():
+            _set_pg_timeout(timeout, group)
 
     @staticmethod
     def _new_embedding_group(pp_major: torch.Tensor) -> Optional[dist.ProcessGroup]:

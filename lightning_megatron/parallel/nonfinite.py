@@ -32,6 +32,11 @@ class NonFiniteError(RuntimeError):
     """A NaN or inf loss, gradient norm or weight; raised on every rank together."""
 
 
+class NonFiniteStepSkipped(NonFiniteError):
+    """In ``skip`` mode: a NaN or inf loss or gradient; raised on every rank together from inside the optimizer
+    step's closure, before the optimizer updates anything. The strategy catches it, drops the step and goes on."""
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -76,13 +81,15 @@ class NonFiniteGuard:
         enabled: False turns every check into a no-op.
         grads: False turns the gradient checks off only (fp16 with a loss scaler: an overflow there is the
             scaler's business, it skips the step).
+        skip: a non-finite loss or gradient raises :class:`NonFiniteStepSkipped` (the step is dropped) instead of
+            :class:`NonFiniteError`; non-finite weights before a checkpoint still raise ``NonFiniteError``.
 
     Attributes:
         step: the optimizer step being run (``trainer.global_step``: steps done before it), named in errors.
     """
 
-    def __init__(self, module: nn.Module, enabled: bool = True, grads: bool = True) -> None:
-        self.module, self.enabled, self.grads = module, enabled, grads
+    def __init__(self, module: nn.Module, enabled: bool = True, grads: bool = True, skip: bool = False) -> None:
+        self.module, self.enabled, self.grads, self.skip = module, enabled, grads, skip
         self.step: Optional[int] = None
 
     # ------------------------------------------------------------------ checks
@@ -147,6 +154,9 @@ class NonFiniteGuard:
         first = ("first non-finite values: " + ", ".join(where)) if where else (
             "no single gradient or weight is non-finite: the sum of squares overflowed (gradients are huge)")
         step = f"at step {self.step} (trainer.global_step)" if self.step is not None else "in this step"
+        if grads and self.skip:
+            raise NonFiniteStepSkipped(f"non-finite value {step}: {what}; {first}. The step was skipped on every "
+                                       "rank (check_for_nan_in_loss_and_grad='skip')")
         stopped = ("the optimizer step was not taken, so the weights and the checkpoints written so far are the "
                    "last finite ones" if grads else "the last checkpoint written is the last finite one")
         raise NonFiniteError(f"non-finite value {step}: {what}; {first}. {stopped.capitalize()}. To go on: {_FIX}")

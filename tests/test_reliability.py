@@ -1,0 +1,196 @@
+"""No hangs, no orphans, and the non-finite guard's skip mode, on CPU/gloo in real processes.
+
+The hang tests run ``tests/_stall_job.py`` as a user runs a script (Lightning's popen launch: rank 0 starts rank 1)
+and check, by pid, that no process of the job is left.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.nonfinite import NonFiniteError
+from tests._dist import run_distributed, run_each
+from tests.parity import SEED, ListDataset, LossRecorder, make_samples, new_module, tiny_config, trainer_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- options
+def test_timeout_options_are_one_setting():
+    """``distributed_timeout_minutes`` (Megatron's name) sets the strategy's ``timeout``; both given and different
+    is refused; bad values are named."""
+    assert MegatronStrategy(distributed_timeout_minutes=2)._timeout == timedelta(minutes=2)
+    assert MegatronStrategy(timeout=timedelta(minutes=2), distributed_timeout_minutes=2)._timeout == timedelta(minutes=2)
+    with pytest.raises(ValueError, match="disagree"):
+        MegatronStrategy(timeout=timedelta(seconds=30), distributed_timeout_minutes=2)
+    for bad in (0, -1, True, "5"):
+        with pytest.raises(ValueError, match="distributed_timeout_minutes"):
+            ParallelConfig(distributed_timeout_minutes=bad)
+    with pytest.raises(ValueError, match="ckpt_format='bogus'"):
+        ParallelConfig(ckpt_format="bogus")
+    with pytest.raises(ValueError, match="async_save=True needs ckpt_format='torch_dist'"):
+        ParallelConfig(async_save=True)
+    with pytest.raises(ValueError, match="'skip'"):
+        ParallelConfig(check_for_nan_in_loss_and_grad="drop")
+
+
+# ---------------------------------------------------------------------------------------------- hangs and orphans
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)   # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+def _start_job(stall_rank: int, out, seconds: float) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_stall_job.py"), str(stall_rank), str(out),
+                             str(seconds)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait_for(path, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while not os.path.exists(path):
+        assert time.time() < end, f"{path} did not appear"
+        time.sleep(0.2)
+    time.sleep(0.5)
+
+
+def _pids(out):
+    return [int(open(out / f"pid{r}").read()) for r in (0, 1)]
+
+
+@pytest.fixture
+def jobs():
+    started = []
+    yield started
+    for proc in started:          # a failing test leaves nothing behind either
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_stalled_rank_times_out_on_a_subgroup_and_takes_the_job_down(tmp_path, jobs):
+    """tp=2, rank 1 stalls at step 1 while rank 0 waits in a tensor-parallel collective (a mesh sub-group, whose
+    timeout used to be torch's 30-minute default whatever the strategy's): rank 0 times out after the strategy's
+    5 s and ends the job; rank 1 does not outlive it."""
+    job = _start_job(1, tmp_path, 5)
+    jobs.append(job)
+    _wait_for(tmp_path / "stalled")
+    start = time.time()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, out[-3000:]
+    assert "Timed out waiting 5000ms" in out, out[-3000:]
+    assert time.time() - start < 60
+    pids = _pids(tmp_path)
+    end = time.time() + 10
+    while not all(_gone(p) for p in pids) and time.time() < end:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in pids), pids
+
+
+def test_sigterm_to_a_rank_blocked_in_a_collective_ends_the_job(tmp_path, jobs):
+    """Rank 0 stalls at step 1 (10-minute timeout); rank 1 is blocked in a collective waiting for it, where no
+    Python signal handler can run. SIGTERM to rank 1 ends it after the grace period, and rank 0, which launched it,
+    ends the job: everything is gone within seconds, far before any timeout."""
+    job = _start_job(0, tmp_path, 600)
+    jobs.append(job)
+    _wait_for(tmp_path / "stalled")
+    pids = _pids(tmp_path)
+    start = time.time()
+    os.kill(pids[1], signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, out[-3000:]
+    assert time.time() - start < 30, out[-3000:]
+    assert "SIGTERM received" in out, out[-3000:]   # the rank ended itself, blocked as it was
+    assert "code 143" in out, out[-3000:]           # and rank 0 noticed its exit (its watcher or Lightning's)
+    assert all(_gone(p) for p in pids), pids
+
+
+# ---------------------------------------------------------------------------------------------- skip mode
+class _PoisonOnce(pl.Callback):
+    """One parameter's gradient is NaN on rank ``rank`` at optimizer step ``at`` only."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at = rank, at
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank:
+            p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
+            p.register_hook(lambda g: torch.full_like(g, NAN) if trainer.global_step == self.at else g)
+
+
+class _Weights(pl.Callback):
+    def __init__(self) -> None:
+        self.after_step = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after_step.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+
+
+def _skip_run(rank, world, clip):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    weights, losses = _Weights(), LossRecorder()
+    strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad="skip")
+    trainer = trainer_for(world, strategy, 4, callbacks=[_PoisonOnce(1, 1), weights, losses], gradient_clip_val=clip)
+    trainer.fit(new_module(cfg, 4), DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
+    w = weights.after_step
+    return {"global_step": trainer.global_step, "skipped": strategy.skipped_steps,
+            "logged": float(trainer.callback_metrics["skipped_steps"]), "losses": losses.losses,
+            "changed": [not torch.equal(w[i], w[i + 1]) for i in range(len(w) - 1)],
+            "finite": bool(torch.isfinite(w[-1]).all())}
+
+
+def _refuse_sharded_save(rank, world, path):
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    module = new_module(cfg, 1)
+    trainer = trainer_for(world, MegatronStrategy(tp=2, ckpt_format="torch_dist"), 1)
+    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=4))
+    if rank == 1:
+        with torch.no_grad():
+            module.model.decoder.layers["0"].self_attention.linear_qkv.weight[0, 0] = NAN
+    try:
+        trainer.save_checkpoint(path)
+    except NonFiniteError as e:
+        return str(e)
+    return None
+
+
+def _case(rank, world, kind, arg):
+    return _skip_run(rank, world, arg) if kind == "skip" else _refuse_sharded_save(rank, world, arg)
+
+
+def test_skip_mode_drops_the_step_on_every_rank_and_goes_on(tmp_path):
+    """check_for_nan_in_loss_and_grad="skip", tp=2, a NaN gradient on rank 1 at step 1 (without clipping: the
+    gradient check; with clipping: the global norm): both ranks drop that step (the weights after it equal those
+    before), count and log it, and train on with finite weights to the end. Non-finite weights are still refused
+    a checkpoint, a sharded one too (nothing is written, not even a temporary directory)."""
+    path = tmp_path / "bad.ckpt"
+    cases = [("no_clip", ("skip", None)), ("clip", ("skip", 1.0)), ("refuse", ("refuse", str(path)))]
+    out = run_distributed(run_each, 2, _case, cases)
+    assert os.listdir(tmp_path) == []
+    for rank, results in enumerate(out):
+        refused = results.pop("refuse")
+        assert refused is not None and "rank 1: weight model.decoder.layers.0.self_attention.linear_qkv.weight (nan)" \
+            in refused and "no checkpoint was written" in refused, refused
+        for name, r in results.items():
+            assert isinstance(r, dict), f"rank {rank} {name}:\n{r}"
+            assert r["global_step"] == 4 and r["skipped"] == 1 and r["logged"] == 1.0, (name, r)
+            assert r["changed"] == [False, True, True], (name, r["changed"])   # step 1 (the 2nd) was dropped
+            assert r["finite"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
