@@ -1,6 +1,7 @@
 """The planner's byte accounting against what the strategy really allocates, on CPU with gloo (no torch.cuda):
-for each rank of tp2 x pp2 and of tp2+SP x dp2, both with the distributed optimizer, after training
-steps, the bytes of the rank's parameters, gradients and optimizer states (sum of numel x element size, Adam's
+for each rank of tp2 x pp2 and of tp2+SP x dp2 with the distributed optimizer, and of tp2+SP x dp2 under FSDP
+(``optim_grads``, ``optim_grads_params``), after training steps, the bytes of the rank's parameters, gradients and
+optimizer states (sum of numel x element size of the local shards: FSDP's DTensors count their local part, Adam's
 moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly."""
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ CASES = {
     "tp2xpp2": (dict(tp=2, pp=2, use_distributed_optimizer=True), Layout(tp=2, pp=2, sharding="optim"), 2),
     "tp2sp-dp2-distopt": (dict(tp=2, sequence_parallel=True, use_distributed_optimizer=True),
                           Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim"), 1),
+    "tp2sp-dp2-fsdp-optim_grads": (dict(tp=2, sequence_parallel=True, data_parallel_sharding_strategy="optim_grads"),
+                                   Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads"), 1),
+    "tp2sp-dp2-fsdp-optim_grads_params": (
+        dict(tp=2, sequence_parallel=True, data_parallel_sharding_strategy="optim_grads_params"),
+        Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads_params"), 2),
 }
 
 
@@ -79,3 +85,5 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         if layout.dp > 1:  # really sharded: less than the whole states of the rank's parameters
             whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank)
             assert 0 < got["optimizer"] < whole.optimizer, (case, rank, got, whole)
+            if layout.sharding.startswith("optim_grads"):  # FSDP: gradients and parameters sharded too
+                assert 0 < got["grads"] < whole.grads and 0 < got["params"] < whole.params, (case, rank, got, whole)
