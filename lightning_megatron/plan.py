@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
-                   help="sharding levels to consider; optim_grads / optim_grads_params are what-if rows (modelled, "
-                        "not run by MegatronStrategy)")
+                   help="sharding levels to consider (data_parallel_sharding_strategy): no_shard, optim (distributed "
+                        "optimizer), optim_grads / optim_grads_params (FSDP2)")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--top", type=int, default=10, help="feasible rows printed")

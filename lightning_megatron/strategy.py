@@ -54,7 +54,8 @@ from lightning_megatron.parallel.distributed_optimizer import (
     shard_optimizers,
 )
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
-from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, distribute_like, mixed_precision_policy
+from lightning_megatron.parallel.fsdp import (FSDPModel, apply_fsdp, check_fsdp_fp8, distribute_like,
+                                            mixed_precision_policy)
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
@@ -305,9 +306,7 @@ class MegatronStrategy(DDPStrategy):
         if self.fsdp is not None:
             return
         parallelized, cfg = self.parallelized, self.parallel_config
-        if parallelized.fp8 is not None:
-            raise ValueError(f"data_parallel_sharding_strategy={cfg.data_parallel_sharding_strategy!r} with FP8 "
-                             "layers is not built: use 'no_shard' / 'optim' with FP8, or drop FP8")
+        check_fsdp_fp8(cfg, parallelized.fp8 is not None)
         stages = parallelized.pipeline
         policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None), cfg)
         self.fsdp = apply_fsdp(self.lightning_module, parallelized.models, self.mesh, cfg,

@@ -1,6 +1,7 @@
 """The planner's byte accounting against what the strategy really allocates, on CPU with gloo (no torch.cuda):
-for each rank of tp2 x pp2 and of tp2+SP x dp2, both with the distributed optimizer, after training
-steps, the bytes of the rank's parameters, gradients and optimizer states (sum of numel x element size, Adam's
+for each rank of tp2 x pp2 and of tp2+SP x dp2 with the distributed optimizer, and of tp2+SP x dp2 under FSDP
+(``optim_grads``, ``optim_grads_params``), after training steps, the bytes of the rank's parameters, gradients and
+optimizer states (sum of numel x element size of the local shards: FSDP's DTensors count their local part, Adam's
 moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly."""
 from __future__ import annotations
 
@@ -18,11 +19,18 @@ from tests._dist import run_distributed, run_each
 from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
 
 STEPS = 2
+#: the FSDP cases' model: a vocabulary of 101 rows per tensor-parallel rank, which FSDP cuts into 51 + 50 rows
+UNEVEN = dict(vocab_size=202, make_vocab_size_divisible_by=1)
 CASES = {
-    # id: (strategy keywords, planner layout of 4 ranks, micro-batches per step)
+    # id: (strategy keywords, planner layout of 4 ranks, micro-batches per step[, model overrides])
     "tp2xpp2": (dict(tp=2, pp=2, use_distributed_optimizer=True), Layout(tp=2, pp=2, sharding="optim"), 2),
     "tp2sp-dp2-distopt": (dict(tp=2, sequence_parallel=True, use_distributed_optimizer=True),
                           Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim"), 1),
+    "tp2sp-dp2-fsdp-optim_grads": (dict(tp=2, sequence_parallel=True, data_parallel_sharding_strategy="optim_grads"),
+                                   Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads"), 1, UNEVEN),
+    "tp2sp-dp2-fsdp-optim_grads_params": (
+        dict(tp=2, sequence_parallel=True, data_parallel_sharding_strategy="optim_grads_params"),
+        Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads_params"), 2, UNEVEN),
 }
 
 
@@ -45,9 +53,9 @@ class Allocated(pl.Callback):
         }
 
 
-def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int) -> Dict[str, int]:
+def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: Dict[str, Any]) -> Dict[str, int]:
     pl.seed_everything(SEED, verbose=False)
-    cfg = tiny_config(num_layers=4)
+    cfg = tiny_config(num_layers=4, **model)
     module = new_module(cfg, STEPS)
     allocated = Allocated()
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
@@ -59,14 +67,14 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int) -> Dict
 
 @pytest.fixture(scope="module")
 def allocations():
-    cases = [(name, (kwargs, accumulate)) for name, (kwargs, _, accumulate) in CASES.items()]
+    cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {})) for name, case in CASES.items()]
     return run_distributed(run_each, 4, _run, cases)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
-    _, layout, _ = CASES[case]
-    cfg = tiny_config(num_layers=4)
+    layout = CASES[case][1]
+    cfg = tiny_config(num_layers=4, **(CASES[case][3] if len(CASES[case]) > 3 else {}))
     for rank, result in enumerate(allocations):
         got = result[case]
         assert isinstance(got, dict), got  # a traceback string when the case failed on that rank
@@ -79,3 +87,7 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         if layout.dp > 1:  # really sharded: less than the whole states of the rank's parameters
             whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank)
             assert 0 < got["optimizer"] < whole.optimizer, (case, rank, got, whole)
+            if layout.sharding.startswith("optim_grads"):  # FSDP: gradients and parameters sharded too, unevenly
+                assert 0 < got["grads"] < whole.grads and 0 < got["params"] < whole.params, (case, rank, got, whole)
+                other = state_bytes(cfg, layout, pp_rank, dp_rank=1 - dp_rank)
+                assert got["params"] != other.params, (case, rank, got, other)

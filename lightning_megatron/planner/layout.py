@@ -1,19 +1,21 @@
 """A candidate layout, its translation to ``ParallelConfig`` / ``MegatronStrategy`` / Megatron flags, and the
 enumeration of candidates. Validity is decided by the library's own rules only: a candidate is valid when
-``ParallelConfig(...)``, ``resolve(world)`` and ``validate_model(model)`` accept it (their ValueError is the
-rejection reason), plus the pipeline schedule's fewest micro-batches (``min_microbatches``) and the global batch
-dividing into micro-batches."""
+``ParallelConfig(...)`` (with the layout's sharding level), ``resolve(world)`` and ``validate_model(model)`` accept
+it (their ValueError is the rejection reason), plus the strategy's FP8 rule for FSDP
+(:func:`~lightning_megatron.parallel.fsdp.check_fsdp_fp8`), the pipeline schedule's fewest micro-batches
+(``min_microbatches``) and the global batch dividing into micro-batches."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig
+from lightning_megatron.parallel.fsdp import check_fsdp_fp8
 from lightning_megatron.parallel.pipeline import default_schedule, min_microbatches
 
 __all__ = ["Layout", "RECOMPUTE_PRESETS", "recompute_options", "enumerate_layouts", "check_layout",
-           "SUPPORTED_SHARDING", "MODELLED_ONLY"]
+           "SUPPORTED_SHARDING"]
 
 #: recompute presets by name -> ``ParallelConfig`` fields; ``full_block:N`` is also accepted (the first N layers
 #: of each stage recomputed whole)
@@ -23,8 +25,9 @@ RECOMPUTE_PRESETS: Dict[str, Dict[str, Any]] = {
     "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
-#: sharding levels MegatronStrategy runs: whole states, or the distributed optimizer (states over dp x cp)
-SUPPORTED_SHARDING = ("no_shard", "optim")
+#: sharding levels MegatronStrategy runs (``data_parallel_sharding_strategy``): whole states (DDP), the distributed
+#: optimizer (states over dp x cp), FSDP2 with gradients (ZeRO-2) and parameters (ZeRO-3) sharded too
+SUPPORTED_SHARDING = SHARDING_STRATEGIES
 
 
 def recompute_options(name: str) -> Dict[str, Any]:
@@ -40,8 +43,8 @@ def recompute_options(name: str) -> Dict[str, Any]:
 class Layout:
     """One candidate layout of ``world = tp * pp * cp * dp`` GPUs (``ep`` carved out of dp x cp x tp).
 
-    ``sharding``: ``no_shard`` or ``optim`` (``use_distributed_optimizer``; ``optim_grads`` /
-    ``optim_grads_params`` are modelled but MegatronStrategy does not run them). ``recompute``: a preset name of
+    ``sharding``: ``data_parallel_sharding_strategy``: ``no_shard``, ``optim`` (``use_distributed_optimizer``),
+    ``optim_grads`` or ``optim_grads_params`` (FSDP2, :mod:`lightning_megatron.parallel.fsdp`). ``recompute``: a preset name of
     :data:`RECOMPUTE_PRESETS` or ``full_block:N``. ``micro_batch_size`` sequences per micro-batch,
     ``num_microbatches`` per optimizer step and data-parallel rank (``Trainer(accumulate_grad_batches=...)``).
     """
@@ -78,9 +81,6 @@ class Layout:
     def parallel_config(self, model: Any = None) -> ParallelConfig:
         """The library's ``ParallelConfig`` of this layout, resolved against ``world`` and, when given, validated
         against ``model`` (a ``GPTConfig``). Raises the library's ValueError when the layout is invalid."""
-        if self.sharding not in SUPPORTED_SHARDING:
-            raise ValueError(f"sharding={self.sharding!r}: MegatronStrategy runs {SUPPORTED_SHARDING} (the FSDP "
-                             "levels optim_grads / optim_grads_params are modelled only)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = ParallelConfig(**self.strategy_kwargs())
@@ -104,6 +104,8 @@ class Layout:
             kw["pipeline_schedule"] = self.schedule
         if self.sharding == "optim":
             kw["use_distributed_optimizer"] = True
+        elif self.sharding != "no_shard":
+            kw["data_parallel_sharding_strategy"] = self.sharding
         kw.update(recompute_options(self.recompute))
         return kw
 
@@ -123,6 +125,8 @@ class Layout:
             out.append(f"--cp-comm-type {self.cp_comm_type}")
         if self.sharding == "optim":
             out.append("--use-distributed-optimizer")
+        elif self.sharding in FSDP_STRATEGIES:
+            out.append(f"--use-custom-fsdp --data-parallel-sharding-strategy {self.sharding}")
         rc = recompute_options(self.recompute)
         if rc:
             out.append(f"--recompute-granularity {rc['recompute_granularity']}")
@@ -134,18 +138,12 @@ class Layout:
         return out
 
 
-#: the start of the reason given to the sharding levels the planner models but the strategy does not run
-MODELLED_ONLY = "modelled only"
-
-
-def check_layout(layout: Layout, model: Any, global_batch_size: int) -> Optional[str]:
-    """The reason ``layout`` cannot run ``model`` (the library's ValueError text), or None when it can. A layout
-    valid but for a sharding level MegatronStrategy does not run gets :data:`MODELLED_ONLY` as its reason."""
+def check_layout(layout: Layout, model: Any, global_batch_size: int, precision: str = "bf16") -> Optional[str]:
+    """The reason ``layout`` cannot run ``model`` in ``precision`` (``"bf16"`` / ``"fp8"``: FP8 layers), the
+    library's ValueError text, or None when it can."""
     try:
-        if layout.sharding not in SUPPORTED_SHARDING:
-            replace(layout, sharding="optim").parallel_config(model)
-        else:
-            layout.parallel_config(model)
+        config = layout.parallel_config(model)
+        check_fsdp_fp8(config, precision == "fp8")
     except ValueError as e:
         return str(e).split(": ")[0]
     per_step = layout.micro_batch_size * layout.num_microbatches * layout.dp
@@ -157,8 +155,6 @@ def check_layout(layout: Layout, model: Any, global_batch_size: int) -> Optional
     if layout.pp > 1 and (layout.vp or 1) > 1 and layout.num_microbatches % rounds:
         # torch.distributed.pipelining's interleaved schedules split the micro-batches into whole rounds
         return f"{layout.num_microbatches} micro-batches are not a multiple of the {rounds} rounds of pp={layout.pp}"
-    if layout.sharding not in SUPPORTED_SHARDING:
-        return f"{MODELLED_ONLY}: MegatronStrategy does not run sharding={layout.sharding}"
     return None
 
 
@@ -169,12 +165,13 @@ def _divisors(n: int, cap: int) -> List[int]:
 def enumerate_layouts(model: Any, gpus: int, global_batch_size: int, gpus_per_node: int = 8,
                       recompute: Sequence[str] = ("none", "selective", "full"),
                       sharding: Sequence[str] = SUPPORTED_SHARDING,
-                      micro_batch_sizes: Sequence[int] = (1, 2, 4)) -> Iterator[Tuple[Layout, Optional[str]]]:
+                      micro_batch_sizes: Sequence[int] = (1, 2, 4),
+                      precision: str = "bf16") -> Iterator[Tuple[Layout, Optional[str]]]:
     """Every candidate of powers of two ``tp`` (within a node), ``pp`` (up to 64), ``vp`` (1, 2), ``cp`` (up to
     16), ``ep`` (MoE only),
-    micro-batch sizes, sharding levels and recompute presets; yields ``(layout, reason or None)``. Sequence
-    parallelism is on whenever tp > 1 (it only saves memory and traffic); the distributed optimizer is offered
-    where dp x cp > 1."""
+    micro-batch sizes, sharding levels and recompute presets; yields ``(layout, reason or None)`` (the reason from
+    :func:`check_layout` in ``precision``). Sequence parallelism is on whenever tp > 1 (it only saves memory and
+    traffic); the sharded levels are offered where dp x cp > 1."""
     experts = getattr(model, "num_moe_experts", None)
     for tp in _divisors(gpus, gpus_per_node):
         for pp in _divisors(gpus // tp, 64):
@@ -195,4 +192,4 @@ def enumerate_layouts(model: Any, gpus: int, global_batch_size: int, gpus_per_no
                                                     etp=1 if experts and tp > 1 else None,
                                                     sequence_parallel=tp > 1, sharding=shard, recompute=rc,
                                                     micro_batch_size=mbs, num_microbatches=m)
-                                    yield layout, check_layout(layout, model, global_batch_size)
+                                    yield layout, check_layout(layout, model, global_batch_size, precision)

@@ -9,7 +9,9 @@ stage, the final norm and output layer on the last, a word-embedding copy there 
 the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments and a 4-byte step per
 parameter tensor. With the distributed optimizer (``sharding="optim"``) the states are split as torch's
 ``ZeroRedundancyOptimizer`` splits them (largest tensor first onto the least-loaded rank, per parameter group:
-weights with weight decay, then norms and biases), so the count equals what the rank allocates. No torch.cuda.
+weights with weight decay, then norms and biases); under FSDP (``optim_grads`` / ``optim_grads_params``) every
+tensor is split along its first dimension as ``fully_shard`` splits it (:func:`fsdp_numel`), so the count equals
+what the rank allocates. No torch.cuda.
 
 Activations are counted per token per layer from what the layer's autograd graph keeps (bf16 under autocast,
 the residual stream in fp32) and checked against the measured peaks in ``benchmarks/RESULTS.md``
@@ -17,18 +19,19 @@ the residual stream in fp32) and checked against the measured peaks in ``benchma
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.pipeline import layers_per_stage, stage_placement, V_SHAPE_SCHEDULES
 from lightning_megatron.parallel.tensor_parallel.layers import pad_vocab_size
 
-__all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition",
+__all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS"]
 
-#: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names): what is split over dp x cp
-SHARDING_LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names, the library's own list): what is split
+#: over dp x cp
+SHARDING_LEVELS = SHARDING_STRATEGIES
 PARAM_BYTES = 4        # fp32 parameters (bf16-mixed keeps fp32 weights, autocast casts them per forward)
 GRAD_BYTES = 4         # fp32 gradients (grad_reduce_in_bf16 only changes the wire format)
 ADAM_BYTES = 8         # exp_avg + exp_avg_sq in fp32
@@ -38,12 +41,19 @@ STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
 @dataclass(frozen=True)
 class ParamTensor:
     """One parameter tensor a rank holds: its name, element count, whether it is a weight matrix (weight-decay
-    group, ``dim >= 2``) and whether it is a routed expert's (sharded over edp, not dp x cp)."""
+    group, ``dim >= 2``), whether it is a routed expert's (sharded over edp, not dp x cp) and its first dimension
+    ``rows`` (what FSDP splits; 0: the tensor is one-dimensional, ``rows = numel``)."""
 
     name: str
     numel: int
     matrix: bool
     expert: bool = False
+    rows: int = 0
+
+    @property
+    def dim0(self) -> int:
+        """Size of the first dimension."""
+        return self.rows or self.numel
 
 
 def stage_layers(num_layers: int, layout: Any) -> List[List[int]]:
@@ -82,38 +92,40 @@ def rank_parameters(model: Any, layout: Any, pp_rank: int = 0) -> List[ParamTens
     first, last = _holds(layout, pp_rank)
     tied = not c.untie_embeddings_and_output_weights
     if first or (last and tied):
-        out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, True))
+        out.append(ParamTensor("embedding.word_embeddings.weight", vocab // tp * h, True, rows=vocab // tp))
     if first and c.position_embedding_type == "learned_absolute":
-        out.append(ParamTensor("embedding.position_embeddings.weight", c.max_position_embeddings * h, True))
+        out.append(ParamTensor("embedding.position_embeddings.weight", c.max_position_embeddings * h, True,
+                               rows=c.max_position_embeddings))
     qkv_out = g * (n // g + 2) * d
     for i in stage_layers(c.num_layers, layout)[pp_rank]:
         p = f"decoder.layers.{i}."
         for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
             out += [ParamTensor(p + f"{norm_name}.{k}", v, False) for k, v in norm]
-        out.append(ParamTensor(p + "self_attention.linear_qkv.weight", qkv_out // tp * h, True))
-        out.append(ParamTensor(p + "self_attention.linear_proj.weight", h * (n * d) // tp, True))
+        out.append(ParamTensor(p + "self_attention.linear_qkv.weight", qkv_out // tp * h, True, rows=qkv_out // tp))
+        out.append(ParamTensor(p + "self_attention.linear_proj.weight", h * (n * d) // tp, True, rows=h))
         if bias:
             out.append(ParamTensor(p + "self_attention.linear_qkv.bias", qkv_out // tp, False))
             out.append(ParamTensor(p + "self_attention.linear_proj.bias", h, False))
         if c.is_moe and c.is_moe_layer(i):
             e, fm = c.num_moe_experts // layout.ep, c.moe_ffn_hidden_size // etp
-            out.append(ParamTensor(p + "mlp.router.weight", c.num_moe_experts * h, True))
-            out.append(ParamTensor(p + "mlp.experts.weight1", e * h * glu * fm, True, True))
-            out.append(ParamTensor(p + "mlp.experts.weight2", e * fm * h, True, True))
+            out.append(ParamTensor(p + "mlp.router.weight", c.num_moe_experts * h, True, rows=c.num_moe_experts))
+            out.append(ParamTensor(p + "mlp.experts.weight1", e * h * glu * fm, True, True, rows=e))
+            out.append(ParamTensor(p + "mlp.experts.weight2", e * fm * h, True, True, rows=e))
             shared = c.moe_shared_expert_intermediate_size or 0
             if shared:
-                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", glu * shared // tp * h, True))
-                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * shared // tp, True))
+                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc1.weight", glu * shared // tp * h, True,
+                                      rows=glu * shared // tp))
+                out.append(ParamTensor(p + "mlp.shared_experts.linear_fc2.weight", h * shared // tp, True, rows=h))
         else:
-            out.append(ParamTensor(p + "mlp.linear_fc1.weight", glu * f // tp * h, True))
-            out.append(ParamTensor(p + "mlp.linear_fc2.weight", h * f // tp, True))
+            out.append(ParamTensor(p + "mlp.linear_fc1.weight", glu * f // tp * h, True, rows=glu * f // tp))
+            out.append(ParamTensor(p + "mlp.linear_fc2.weight", h * f // tp, True, rows=h))
             if bias:
                 out.append(ParamTensor(p + "mlp.linear_fc1.bias", glu * f // tp, False))
                 out.append(ParamTensor(p + "mlp.linear_fc2.bias", h, False))
     if last:
         out += [ParamTensor(f"decoder.final_layernorm.{k}", v, False) for k, v in norm]
         if not tied:
-            out.append(ParamTensor("output_layer.weight", vocab // tp * h, True))
+            out.append(ParamTensor("output_layer.weight", vocab // tp * h, True, rows=vocab // tp))
     return out
 
 
@@ -157,8 +169,11 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
 
     Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
     optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
-    ``ZeroRedundancyOptimizer`` does (:func:`zero_partition`); ``optim_grads`` also divides the gradients and
-    ``optim_grads_params`` the parameters evenly (Megatron's FSDP levels: a model of them, not run here).
+    ``ZeroRedundancyOptimizer`` does (:func:`zero_partition`); the FSDP levels ``optim_grads`` and
+    ``optim_grads_params`` hold every tensor's parameters, gradients and Adam states as FSDP2's shards
+    (:func:`fsdp_numel`: dense tensors over dp x cp, routed experts over edp, whole when edp = 1 as the library
+    leaves them out of FSDP). Both FSDP levels hold the same bytes between steps; the whole bf16 weights they
+    gather during forward and backward are counted by the planner's peak (:mod:`lightning_megatron.planner.model`).
     """
     tensors = rank_parameters(model, layout, pp_rank)
     dense = [t for t in tensors if not t.expert]
@@ -171,6 +186,11 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     edp = layout.edp
     if level == "no_shard":
         return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, _adam_bytes(tensors))
+    if level in FSDP_STRATEGIES:
+        local = [fsdp_numel(t, dp_cp, dp_rank) for t in dense] + [fsdp_numel(t, edp, edp_rank) for t in expert]
+        return StateBytes(PARAM_BYTES * sum(local), GRAD_BYTES * sum(local),
+                          sum(ADAM_BYTES * k + STEP_BYTES for k in local))
+
     def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:
         if not tensors:
             return 0
@@ -178,13 +198,17 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
         return max(per_rank) if rank is None else per_rank[rank]
 
     opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)
-    if level == "optim":
-        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, opt)
-    dense_n, expert_n = sum(t.numel for t in dense), sum(t.numel for t in expert)
-    sharded = math.ceil(dense_n / dp_cp) + math.ceil(expert_n / edp)
-    grads = GRAD_BYTES * sharded
-    params = PARAM_BYTES * (sharded if level == "optim_grads_params" else n)
-    return StateBytes(params, grads, opt)
+    return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, opt)
+
+
+def fsdp_numel(tensor: ParamTensor, ranks: int, rank: Optional[int] = 0) -> int:
+    """Elements of ``tensor`` that rank ``rank`` of ``ranks`` holds under FSDP2 (``fully_shard``): the first
+    dimension cut into chunks of ``ceil(dim0 / ranks)`` rows as ``torch.chunk`` cuts it, so the last ranks may hold
+    fewer rows or none (FSDP pads its storage, the shard it hands out is unpadded). None: the largest shard."""
+    rows = tensor.dim0
+    chunk = -(-rows // ranks)
+    mine = max(0, min(chunk, rows - (rank or 0) * chunk))
+    return mine * (tensor.numel // rows)
 
 
 def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False) -> Dict[str, float]:

@@ -5,7 +5,10 @@ Memory (per GPU, the largest over pipeline ranks): parameters, gradients and opt
 on that pipeline rank (1F1B: ``pp - rank``; torch's interleaved 1F1B: ``(vp-1) pp + 2 (pp-1-rank) + 1`` chunks),
 the bf16 weight copies autocast keeps for each of them, and the logits / cross-entropy on the last stage. The
 gradients are absent at the forward peak only where the step path frees them (one micro-batch per step, no
-DDP bucket, no pipeline). The peak is the larger of the forward peak and the end of backward.
+DDP bucket, no pipeline). Under FSDP (``optim_grads``, ``optim_grads_params``) the states are FSDP's shards, the
+gathered bf16 weights replace autocast's copies (all the rank's layers with ``optim_grads``, two layers with
+``optim_grads_params``, the root unit's throughout) and gradients accumulate unsharded in fp32 while a step has
+several micro-batches. The peak is the larger of the forward peak and the end of backward.
 
 Time (per optimizer step): per micro-batch and pipeline rank, GEMMs at a measured efficiency of the dense peak
 (FLOPs from :func:`lightning_megatron.callbacks.flops.num_floating_point_operations`, the library's formula),
@@ -13,7 +16,8 @@ attention at a measured sequence-dependent efficiency, memory-bound work as pass
 bytes at HBM bandwidth, recompute's extra forward, tensor-parallel collectives, the context-parallel ring
 (hidden behind attention where it fits) and its merge work, expert all-to-alls; then the pipeline
 ``(m + (pp-1)/vp)`` micro-batch times of the slowest rank plus its point-to-point transfers, the data-parallel
-gradient all-reduce (partly hidden behind backward with DDP), the distributed optimizer's parameter all-gather,
+gradient all-reduce (partly hidden behind backward with DDP), the distributed optimizer's parameter all-gather
+or FSDP's per-layer all-gathers and reduce-scatter (hidden behind compute as FSDP2 prefetches, :func:`_fsdp_time`),
 the optimizer step and a fixed step overhead. Constants: :mod:`lightning_megatron.planner.calibration`.
 """
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any, Dict, Optional
 
 from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
+from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
+    GRAD_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -140,6 +145,39 @@ def _config_one_layer(model: Any) -> Any:
     return model.replace(num_layers=1, moe_layer_freq=1) if hasattr(model, "replace") else model
 
 
+def _fsdp_time(layout: Any, hw: Hardware, t_mb: float, layers: int, groups: Any) -> tuple:
+    """Exposed seconds per step of FSDP's collectives: (reduce-scatters, all-gathers). ``groups``: (ranks, elements
+    the rank holds whole, spans nodes) for the dense dp x cp group and the expert edp group; ``t_mb`` the slowest
+    rank's compute of one micro-batch over its ``layers`` layers (a third forward, two thirds backward).
+
+    Per micro-batch each unit's bf16 weights are all-gathered before its forward (``optim_grads`` under a pipeline:
+    once per step, its schedules keep them gathered) and, with ``optim_grads_params``, again before its backward;
+    ``(r-1)/r`` of the bytes cross the bus. FSDP2 prefetches the next unit's gather during the current unit's
+    compute, so only what exceeds the forward (backward) compute shows, and at least the first unit's gather. The
+    fp32 gradients are reduce-scattered once per step: during the last backward without a pipeline (hidden the same
+    way), after the schedule with one (not hidden)."""
+    m, pp = layout.num_microbatches, layout.pp
+    t_ag = t_rs = 0.0
+    for ranks, n, span in groups:
+        if ranks > 1 and n:
+            unit = 2.0 * n / max(1, layers)                       # one layer's bf16 weights
+            t_ag += (ranks - 1) / ranks * 2.0 * n / _nccl_bw(hw, unit, span)
+            t_rs += (ranks - 1) / ranks * 4.0 * n / _nccl_bw(hw, 2.0 * unit, span)
+    if not t_ag:
+        return 0.0, 0.0
+    first = 1.0 / max(1, layers)
+
+    def exposed(t: float, behind: float) -> float:
+        return max(t - behind, t * first)
+
+    forward_gathers = 1 if layout.sharding == "optim_grads" and pp > 1 else m
+    gathers = forward_gathers * exposed(t_ag, t_mb / 3)
+    if layout.sharding == "optim_grads_params":
+        gathers += m * exposed(t_ag, 2 * t_mb / 3)
+    scatters = exposed(t_rs, 2 * t_mb / 3) if pp == 1 else t_rs
+    return scatters, gathers
+
+
 def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any, Any]] = None) -> Prediction:
     """Peak memory and step time of ``layout`` running ``work`` on ``hw`` (see the module docstring). ``cache``:
     a dict kept across calls for the same model (the planner's), holding per-rank byte counts and FLOPs."""
@@ -166,6 +204,10 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     per_layer_kept = sum(kept.values()) * tokens
     copies_full = 2.0 * (lp["attention"] + lp["mlp"])
     copies_kept = 2.0 * (lp["attention"] + (0.0 if drop_mlp else lp["mlp"]))
+    fsdp = layout.sharding in FSDP_STRATEGIES
+    layer_bf16 = 2.0 * (lp["attention"] + lp["mlp"])    # one layer's weights in bf16 (this rank's tp / ep part)
+    if fsdp:   # FSDP gathers bf16 weights (its mixed-precision policy): autocast keeps no copies of its own
+        copies_full = copies_kept = 0.0
     layers_of = stage_layers(c.num_layers, layout)
     chunk_layers = len(layers_of[0]) // vp
     kept_grads = (work.grads_kept_between_steps or layout.dp * cp > 1 or pp > 1 or m > 1)
@@ -188,18 +230,30 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
         layers = chunks * chunk_layers
         n_whole = layers if whole == "all" else min(int(whole), chunk_layers) * chunks if whole else 0
         act = n_whole * layer_in * tokens + (layers - n_whole) * (per_layer_kept + copies_kept)
-        act += 2.0 * edge * min(chunks, 2)      # bf16 copies of the embedding / output weights
-        if layout.sharding == "optim_grads_params":  # the gathered whole weights of the layer run and the next
-            act += 2 * PARAM_BYTES * (lp["attention"] + lp["mlp"])
+        gathered = unsharded_fwd = unsharded_bwd = 0.0
+        if fsdp:
+            # gathered bf16 weights: the root unit (embedding, output layer) from forward to backward; every layer
+            # of the rank with optim_grads, or under a pipeline of several micro-batches (its schedules keep them
+            # gathered after each backward but the last); else the layer running and the one prefetched
+            keep_all = layout.sharding == "optim_grads" or (pp > 1 and m > 1)
+            gathered = 2.0 * edge + layer_bf16 * (len(layers_of[r]) if keep_all else min(2, len(layers_of[r])))
+            # gradients: accumulated whole in fp32 until the step's last backward reduce-scatters them
+            # (several micro-batches), else one layer's bf16 gradients before its reduce-scatter
+            unsharded_fwd = GRAD_BYTES * (numel[0] + numel[1]) if m > 1 else 0.0
+            unsharded_bwd = unsharded_fwd or layer_bf16
+        else:
+            act += 2.0 * edge * min(chunks, 2)      # bf16 copies of the embedding / output weights
         holds_last = (c.num_layers - 1) in layers_of[r]
         logits = logits_bytes_per_token(c, tp) * mbs * s / cp if holds_last else 0.0
         transient = (per_layer_full + copies_full) if whole else 0.0
         grads_at_peak = sb.grads if kept_grads else 0.0
-        fwd_peak = sb.params + sb.optimizer + grads_at_peak + act + logits
-        bwd_end = sb.total + transient
+        fwd_peak = sb.params + sb.optimizer + grads_at_peak + act + logits + gathered + unsharded_fwd
+        bwd_end = sb.total + transient + gathered + unsharded_bwd
         peak = max(fwd_peak, bwd_end)
         parts = {"params": sb.params / GIB, "grads": sb.grads / GIB, "optimizer": sb.optimizer / GIB,
                  "activations": act / GIB, "logits": logits / GIB}
+        if fsdp:
+            parts.update({"gathered weights": gathered / GIB, "unsharded grads": unsharded_bwd / GIB})
         if best is None or peak > best[0]:
             best = (peak, parts, sb, numel)
     peak, mem_parts, sb, (dense_numel, expert_numel) = best
@@ -277,6 +331,11 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
             if layout.sharding != "no_shard":
                 t_gather += (ranks - 1) / ranks * PARAM_BYTES * n / _nccl_bw(hw, PARAM_BYTES * n / ranks, span)
     t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 else t_ar   # the pipeline reduces after its last backward
+    if fsdp:
+        t_dp, t_gather = _fsdp_time(layout, hw, t_mb, max(len(l) for l in layers_of),
+                                    ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),
+                                     (layout.edp, expert_numel, layout.world // layout.edp > intra
+                                      or layout.edp > intra)))
     opt_params = sb.optimizer / 8.0
     t_opt = opt_params * hw.optimizer_bytes_per_param / hbm
     step = t_pipe + t_p2p + t_dp + t_gather + t_opt + hw.step_overhead_ms / 1e3

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from lightning_megatron.planner.calibration import Hardware, load_hardware
-from lightning_megatron.planner.layout import MODELLED_ONLY, SUPPORTED_SHARDING, Layout, enumerate_layouts
+from lightning_megatron.planner.layout import SUPPORTED_SHARDING, Layout, enumerate_layouts
 from lightning_megatron.planner.model import Prediction, Workload, predict
 
 __all__ = ["PlanRow", "Plan", "plan", "format_table"]
@@ -71,9 +71,9 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
          micro_batch_sizes: Sequence[int] = (1, 2, 4)) -> Plan:
     """Enumerate, validate (the library's rules), predict and rank the layouts of ``model`` (a ``GPTConfig``) on
     ``gpus`` GPUs of ``hardware`` (``"h100"``/``"h200"``, memory overridden by ``gpu_memory_gib``) for
-    ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding`` may
-    name the levels MegatronStrategy does not run (``optim_grads``, ``optim_grads_params``): those layouts are
-    predicted and listed as rejected (what-if rows), never ranked."""
+    ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding``: the
+    levels considered (default all four: ``no_shard``, ``optim``, and FSDP's ``optim_grads`` /
+    ``optim_grads_params``)."""
     for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -88,14 +88,12 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
     cache: Dict[Any, Any] = {}
     feasible, rejected = [], []
     for layout, reason in enumerate_layouts(model, gpus, global_batch_size, hw.gpus_per_node, recompute, sharding,
-                                            micro_batch_sizes):
-        if reason is not None and not reason.startswith(MODELLED_ONLY):
+                                            micro_batch_sizes, precision):
+        if reason is not None:
             rejected.append(PlanRow(layout, None, reason))
             continue
         p = predict(layout, work, hw, cache)
-        if reason is not None:
-            rejected.append(PlanRow(layout, p, reason + ("" if hw.fits(p.peak_gib) else "; out of memory")))
-        elif not hw.fits(p.peak_gib):
+        if not hw.fits(p.peak_gib):
             rejected.append(PlanRow(layout, p, f"out of memory: {p.peak_gib:.1f} GiB predicted, "
                                                f"{(hw.memory_gib - hw.reserved_gib) / (1 + hw.fragmentation):.1f} usable"))
         else:
