@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from functools import lru_cache
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -99,7 +99,8 @@ def test_params_dtype_is_validated():
 LONG_STEPS, STEPS, ACCUMULATE = 20, 3, 2
 
 
-def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF16P) -> Dict[str, Any]:
+def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF16P,
+                    strategy_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """bf16 parameters: 4 steps uninterrupted; 2 steps, save, resume to 4; the checkpoint into the fp32 path.
     ``samples`` are one micro-batch: every step (and epoch) sees the same data, however the resumed run counts
     epochs."""
@@ -108,7 +109,7 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
         module = new_module(cfg, steps)
         recorder = StepLossRecorder(1)
 
-        trainer = trainer_for(world, MegatronStrategy(), max_steps or steps, callbacks=[recorder],
+        trainer = trainer_for(world, MegatronStrategy(**(strategy_kwargs or {})), max_steps or steps, callbacks=[recorder],
                               plugins=[MegatronPrecision(**precision)])
         trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2), ckpt_path=ckpt)
         if save:
@@ -121,6 +122,9 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
     whole, whole_state = fit(4, precision)
     first, _ = fit(4, precision, save=path, max_steps=2)
     rest, resumed_state = fit(4, precision, ckpt=path)
+    if strategy_kwargs:   # a sharded directory: the resume is what is checked
+        return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state,
+                "resumed_state": resumed_state}
     ckpt = torch.load(path, weights_only=False, map_location="cpu")
     fp32, _ = fit(4, dict(precision="32-true"), ckpt=path) if "fp8" not in precision else (None, None)
     return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state, "resumed_state": resumed_state,
@@ -164,6 +168,8 @@ def _one_process() -> Dict[str, Any]:
     runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
     runs += [("checkpoint-fp8", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path + ".fp8",
                                                    FP8_DELAYED)))]
+    runs += [("checkpoint-sharded", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path + ".dcp",
+                                                       BF16P, dict(ckpt_format="torch_dist"))))]
     out = run_distributed(run_each, 1, _call, runs)[0]
     for name, result in out.items():
         assert not isinstance(result, str), result
@@ -263,5 +269,15 @@ def test_fp8_delayed_scaling_state_resumes_exactly():
     assert c["rest"] == c["whole"][2:], (c["rest"], c["whole"])
     fp8 = [k for k in c["whole_state"] if k.startswith("fp8:")]
     assert fp8 and all(bool((c["whole_state"][k] > 0).all()) for k in fp8)
+    for k, v in c["whole_state"].items():
+        assert torch.equal(v, c["resumed_state"][k]), k
+
+
+def test_sharded_checkpoint_of_bf16_parameters_resumes_exactly():
+    """ckpt_format='torch_dist' with bf16 parameters: the shards are the fp32 main parameters and optimizer states,
+    so the resumed run's losses and weights equal the uninterrupted run's bit for bit."""
+    c = _one_process()["checkpoint-sharded"]
+    assert c["first"] == c["whole"][:2]
+    assert c["rest"] == c["whole"][2:], (c["rest"], c["whole"])
     for k, v in c["whole_state"].items():
         assert torch.equal(v, c["resumed_state"][k]), k
