@@ -14,8 +14,6 @@
 #
 # Flags of the original left out here (docs/megatron_flags.md):
 #   --fp8-param-gather                            refused: FP8 parameters and their all-gather have not landed
-#   --overlap-grad-reduce --overlap-param-gather  refused: communication overlap
-#   --ckpt-format torch_dist --distributed-timeout-minutes 60   come with the checkpoint formats (docs/checkpoints.md)
 set -euo pipefail
 
 CHECKPOINT_PATH=${1:-"checkpoints/llama3_8b_fp8"}
@@ -80,6 +78,8 @@ TRAINING_ARGS=(
     --empty-unused-memory-level 1
     --exit-duration-in-mins 235
     --use-distributed-optimizer
+    --overlap-grad-reduce
+    --overlap-param-gather
 )
 
 FP8_ARGS=(
@@ -132,6 +132,8 @@ LOGGING_ARGS=(
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
+    --ckpt-format torch_dist
+    --distributed-timeout-minutes 60
 )
 
 exec "$PYTHON" "$HERE/../pretrain_gpt.py" \
