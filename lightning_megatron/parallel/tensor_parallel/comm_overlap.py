@@ -20,7 +20,7 @@ communication hidden (measure: benchmarks/run_tp_bench.sh).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,24 @@ def _mm(x: Tensor, w: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return out
 
 
+def _ring_all_gather_chunks(x: Tensor, ring: _Ring) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """All-gather ``x`` ``[n, ...]`` over the ring into ``total`` ``[n*t, ...]`` chunk by chunk: yields
+    ``(src, chunk, total)`` for each rank's chunk as it is present (own first), while the next chunk is in flight;
+    the caller computes on ``chunk`` before resuming the generator, which then waits for that exchange."""
+    t, r, n = ring.size, ring.rank, x.shape[0]
+    total = torch.empty((n * t,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    total[r * n:(r + 1) * n].copy_(x)
+    for i in range(t):
+        src = (r - i) % t
+        chunk = total[src * n:(src + 1) * n]
+        works: List[dist.Work] = []
+        if i < t - 1:
+            nxt = (r - i - 1) % t
+            works = ring.exchange(chunk, total[nxt * n:(nxt + 1) * n])
+        yield src, chunk, total
+        _wait(works)
+
+
 def _ring_reduce_scatter_mm(x: Tensor, w: Tensor, ring: _Ring, while_first=None) -> Tensor:
     """``reduce_scatter_dim0(x @ w)`` as a ring: ``x [s, b, k]``, ``w [k, m]`` -> ``[s/t, b, m]``.
     ``while_first()`` (optional) runs while the first exchange is in flight."""
@@ -96,20 +114,11 @@ class _RingColumnParallelFn(torch.autograd.Function):
                 x, weight = x.to(compute_dtype), weight.to(compute_dtype)
                 bias = bias.to(compute_dtype) if bias is not None else None
             x = x.contiguous()
-            t, r, n = ring.size, ring.rank, x.shape[0]
-            total = torch.empty((n * t,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            t, n = ring.size, x.shape[0]
             y = torch.empty((n * t,) + tuple(x.shape[1:-1]) + (weight.shape[0],), dtype=x.dtype, device=x.device)
-            total[r * n:(r + 1) * n].copy_(x)
             wt = weight.t()
-            for i in range(t):
-                src = (r - i) % t
-                chunk = total[src * n:(src + 1) * n]
-                works: List[dist.Work] = []
-                if i < t - 1:
-                    nxt = (r - i - 1) % t
-                    works = ring.exchange(chunk, total[nxt * n:(nxt + 1) * n])
+            for src, chunk, total in _ring_all_gather_chunks(x, ring):
                 _mm(chunk, wt, out=y[src * n:(src + 1) * n])
-                _wait(works)
             if bias is not None:
                 y.add_(bias)
         ctx.save_for_backward(x if recompute_gather else total, weight)
@@ -164,25 +173,15 @@ class _RingRowParallelFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         ring = _Ring(ctx.group)
-        t, r = ring.size, ring.rank
         grad_out = grad_out.to(weight.dtype).contiguous()
         n = grad_out.shape[0]
-        gathered = torch.empty((n * t,) + tuple(grad_out.shape[1:]), dtype=grad_out.dtype, device=grad_out.device)
-        gathered[r * n:(r + 1) * n].copy_(grad_out)
         grad_input = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
         grad_weight = None
-        for i in range(t):
-            src = (r - i) % t
-            chunk = gathered[src * n:(src + 1) * n]
-            works: List[dist.Work] = []
-            if i < t - 1:
-                nxt = (r - i - 1) % t
-                works = ring.exchange(chunk, gathered[nxt * n:(nxt + 1) * n])
+        for src, chunk, _ in _ring_all_gather_chunks(grad_out, ring):
             _mm(chunk, weight, out=grad_input[src * n:(src + 1) * n])
             g2 = chunk.reshape(-1, chunk.shape[-1])
             piece = g2.t().mm(x[src * n:(src + 1) * n].reshape(-1, x.shape[-1]))
             grad_weight = piece if grad_weight is None else grad_weight.add_(piece)
-            _wait(works)
         return grad_input.to(ctx.x_dtype), grad_weight.to(ctx.w_dtype), None, None
 
 
