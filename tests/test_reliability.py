@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.nonfinite import NonFiniteError
 from tests._dist import run_distributed, run_each
 from tests.parity import SEED, ListDataset, LossRecorder, make_samples, new_module, tiny_config, trainer_for
+from tests.test_robustness import _save_after_poison   # its sharded-checkpoint case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN = float("nan")
@@ -157,24 +157,10 @@ def _skip_run(rank, world, clip):
             "finite": bool(torch.isfinite(w[-1]).all())}
 
 
-def _refuse_sharded_save(rank, world, path):
-    pl.seed_everything(SEED, verbose=False)
-    cfg = tiny_config()
-    module = new_module(cfg, 1)
-    trainer = trainer_for(world, MegatronStrategy(tp=2, ckpt_format="torch_dist"), 1)
-    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=4))
-    if rank == 1:
-        with torch.no_grad():
-            module.model.decoder.layers["0"].self_attention.linear_qkv.weight[0, 0] = NAN
-    try:
-        trainer.save_checkpoint(path)
-    except NonFiniteError as e:
-        return str(e)
-    return None
-
-
 def _case(rank, world, kind, arg):
-    return _skip_run(rank, world, arg) if kind == "skip" else _refuse_sharded_save(rank, world, arg)
+    if kind == "skip":
+        return _skip_run(rank, world, arg)
+    return _save_after_poison(rank, world, True, arg, ckpt_format="torch_dist")
 
 
 def test_skip_mode_drops_the_step_on_every_rank_and_goes_on(tmp_path):

@@ -202,11 +202,12 @@ def test_pretrain_gpt_lr_1e30_exits_non_zero_and_keeps_finite_checkpoints(tmp_pa
         assert all(torch.isfinite(t).all() for t in state.values()), name
 
 
-def _save_after_poison(rank, world, check, path):
+def _save_after_poison(rank, world, check, path, **strategy_options):
+    """tp=2: one step, then a NaN in rank 1's shard; the error of ``save_checkpoint`` (or None if it saved)."""
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     module = new_module(cfg, 1)
-    strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad=check)
+    strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad=check, **strategy_options)
     trainer = trainer_for(world, strategy, 1)
     trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 8)), batch_size=4))
     if rank == 1:   # one TP rank's shard goes bad (a cosmic ray, a bug in a callback)
