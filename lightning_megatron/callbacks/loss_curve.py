@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-
+from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
 from lightning_megatron.optional import MATPLOTLIB
 
 __all__ = ["LossCurve", "plot_loss_curve"]
 
 
-class LossCurve(Callback):
+class LossCurve(OptimizerStepCallback):
     """Record ``train_loss`` after every optimizer step and ``val_loss`` after every validation (global rank 0;
     both are already the global values), and write them at the end of training as ``<path>.csv`` and
     ``<path>.png`` (the PNG needs matplotlib; without it the run prints a note and writes the CSV only).
@@ -27,18 +26,9 @@ class LossCurve(Callback):
         self.path = Path(path).with_suffix("") if Path(path).suffix in (".png", ".csv") else Path(path)
         self.train: List[Tuple[int, float]] = []
         self.val: List[Tuple[int, float]] = []
-        self._last_step = 0
         self.png: Optional[Path] = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._last_step:   # accumulating: no optimizer step in this batch
-            return
-        self._last_step = step
+    def on_optimizer_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         loss = trainer.callback_metrics.get("train_loss")
         if trainer.is_global_zero and loss is not None:
             self.train.append((step, float(loss)))

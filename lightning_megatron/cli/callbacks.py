@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
+
 __all__ = ["IterationPrinter", "LastCheckpoint", "MemoryHousekeeping", "StepProfiler"]
 
 
@@ -25,7 +27,7 @@ class LastCheckpoint(ModelCheckpoint):
             super().on_train_end(trainer, pl_module)
 
 
-class IterationPrinter(Callback):
+class IterationPrinter(OptimizerStepCallback):
     """Megatron-style log line on global rank 0 every ``every`` optimizer steps::
 
         iteration     10/400 | consumed samples 80 | train_loss 6.1234 | lr 1.500e-03 | step_time 0.1 | ...
@@ -38,17 +40,8 @@ class IterationPrinter(Callback):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         self.every, self.global_batch_size, self.monitor = every, global_batch_size, monitor
-        self._last_step = 0
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._last_step:  # accumulating: no optimizer step in this batch
-            return
-        self._last_step = step
+    def on_optimizer_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         if step % self.every or not trainer.is_global_zero:
             return
         parts = [f"iteration {step:>6}/{trainer.max_steps}", f"consumed samples {step * self.global_batch_size}"]
