@@ -16,7 +16,7 @@ checkpoint is written.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,10 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     if not tensors:
         return torch.zeros(())
     norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.stack([n.float() for n in norms]).sum()
+    by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+    for n in norms:   # one stack and cast per dtype, not a cast kernel per tensor
+        by_dtype.setdefault(n.dtype, []).append(n)
+    return torch.stack([torch.stack(group).float().sum() for group in by_dtype.values()]).sum()
 
 
 def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
