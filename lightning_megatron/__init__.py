@@ -1,71 +1,64 @@
-"""lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy."""
-from lightning_megatron.hf import HFCheckpointLoader, config_from_hf, config_to_hf, export_hf, load_hf_weights
-from lightning_megatron.callbacks import LossCurve, MFUMonitor, flops_per_token, num_floating_point_operations
-from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
-from lightning_megatron.models.config import GPTConfig
-from lightning_megatron.models.gpt import GPTModel
-from lightning_megatron.models.kv_cache import KVCache
-from lightning_megatron.models.module import ParallelGPTModule
-from lightning_megatron.moe import GroupedMLPExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
-from lightning_megatron.parallel.main_grad import MainParams
-from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp
-from lightning_megatron.parallel.grad_buckets import GradBucketReducer
-from lightning_megatron.parallel.mesh import ParallelMesh
-from lightning_megatron.parallel.param_gather import OverlappedParamGather
-from lightning_megatron.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelRNG,
-    VocabParallelEmbedding,
-    apply_tp,
-    vocab_parallel_cross_entropy,
-)
-from lightning_megatron.parallelize import ParallelizedModel, parallelize
-from lightning_megatron.planner import Layout, Plan
-from lightning_megatron.precision import MegatronPrecision
-from lightning_megatron.strategy import MegatronStrategy
+"""lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy.
+
+The public names below are imported on first use (PEP 562), so ``import lightning_megatron`` and the layout
+planner's command line (``python -m lightning_megatron.plan``) do not pay for importing Lightning. The strategy
+names ``"megatron"`` and ``"megatron_spawn"`` are registered in Lightning's ``StrategyRegistry`` as soon as
+Lightning is loaded (:mod:`lightning_megatron._registry`), whichever of the two packages is imported first.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from lightning_megatron._lazy import lazy_exports
+from lightning_megatron._registry import register_when_lightning_loads
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "GPTConfig",
-    "GPTModel",
-    "ParallelGPTModule",
-    "MoEConfig",
-    "MoELayer",
-    "TopKRouter",
-    "GroupedMLPExperts",
-    "ParallelConfig",
-    "ParallelMesh",
-    "DeferredWgrad",
-    "MainParams",
-    "apply_fsdp",
-    "FSDPModel",
-    "GradBucketReducer",
-    "OverlappedParamGather",
-    "MegatronStrategy",
-    "MegatronPrecision",
-    "parallelize",
-    "ParallelizedModel",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "TensorParallelRNG",
-    "apply_tp",
-    "vocab_parallel_cross_entropy",
-    "MFUMonitor",
-    "LossCurve",
-    "num_floating_point_operations",
-    "flops_per_token",
-    "Plan",
-    "Layout",
-    "KVCache",
-    "config_from_hf",
-    "config_to_hf",
-    "load_hf_weights",
-    "export_hf",
-    "HFCheckpointLoader",
-    "ShardedCheckpointIO",
-]
+# public name -> the module that defines it
+_EXPORTS: Dict[str, str] = {
+    "GPTConfig": "lightning_megatron.models.config",
+    "GPTModel": "lightning_megatron.models.gpt",
+    "ParallelGPTModule": "lightning_megatron.models.module",
+    "KVCache": "lightning_megatron.models.kv_cache",
+    "MoEConfig": "lightning_megatron.moe",
+    "MoELayer": "lightning_megatron.moe",
+    "TopKRouter": "lightning_megatron.moe",
+    "GroupedMLPExperts": "lightning_megatron.moe",
+    "ParallelConfig": "lightning_megatron.parallel.config",
+    "ParallelMesh": "lightning_megatron.parallel.mesh",
+    "DeferredWgrad": "lightning_megatron.parallel.deferred_wgrad",
+    "MainParams": "lightning_megatron.parallel.main_grad",
+    "apply_fsdp": "lightning_megatron.parallel.fsdp",
+    "FSDPModel": "lightning_megatron.parallel.fsdp",
+    "GradBucketReducer": "lightning_megatron.parallel.grad_buckets",
+    "OverlappedParamGather": "lightning_megatron.parallel.param_gather",
+    "ColumnParallelLinear": "lightning_megatron.parallel.tensor_parallel",
+    "RowParallelLinear": "lightning_megatron.parallel.tensor_parallel",
+    "VocabParallelEmbedding": "lightning_megatron.parallel.tensor_parallel",
+    "TensorParallelRNG": "lightning_megatron.parallel.tensor_parallel",
+    "apply_tp": "lightning_megatron.parallel.tensor_parallel",
+    "vocab_parallel_cross_entropy": "lightning_megatron.parallel.tensor_parallel",
+    "parallelize": "lightning_megatron.parallelize",
+    "ParallelizedModel": "lightning_megatron.parallelize",
+    "MegatronStrategy": "lightning_megatron.strategy",
+    "MegatronPrecision": "lightning_megatron.precision",
+    "MFUMonitor": "lightning_megatron.callbacks",
+    "LossCurve": "lightning_megatron.callbacks",
+    "num_floating_point_operations": "lightning_megatron.callbacks",
+    "flops_per_token": "lightning_megatron.callbacks",
+    "Plan": "lightning_megatron.planner",
+    "Layout": "lightning_megatron.planner",
+    "config_from_hf": "lightning_megatron.hf",
+    "config_to_hf": "lightning_megatron.hf",
+    "load_hf_weights": "lightning_megatron.hf",
+    "export_hf": "lightning_megatron.hf",
+    "HFCheckpointLoader": "lightning_megatron.hf",
+    "ShardedCheckpointIO": "lightning_megatron.dist_checkpoint",
+}
+
+__all__: List[str] = list(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+register_when_lightning_loads()

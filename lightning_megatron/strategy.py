@@ -43,11 +43,11 @@ from lightning_megatron.launcher import (
     watch_children,
     watch_signals,
 )
-from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.config import ParallelConfig, check_fsdp_fp8
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
-from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, check_fsdp_fp8, mixed_precision_policy
+from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped

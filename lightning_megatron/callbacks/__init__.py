@@ -1,19 +1,18 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count; the
 loss curve as CSV / PNG (``LossCurve``)."""
-from lightning_megatron.callbacks.flops import flops_per_token, num_floating_point_operations
-from lightning_megatron.callbacks.loss_curve import LossCurve, plot_loss_curve
-from lightning_megatron.callbacks.mfu import PEAK_FLOPS, MFUMonitor, device_peak_flops, peak_memory_gib, precision_kind
-from lightning_megatron.callbacks.sample import SampleContinuation
+from lightning_megatron._lazy import lazy_exports
 
-__all__ = [
-    "LossCurve",
-    "MFUMonitor",
-    "num_floating_point_operations",
-    "flops_per_token",
-    "device_peak_flops",
-    "precision_kind",
-    "peak_memory_gib",
-    "PEAK_FLOPS",
-    "SampleContinuation",
-    "plot_loss_curve",
-]
+_EXPORTS = {
+    "flops_per_token": "lightning_megatron.callbacks.flops",
+    "num_floating_point_operations": "lightning_megatron.callbacks.flops",
+    "LossCurve": "lightning_megatron.callbacks.loss_curve",
+    "plot_loss_curve": "lightning_megatron.callbacks.loss_curve",
+    "PEAK_FLOPS": "lightning_megatron.callbacks.mfu",
+    "MFUMonitor": "lightning_megatron.callbacks.mfu",
+    "device_peak_flops": "lightning_megatron.callbacks.mfu",
+    "peak_memory_gib": "lightning_megatron.callbacks.mfu",
+    "precision_kind": "lightning_megatron.callbacks.mfu",
+    "SampleContinuation": "lightning_megatron.callbacks.sample",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_megatron.moe.config import moe_layer_pattern
-from lightning_megatron.parallel.tensor_parallel import pad_vocab_size
+from lightning_megatron.parallel.layout_rules import pad_vocab_size
 
 __all__ = ["num_floating_point_operations", "flops_per_token", "padded_vocab_size", "moe_layer_pattern"]
 

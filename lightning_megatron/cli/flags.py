@@ -14,8 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from lightning_megatron.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
 from lightning_megatron.parallel.config import CP_COMM_TYPES, SHARDING_STRATEGIES
-from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
-from lightning_megatron.parallel.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
+from lightning_megatron.parallel.layout_rules import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES, SCHEDULE_NAMES
 
 __all__ = ["DESCRIPTION", "FLAG_MAPPING", "TINY", "TINY_LR", "accepted_flags", "add_accepted_flag", "add_flag",
            "add_refused_flag", "build_parser", "flag_targets", "refused_flags"]

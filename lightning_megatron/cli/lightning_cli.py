@@ -19,7 +19,7 @@ from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.module import ParallelGPTModule
 from lightning_megatron.optional import JSONARGPARSE, require
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
+from lightning_megatron.parallel.layout_rules import layers_per_stage, min_microbatches
 from lightning_megatron.strategy import LAYOUT_OPTIONS, MegatronStrategy
 
 __all__ = ["CheckedConfig", "MegatronCLI", "check_config", "main"]

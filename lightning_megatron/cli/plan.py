@@ -33,7 +33,7 @@ from lightning_megatron.data import (
 from lightning_megatron.optional import TENSORBOARD
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.parallel.config import FSDP_STRATEGIES, ParallelConfig
-from lightning_megatron.parallel.pipeline import layers_per_stage, min_microbatches
+from lightning_megatron.parallel.layout_rules import layers_per_stage, min_microbatches
 from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.strategy import MegatronStrategy
 

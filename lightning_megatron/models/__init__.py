@@ -1,5 +1,9 @@
 """Plain GPT / LLaMA models (no parallelism inside) and the LightningModule around them."""
-from lightning_megatron.models.config import GPTConfig
-from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron._lazy import lazy_exports
 
-__all__ = ["GPTConfig", "GPTModel"]
+_EXPORTS = {
+    "GPTConfig": "lightning_megatron.models.config",
+    "GPTModel": "lightning_megatron.models.gpt",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -33,7 +33,8 @@ from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
 from lightning_megatron.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_rows, pad_vocab_size
+from lightning_megatron.parallel.layout_rules import pad_vocab_size
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, pad_rows
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     Group,
     copy_to_tensor_model_parallel_region,

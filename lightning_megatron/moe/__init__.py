@@ -2,25 +2,30 @@
 per-step bookkeeping (aux-loss scale and logging, expert-bias updates). Expert parallel (EP) and expert tensor
 parallel (ETP) groups are passed in; nothing here holds process groups globally.
 """
-from lightning_megatron.moe.config import MoEConfig, check_expert_parallel
-from lightning_megatron.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
-from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
-from lightning_megatron.moe.layer import MoELayer, SharedExpertMLP
-from lightning_megatron.moe.training import pop_aux_loss_sums, routers, set_aux_loss_scale_of, update_expert_biases
-from lightning_megatron.moe.router import (
-    TopKRouter,
-    apply_token_dropping,
-    attach_aux_loss,
-    expert_capacity,
-    get_aux_loss_scale,
-    set_aux_loss_scale,
-    switch_load_balancing_loss,
-    z_loss,
-)
+from lightning_megatron._lazy import lazy_exports
 
-__all__ = [
-    "MoEConfig", "check_expert_parallel", "TopKRouter", "attach_aux_loss", "set_aux_loss_scale",
-    "get_aux_loss_scale", "switch_load_balancing_loss", "z_loss", "expert_capacity", "apply_token_dropping",
-    "GroupedMLPExperts", "SequentialMLPExperts", "AllToAllDispatcher", "AllGatherDispatcher", "build_dispatcher",
-    "MoELayer", "SharedExpertMLP", "routers", "set_aux_loss_scale_of", "pop_aux_loss_sums", "update_expert_biases",
-]
+_EXPORTS = {
+    "MoEConfig": "lightning_megatron.moe.config",
+    "check_expert_parallel": "lightning_megatron.moe.config",
+    "AllGatherDispatcher": "lightning_megatron.moe.dispatcher",
+    "AllToAllDispatcher": "lightning_megatron.moe.dispatcher",
+    "build_dispatcher": "lightning_megatron.moe.dispatcher",
+    "GroupedMLPExperts": "lightning_megatron.moe.experts",
+    "SequentialMLPExperts": "lightning_megatron.moe.experts",
+    "MoELayer": "lightning_megatron.moe.layer",
+    "SharedExpertMLP": "lightning_megatron.moe.layer",
+    "pop_aux_loss_sums": "lightning_megatron.moe.training",
+    "routers": "lightning_megatron.moe.training",
+    "set_aux_loss_scale_of": "lightning_megatron.moe.training",
+    "update_expert_biases": "lightning_megatron.moe.training",
+    "TopKRouter": "lightning_megatron.moe.router",
+    "apply_token_dropping": "lightning_megatron.moe.router",
+    "attach_aux_loss": "lightning_megatron.moe.router",
+    "expert_capacity": "lightning_megatron.moe.router",
+    "get_aux_loss_scale": "lightning_megatron.moe.router",
+    "set_aux_loss_scale": "lightning_megatron.moe.router",
+    "switch_load_balancing_loss": "lightning_megatron.moe.router",
+    "z_loss": "lightning_megatron.moe.router",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,6 +1,10 @@
 """Parallel layout, process grid and the per-dimension transformations."""
-from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.mesh import ParallelMesh
-from lightning_megatron.parallel.tensor_parallel import apply_tp
+from lightning_megatron._lazy import lazy_exports
 
-__all__ = ["ParallelConfig", "ParallelMesh", "apply_tp"]
+_EXPORTS = {
+    "ParallelConfig": "lightning_megatron.parallel.config",
+    "ParallelMesh": "lightning_megatron.parallel.mesh",
+    "apply_tp": "lightning_megatron.parallel.tensor_parallel",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -222,7 +222,7 @@ class ParallelConfig:
             raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
                              "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on) or False")
         self._check_checkpoint_options()
-        from lightning_megatron.parallel.recompute import check_recompute_options
+        from lightning_megatron.parallel.layout_rules import check_recompute_options
 
         self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
                                                          self.recompute_num_layers, self.recompute_modules)
@@ -293,7 +293,7 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout_minutes={t!r} must be None or a number of minutes > 0")
 
     def _check_pipeline(self) -> None:
-        from lightning_megatron.parallel.pipeline import check_schedule, default_schedule
+        from lightning_megatron.parallel.layout_rules import check_schedule, default_schedule
 
         given = self.pipeline_schedule
         if self.pipeline_schedule is None:
@@ -305,7 +305,7 @@ class ParallelConfig:
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         if self.pp == 1:
-            from lightning_megatron.parallel.pipeline import SCHEDULE_NAMES
+            from lightning_megatron.parallel.layout_rules import SCHEDULE_NAMES
 
             if given is not None and given not in SCHEDULE_NAMES:
                 raise ValueError(f"pipeline_schedule={given!r} is not one of {SCHEDULE_NAMES}")
@@ -395,7 +395,7 @@ class ParallelConfig:
                 "give one string, or one per layer"
             )
         if self.pp > 1 and layers is not None:
-            from lightning_megatron.parallel.pipeline import layers_per_stage
+            from lightning_megatron.parallel.layout_rules import layers_per_stage
 
             layers_per_stage(layers, self.pp * (self.vp or 1), self.num_layers_in_first_pipeline_stage,
                              self.num_layers_in_last_pipeline_stage)
@@ -411,7 +411,7 @@ class ParallelConfig:
                 f"sequence over the tensor-parallel ranks"
             )
         self.validate_moe(model_config)
-        from lightning_megatron.parallel.recompute import check_recompute_model
+        from lightning_megatron.parallel.layout_rules import check_recompute_model
 
         check_recompute_model(self, model_config)
 
@@ -447,3 +447,14 @@ class ParallelConfig:
                 f"with MoE and tensor parallelism each TP rank routes its own part of the sequence); set "
                 f"MegatronStrategy(sequence_parallel=True) or tp=1"
             )
+
+
+def check_fsdp_fp8(config: "ParallelConfig", fp8: bool) -> None:
+    """Refuse an FSDP sharding level together with FP8 layers (``fp8``: the model has them), which is not built.
+
+    Raises:
+        ValueError: ``config.fsdp`` and ``fp8``, naming the level and the fix.
+    """
+    if fp8 and config.fsdp:
+        raise ValueError(f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with FP8 "
+                         "layers is not built: use 'no_shard' / 'optim' with FP8, or drop FP8")

@@ -32,19 +32,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
 
-__all__ = ["FSDPModel", "apply_fsdp", "check_fsdp_fp8", "mixed_precision_policy", "local_tensor",
+__all__ = ["FSDPModel", "apply_fsdp", "mixed_precision_policy", "local_tensor",
            "distribute_like"]
-
-
-def check_fsdp_fp8(config: ParallelConfig, fp8: bool) -> None:
-    """Refuse an FSDP sharding level together with FP8 layers (``fp8``: the model has them), which is not built.
-
-    Raises:
-        ValueError: ``config.fsdp`` and ``fp8``, naming the level and the fix.
-    """
-    if fp8 and config.fsdp:
-        raise ValueError(f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with FP8 "
-                         "layers is not built: use 'no_shard' / 'optim' with FP8, or drop FP8")
 
 
 def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:

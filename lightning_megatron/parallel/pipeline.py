@@ -21,77 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-V_SHAPE_SCHEDULES = ("zbv", "dualpipev")
-
-
-def default_schedule(vp: Optional[int]) -> str:
-    """``"interleaved_1f1b"`` with virtual stages, else ``"1f1b"``."""
-    return "interleaved_1f1b" if vp and vp > 1 else "1f1b"
-
-
-def check_schedule(schedule: str, pp: int, vp: Optional[int]) -> None:
-    """Raise ValueError when ``schedule`` cannot run ``pp`` ranks with ``vp`` stages per rank."""
-    vp = vp or 1
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is not one of {SCHEDULE_NAMES}")
-    if schedule in SINGLE_STAGE_SCHEDULES and vp > 1:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} runs one stage per rank but vp={vp}: use 'interleaved_1f1b', "
-            "'looped_bfs' or 'interleaved_zero_bubble' with virtual stages, or drop vp"
-        )
-    if schedule in V_SHAPE_SCHEDULES and vp != 2:
-        raise ValueError(f"pipeline_schedule={schedule!r} places two stages per rank in a V: it needs vp=2, got vp={vp}")
-    if schedule not in SINGLE_STAGE_SCHEDULES and schedule not in V_SHAPE_SCHEDULES and vp < 2:
-        raise ValueError(f"pipeline_schedule={schedule!r} is a multi-stage schedule: it needs vp >= 2, got vp={vp}")
-
-
-def layers_per_stage(num_layers: int, num_stages: int, first: Optional[int] = None,
-                     last: Optional[int] = None) -> List[int]:
-    """Number of layers of each global stage: an even split, or ``first`` / ``last`` layers on the first /
-    last stage and an even split of the rest (Megatron's ``num_layers_in_first/last_pipeline_stage``).
-
-    Raises:
-        ValueError: the layers do not split as asked (naming the numbers).
-    """
-    if num_stages == 1:
-        return [num_layers]
-    fixed = {}
-    if first is not None:
-        fixed[0] = first
-    if last is not None:
-        fixed[num_stages - 1] = last
-    rest_layers = num_layers - sum(fixed.values())
-    rest_stages = num_stages - len(fixed)
-    if any(n < 0 for n in fixed.values()) or rest_layers < 0:
-        raise ValueError(
-            f"num_layers_in_first/last_pipeline_stage={first}/{last} leave {rest_layers} of num_layers={num_layers}"
-        )
-    if rest_stages == 0:
-        if rest_layers != 0:
-            raise ValueError(f"first+last stage layers {first}+{last} != num_layers={num_layers}")
-        return [fixed[0], fixed[num_stages - 1]]
-    if rest_layers % rest_stages != 0:
-        if not fixed:
-            raise ValueError(
-                f"num_layers={num_layers} is not divisible by the {num_stages} pipeline stages (pp*vp): set "
-                f"num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for an uneven split"
-            )
-        raise ValueError(
-            f"after num_layers_in_first/last_pipeline_stage={first}/{last}, the remaining {rest_layers} layers "
-            f"do not divide over the other {rest_stages} stages"
-        )
-    per = rest_layers // rest_stages
-    return [fixed.get(i, per) for i in range(num_stages)]
-
-
-def stage_placement(pp: int, vp: int, v_shape: bool) -> List[List[int]]:
-    """Global stage indices held by each pipeline rank, in the rank's chunk order."""
-    if v_shape:
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[v * pp + r for v in range(vp)] for r in range(pp)]
-
+from lightning_megatron.parallel.layout_rules import (SINGLE_STAGE_SCHEDULES, V_SHAPE_SCHEDULES, layers_per_stage,
+                                                     min_microbatches, stage_placement)
 
 class PipelineStageModule(nn.Module):
     """One pipeline stage of a GPT-layout model, sharing (not copying) the model's submodules.
@@ -196,11 +127,6 @@ def build_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Ca
             f"pipeline_schedule={schedule!r} cannot run {n_microbatches} micro-batches per step on these stages "
             f"({e}). The micro-batches per optimizer step come from Trainer(accumulate_grad_batches=...)"
         ) from e
-
-
-def min_microbatches(schedule: str, pp: int) -> int:
-    """Fewest micro-batches per step a schedule needs (torch's rules, checked early with a clear error)."""
-    return 1 if schedule == "gpipe" else pp
 
 
 def _skip_self_init_p2p(stage: Any) -> None:

@@ -46,125 +46,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_megatron.contract import RecomputeModel, ReplayAware
+from lightning_megatron.parallel.layout_rules import OUTPUT_DISCARDING, check_recompute_layers
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 
 if TYPE_CHECKING:
     from lightning_megatron.parallel.config import ParallelConfig
 
-RECOMPUTE_GRANULARITIES = ("selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-#: Megatron's ``recompute_modules`` names (``mla_up_proj`` is refused: the model has no multi-latent attention)
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
-#: names recomputed by discarding the function's kept output (Megatron's "output-discarding checkpointing")
-OUTPUT_DISCARDING = ("layernorm", "moe_act")
-#: names that need a mixture-of-experts model
-MOE_RECOMPUTE_MODULES = ("moe", "moe_act", "shared_experts")
 _WHAT = {"core_attn": "attention", "layernorm": "layer norms", "mlp": "dense MLP layer", "moe": "MoE layer",
          "shared_experts": "MoE layer with shared experts", "moe_act": "MoE layer"}
-
-
-# ------------------------------------------------------------------------------------------------- validation
-def check_recompute_options(granularity: Any, method: Any, num_layers: Any,
-                            modules: Any) -> Optional[List[str]]:
-    """Validate the recompute options (the ``ParallelConfig`` fields) on their own; returns ``recompute_modules``
-    as a list (``["core_attn"]`` for selective granularity without one; None for the other granularities).
-
-    Raises:
-        ValueError: an unknown granularity / method / module name; ``full`` without a method or a number of
-            layers; a method, a number of layers or modules with a granularity that does not take them.
-    """
-    if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute_granularity={granularity!r} is not None or one of {RECOMPUTE_GRANULARITIES}")
-    if method is not None and method not in RECOMPUTE_METHODS:
-        raise ValueError(f"recompute_method={method!r} is not None or one of {RECOMPUTE_METHODS}")
-    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
-        raise ValueError(f"recompute_num_layers={num_layers!r} must be a positive integer or None")
-    if granularity == "full":
-        if method is None or num_layers is None:
-            raise ValueError(
-                f"recompute_granularity='full' needs recompute_method ('uniform': every layer, in groups of "
-                f"recompute_num_layers; 'block': the first recompute_num_layers layers of each pipeline stage) and "
-                f"recompute_num_layers; got recompute_method={method!r}, recompute_num_layers={num_layers!r}")
-        if modules is not None:
-            raise ValueError(f"recompute_modules={list(modules)!r} names the parts selective recompute recomputes; "
-                             "recompute_granularity='full' recomputes whole layers: drop recompute_modules")
-        return None
-    if method is not None or num_layers is not None:
-        raise ValueError(
-            f"recompute_method={method!r} / recompute_num_layers={num_layers!r} choose which whole layers are "
-            f"recomputed: they need recompute_granularity='full', got recompute_granularity={granularity!r}")
-    if granularity is None:
-        if modules is not None:
-            raise ValueError(f"recompute_modules={list(modules)!r} needs recompute_granularity='selective'")
-        return None
-    names = list(DEFAULT_RECOMPUTE_MODULES if modules is None else ([modules] if isinstance(modules, str) else modules))
-    if not names:
-        raise ValueError("recompute_modules=[] recomputes nothing: name at least one of "
-                         f"{RECOMPUTE_MODULES} or drop recompute_granularity")
-    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
-    if unknown:
-        raise ValueError(f"recompute_modules {unknown} are not among Megatron's names {RECOMPUTE_MODULES}")
-    if "mla_up_proj" in names:
-        raise ValueError("recompute_modules 'mla_up_proj' recomputes multi-latent attention's up projection; the "
-                         "model has no multi-latent attention")
-    return list(dict.fromkeys(names))
-
-
-def recompute_chunk_sizes(config: "ParallelConfig", num_layers: int) -> List[int]:
-    """Layers per chunk that ``run_layers`` runs at once: the whole model, or each of the ``pp * vp`` pipeline
-    stages (virtual chunks), uneven first / last stages included."""
-    if config.pp == 1:
-        return [num_layers]
-    from lightning_megatron.parallel.pipeline import layers_per_stage
-
-    return layers_per_stage(num_layers, config.pp * (config.vp or 1), config.num_layers_in_first_pipeline_stage,
-                            config.num_layers_in_last_pipeline_stage)
-
-
-def check_recompute_layers(config: "ParallelConfig", num_layers: int) -> None:
-    """Check ``recompute_num_layers`` against the model's ``num_layers`` split into chunks (pipeline stages and
-    virtual chunks): it may not exceed the largest chunk.
-
-    Raises:
-        ValueError: naming the chunk sizes and the number asked for.
-    """
-    if config.recompute_granularity != "full":
-        return
-    sizes = recompute_chunk_sizes(config, num_layers)
-    n = config.recompute_num_layers
-    if n > max(sizes):
-        where = ("the model's num_layers" if len(sizes) == 1 else
-                 f"the layers of each of the pp*vp = {len(sizes)} pipeline chunks {sizes}")
-        raise ValueError(
-            f"recompute_num_layers={n} is larger than {where} ({max(sizes)}): recompute_method="
-            f"{config.recompute_method!r} recomputes "
-            + ("groups of recompute_num_layers layers of a chunk" if config.recompute_method == "uniform" else
-               "the first recompute_num_layers layers of each chunk")
-            + f"; use 1 <= recompute_num_layers <= {max(sizes)}")
-
-
-def check_recompute_model(config: "ParallelConfig", model_config: Any) -> None:
-    """Check the recompute options against a model shape with Megatron's field names (``num_layers``,
-    ``num_moe_experts``, ``moe_shared_expert_intermediate_size``; missing fields are skipped).
-
-    Raises:
-        ValueError: ``recompute_num_layers`` larger than a pipeline chunk (see :func:`check_recompute_layers`); an
-            MoE name in ``recompute_modules`` on a dense model, or ``shared_experts`` without shared experts.
-    """
-    layers = getattr(model_config, "num_layers", None)
-    if layers is not None:
-        check_recompute_layers(config, layers)
-    names = config.recompute_modules or []
-    if getattr(model_config, "num_moe_experts", "absent") is None:
-        moe = [n for n in names if n in MOE_RECOMPUTE_MODULES]
-        if moe:
-            raise ValueError(f"recompute_modules {moe} recompute parts of mixture-of-experts layers, but the model is "
-                             "dense (num_moe_experts=None)")
-    if "shared_experts" in names and getattr(model_config, "num_moe_experts", None) is not None \
-            and not getattr(model_config, "moe_shared_expert_intermediate_size", 1):
-        raise ValueError("recompute_modules 'shared_experts' needs shared experts "
-                         "(moe_shared_expert_intermediate_size), the model has none")
 
 
 # ------------------------------------------------------------------------------------------------- replay

@@ -2,7 +2,7 @@
 enumeration of candidates. Validity is decided by the library's own rules only: a candidate is valid when
 ``ParallelConfig(...)`` (with the layout's sharding level), ``resolve(world)`` and ``validate_model(model)`` accept
 it (their ValueError is the rejection reason), plus the strategy's FP8 rule for FSDP
-(:func:`~lightning_megatron.parallel.fsdp.check_fsdp_fp8`), the pipeline schedule's fewest micro-batches
+(:func:`~lightning_megatron.parallel.config.check_fsdp_fp8`), the pipeline schedule's fewest micro-batches
 (``min_microbatches``) and the global batch dividing into micro-batches."""
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig
-from lightning_megatron.parallel.fsdp import check_fsdp_fp8
-from lightning_megatron.parallel.pipeline import default_schedule, min_microbatches
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig, check_fsdp_fp8
+from lightning_megatron.parallel.layout_rules import default_schedule, min_microbatches
 
 __all__ = ["Layout", "RECOMPUTE_PRESETS", "recompute_options", "enumerate_layouts", "check_layout",
            "SUPPORTED_SHARDING"]

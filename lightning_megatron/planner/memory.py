@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES
-from lightning_megatron.parallel.pipeline import layers_per_stage, stage_placement, V_SHAPE_SCHEDULES
-from lightning_megatron.parallel.tensor_parallel.layers import pad_vocab_size
+from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_per_stage, pad_vocab_size, stage_placement
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS"]
@@ -58,7 +57,7 @@ class ParamTensor:
 
 def stage_layers(num_layers: int, layout: Any) -> List[List[int]]:
     """Global layer indices of each pipeline rank's chunks (list per rank, chunks concatenated in order), from
-    the library's :func:`~lightning_megatron.parallel.pipeline.layers_per_stage` and ``stage_placement``."""
+    the library's :func:`~lightning_megatron.parallel.layout_rules.layers_per_stage` and ``stage_placement``."""
     vp = layout.vp or 1
     counts = layers_per_stage(num_layers, layout.pp * vp)
     bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]

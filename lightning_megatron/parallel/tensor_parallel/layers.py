@@ -8,7 +8,6 @@ convert it later, and knows how its local shard relates to the global tensor (``
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.parallel.layout_rules import pad_vocab_size
 from lightning_megatron.parallel.tensor_parallel.comm_overlap import ring_column_parallel_linear, ring_row_parallel_linear
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     Group,
@@ -32,12 +32,6 @@ from lightning_megatron.parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def pad_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
-    """Megatron's padded vocabulary: the next multiple of ``make_vocab_size_divisible_by * tp``."""
-    multiple = make_vocab_size_divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def shard_tensor(full: Tensor, dim: int, rank: int, size: int, stride: int = 1) -> Tensor:

@@ -1,0 +1,77 @@
+"""The package's import surface: every public name resolves (names load on first use), ``import lightning_megatron``
+and the planner's command line load neither torch nor Lightning, the planner prints within 5 s of wall time in a
+fresh interpreter, and ``strategy="megatron"`` is registered whichever of Lightning and lightning_megatron is
+imported first. Each check runs in a fresh interpreter, where imports have not happened yet."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lightning_megatron
+
+PACKAGES = ["lightning_megatron", "lightning_megatron.models", "lightning_megatron.callbacks", "lightning_megatron.moe",
+            "lightning_megatron.parallel"]
+
+
+def _python(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_resolves(package):
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        value = getattr(module, name)
+        assert getattr(value, "__name__", name) == name or not callable(value), (package, name, value)
+    assert set(module.__all__) <= set(dir(module))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        getattr(module, "not_a_name")
+
+
+def test_top_level_names_are_the_defining_objects():
+    from lightning_megatron.parallel.config import ParallelConfig
+    from lightning_megatron.strategy import MegatronStrategy
+
+    assert lightning_megatron.MegatronStrategy is MegatronStrategy
+    assert lightning_megatron.ParallelConfig is ParallelConfig
+
+
+def test_import_and_planner_load_neither_torch_nor_lightning():
+    out = _python(
+        "import contextlib, io, sys\n"
+        "import lightning_megatron\n"
+        "print('after import', 'torch' in sys.modules, 'lightning' in sys.modules)\n"
+        "from lightning_megatron.plan import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main('--model llama3_70b --gpus 64 --gpu-memory 80 --seq-length 8192 --global-batch-size 128'.split())\n"
+        "print('after plan', 'torch' in sys.modules, 'lightning' in sys.modules)\n")
+    assert out.split("\n")[:2] == ["after import False False", "after plan False False"], out
+
+
+def test_planner_cli_wall_time_under_5s():
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "lightning_megatron.plan", "--model", "gpt3_175b", "--gpus", "512",
+                             "--seq-length", "2048", "--global-batch-size", "1536", "--hardware", "h100",
+                             "--gpu-memory", "80", "--precision", "fp8"], capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("| rank | tp | pp |"), result.stdout[:200]
+    assert wall < 5.0, f"python -m lightning_megatron.plan took {wall:.2f} s"
+
+
+@pytest.mark.parametrize("first", ["lightning_megatron", "lightning", "lightning.pytorch"])
+def test_strategy_names_registered_whichever_package_loads_first(first):
+    second = "lightning.pytorch" if first == "lightning_megatron" else "lightning_megatron"
+    out = _python(
+        f"import {first}\nimport {second}\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning_megatron.strategy import MegatronStrategy\n"
+        "print(isinstance(StrategyRegistry.get('megatron'), MegatronStrategy),\n"
+        "      StrategyRegistry.get('megatron_spawn')._start_method)\n")
+    assert out.strip() == "True spawn", out
