@@ -174,6 +174,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                   "forward, layer by layer")
     add_flag(g, "--tp-comm-overlap", "MegatronStrategy.tp_comm_overlap", action="store_true",
              help="with sequence parallelism: SP all-gather / reduce-scatter as rings of chunked GEMMs")
+    add_flag(g, "--compile", "MegatronStrategy.compile", action="store_true",
+             help="torch.compile each transformer layer and the head + loss (not a Megatron-LM flag: Megatron fuses "
+                  "with its own kernels)")
     add_flag(g, "--check-for-nan-in-loss-and-grad", "MegatronStrategy.check_for_nan_in_loss_and_grad",
              action=argparse.BooleanOptionalAction, default=None,
              help="stop at a NaN/inf loss or gradient norm, naming the step and parameter (default on)")
