@@ -1,0 +1,212 @@
+"""Where one training step's time goes, ours against the plain-PyTorch peer, on one GPU: for each arm 10 timed steps
+(tokens/s, peak memory), then one profiled step whose device time is split into kernel families (GEMM, attention,
+fused elementwise / Triton, optimizer, FP8 casts and amax, copies, NCCL) and device idle time.
+
+    python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json]
+
+Arms (each in a child process of its own):
+  peer-compile        the shared peer's model (``peer_baseline.py``'s ``GPT``) under ``torch.compile``, autocast bf16,
+                      fused AdamW: the same loop as ``peer_baseline.py compile``
+  peer-fp8            the same with torchao float8 (tensorwise, all linears but the head): ``peer_baseline.py fp8``
+                      (needs torchao importable)
+  ours-bf16-compile   ``ParallelGPTModule(GPTConfig.llama_1b_bench())`` through Trainer + ``MegatronStrategy(compile=True)``
+                      + ``MegatronPrecision("bf16-mixed")``
+  ours-bf16-params-compile   + ``params_dtype=torch.bfloat16``
+  ours-fp8-compile    + ``fp8="hybrid", fp8_recipe="tensorwise"`` (torch-native FP8)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
+OURS = {
+    "ours-bf16-compile": dict(precision="bf16-mixed"),
+    "ours-bf16-params-compile": dict(precision="bf16-mixed", params_dtype="bfloat16"),
+    "ours-fp8-compile": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="tensorwise", fp8_backend="torch"),
+}
+#: kernel family -> substrings of kernel names (first match wins, in this order)
+FAMILIES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_", "scaled_mm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton", ("triton",)),
+    ("copy", ("memcpy", "memset", "copy_")),
+)
+WARMUP, TIMED = 4, 10
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return fam
+    return "other eager"
+
+
+def breakdown(prof) -> dict:
+    """Device time per kernel family (ms), the step's device window and idle time (ms), the top kernels."""
+    from torch.autograd import DeviceType
+
+    # device-side ranges of record_function annotations are not kernels (inductor's Triton kernels share their
+    # names with the host-side launch ranges, so names cannot tell them apart)
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    fams: dict = {}
+    per_kernel: dict = {}
+    for a, b, n in kern:
+        f = family(n)
+        fams[f] = fams.get(f, 0.0) + (b - a) / 1e3
+        k = per_kernel.setdefault(n[:90], [0.0, 0, f])
+        k[0] += (b - a) / 1e3
+        k[1] += 1
+    busy, last = 0.0, None
+    for a, b, _ in kern:   # union of kernel intervals
+        if last is None or a > last:
+            busy += b - a
+            last = b
+        elif b > last:
+            busy += b - last
+            last = b
+    window = (kern[-1][1] - kern[0][0]) / 1e3 if kern else 0.0
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    return dict(window_ms=round(window, 2), busy_ms=round(busy / 1e3, 2), idle_ms=round(window - busy / 1e3, 2),
+                families_ms={k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+                top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top])
+
+
+def run_peer(fp8: bool) -> dict:
+    import torch
+    import peer_baseline as peer
+
+    torch.manual_seed(0)
+    m = peer.GPT(peer.CFG).cuda()
+    if fp8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: fqn != "head")
+    m = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        x, y = peer.batch(peer.CFG)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(TIMED):
+        step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    c = peer.CFG
+    return dict(tokens_per_s=round(c["mbs"] * c["seq"] * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
+                peak_mem_gib=round(peak / 2**30, 2), profile=breakdown(prof))
+
+
+def run_ours(name: str) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from bench_tp import RandomTokens, StepTimer
+    from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
+
+    kwargs = dict(OURS[name])
+    if "params_dtype" in kwargs:
+        kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
+    cfg = GPTConfig.llama_1b_bench()
+    timer = StepTimer(start=WARMUP, stop=WARMUP + TIMED)
+    result: dict = {}
+
+    class ProfileOne(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == WARMUP + TIMED:
+                from torch.profiler import ProfilerActivity, profile
+
+                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == WARMUP + TIMED:
+                torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                result["profile"] = breakdown(self.prof)
+
+    module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=MegatronStrategy(compile=True),
+                         plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[timer, ProfileOne()])
+    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2))
+    dt = timer.times[1] - timer.times[0]
+    return dict(tokens_per_s=round(4 * cfg.seq_length * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
+                peak_mem_gib=round(timer.peak_mem / 2**30, 2), **result)
+
+
+def child(name: str) -> None:
+    row = run_peer(name == "peer-fp8") if name.startswith("peer") else run_ours(name)
+    print("RESULT " + json.dumps(dict(arm=name, **row)), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--out", default="")
+    p.add_argument("--arm-timeout-s", type=float, default=170.0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    rows = []
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
+    for arm in args.arms.split(","):
+        start = time.perf_counter()
+        try:
+            out = subprocess.run([sys.executable, __file__, "--child", arm], capture_output=True, text=True,
+                                 timeout=args.arm_timeout_s, env=env, cwd=ROOT)
+            found = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            row = json.loads(found[-1]) if found else dict(arm=arm, error=out.stderr[-800:])
+        except subprocess.TimeoutExpired:
+            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s")
+        row["wall_s"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    print("\n| arm | tokens/s | step ms | peak GiB | device busy ms | idle ms | " +
+          " | ".join(f for f, _ in FAMILIES) + " | other eager |")
+    for r in rows:
+        if "profile" not in r:
+            print(f"| {r['arm']} | {r.get('error', '')[:200]} |")
+            continue
+        f = r["profile"]["families_ms"]
+        print(f"| {r['arm']} | {r['tokens_per_s']} | {r['step_ms']} | {r['peak_mem_gib']} | {r['profile']['busy_ms']} | "
+              f"{r['profile']['idle_ms']} | " + " | ".join(str(f.get(k, 0)) for k, _ in FAMILIES) +
+              f" | {f.get('other eager', 0)} |")
+
+
+if __name__ == "__main__":
+    main()
