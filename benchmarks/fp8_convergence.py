@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,7 +34,8 @@ def run_arm(name: str, extra: List[str], args: argparse.Namespace, out: Path) ->
            "--bf16", "--compile", "--accelerator", "gpu", "--devices", "1", "--loss-curve", str(out / name), *extra]
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - start
     with open(out / f"{name}.csv") as f:
         rows = list(csv.DictReader(f))

@@ -144,6 +144,35 @@ def test_llama3_8b_fp8_script_trains_on_cpu_with_mock_data(tmp_path):
     assert rows[-1]["val_loss"] != ""
 
 
+def test_eval_interval_counts_iterations_over_the_whole_run():
+    """``--eval-interval`` counts optimizer steps over the whole run, as Megatron's does: a run longer than its data
+    (several epochs: 2 batches per epoch, 7 steps) validates after steps 3 and 6, where Lightning on its own refuses
+    a validation interval longer than an epoch."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_megatron import ParallelGPTModule
+
+    class ValidationSteps(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_validation_end(self, trainer, pl_module):
+            self.steps.append(trainer.global_step)
+
+    plan = plan_from_args(build_parser().parse_args(
+        ["--mock-data", "--tensor-model-parallel-size", "1", "--devices", "1", "--num-layers", "1", "--hidden-size",
+         "32", "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "2",
+         "--train-iters", "7", "--eval-interval", "3", "--eval-iters", "1"]))
+    seen = ValidationSteps()
+    trainer = pl.Trainer(**dict(plan.trainer_kwargs, enable_progress_bar=False, enable_model_summary=False),
+                         callbacks=[seen])
+    short = MockGPTDataModule(64, seq_length=16, micro_batch_size=2, num_train_samples=4, num_val_samples=2)
+    trainer.fit(ParallelGPTModule(plan.config, **plan.module_kwargs), datamodule=short)
+    assert trainer.global_step == 7 and trainer.current_epoch >= 3
+    assert seen.steps == [3, 6]
+
+
 def test_run_control_callbacks_of_the_flags_act_in_a_real_fit(tmp_path):
     """The callbacks ``--manual-gc --manual-gc-interval 2`` and ``--exit-duration-in-mins`` build (one process,
     plain Trainer, random tokens): the collector is off during training, collects every 2 steps and is back on

@@ -80,7 +80,8 @@ def test_no_arguments_is_the_shipped_default_run():
     layout = plan.layout
     assert (layout.tp, layout.pp, layout.cp, layout.ep, layout.dp, layout.sequence_parallel) == (2, 1, 1, 1, 1, True)
     assert plan.trainer_kwargs == dict(accelerator="cpu", devices=2, precision="32-true", max_steps=400,
-                                       accumulate_grad_batches=1, val_check_interval=100, limit_val_batches=10,
+                                       accumulate_grad_batches=1, val_check_interval=100, check_val_every_n_epoch=None,
+                                       limit_val_batches=10,
                                        gradient_clip_val=1.0, log_every_n_steps=10, logger=False,
                                        enable_checkpointing=False, num_sanity_val_steps=0)
     assert plan.mfu_kwargs is None and plan.checkpoint_kwargs is None and plan.resume is None and plan.seed == 1234

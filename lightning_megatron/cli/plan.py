@@ -373,10 +373,13 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     except ValueError as e:
         raise FlagError(f"data: {e}") from e
 
-    # ---- trainer (Lightning counts validation interval / limits in micro-batches, steps in optimizer steps)
+    # ---- trainer (Lightning counts validation interval / limits in micro-batches, steps in optimizer steps;
+    # check_val_every_n_epoch=None: --eval-interval counts iterations over the whole run, as Megatron's does, also
+    # when the data is shorter than the interval and the run takes several epochs)
     trainer_kwargs = dict(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                           precision=precision, max_steps=args.train_iters, accumulate_grad_batches=micro_batches,
                           val_check_interval=min(args.eval_interval, args.train_iters) * micro_batches,
+                          check_val_every_n_epoch=None,
                           limit_val_batches=limit_val, gradient_clip_val=args.clip_grad if args.clip_grad > 0 else None,
                           log_every_n_steps=args.log_interval, logger=False, enable_checkpointing=bool(args.save),
                           num_sanity_val_steps=0)
