@@ -13,6 +13,13 @@ from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
 SEED = 1234
 LR = 1e-3
 
+#: Precision of the CPU parity runs (under :func:`trainer_for` without a precision plugin) and of their
+#: single-process reference (:func:`reference_loop`, :func:`to_reference_dtype`). float64, because AdamW's first
+#: steps move a weight whose gradient is near zero by about ``lr * sign(grad)``: in float32 the reduction order
+#: of a parallel layout (noise ~1e-7 of the gradient) reaches the final weights at ~1e-5 relative, the tolerance
+#: itself, and whether a case passes depends on the CPU's kernels. In float64 the same layouts agree to ~1e-13.
+CPU_PRECISION = "64-true"
+
 
 def tiny_config(**overrides: Any) -> GPTConfig:
     """Tiny LLaMA-style model; vocab 200 so the embedding is padded differently at every tp."""
@@ -62,6 +69,14 @@ def new_module(cfg: GPTConfig, steps: int) -> ParallelGPTModule:
     return ParallelGPTModule(cfg, lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
 
 
+def to_reference_dtype(module: torch.nn.Module, device: str = "cpu", precision: Optional[str] = None) -> None:
+    """Make a reference model built with float32 weights float64 when the parallel run it is compared with is a
+    CPU run at :data:`CPU_PRECISION` (``precision`` None, ``device`` the CPU): the weights are drawn in float32
+    and cast, as ``Trainer(precision="64-true")`` does."""
+    if precision is None and torch.device(device).type == "cpu":
+        module.double()
+
+
 def reference_run(cfg: GPTConfig, samples, steps: int, global_batch: int, clip: Optional[float] = None):
     """Single process, plain loop: per-step loss (global token-mean) and final state dict."""
     out = reference_loop(cfg, samples, steps, global_batch, clip)
@@ -96,6 +111,7 @@ def reference_loop(cfg: GPTConfig, samples, steps: int, global_batch: int, clip:
     module = new_module(cfg, steps)
     with torch.device(device):
         module.configure_model()
+    to_reference_dtype(module, device, precision)
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     autocast = precision is not None
@@ -155,6 +171,13 @@ class LossRecorder(pl.Callback):
 
 def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator: str = "cpu",
                 **kwargs: Any) -> pl.Trainer:
+    """A quiet ``Trainer`` of ``steps`` optimizer steps; a CPU run without a precision of its own runs at
+    :data:`CPU_PRECISION`, as its reference does."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    own_precision = "precision" in kwargs or any(isinstance(p, Precision) for p in kwargs.get("plugins") or ())
+    if accelerator == "cpu" and not own_precision:
+        kwargs["precision"] = CPU_PRECISION
     return pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, **kwargs)

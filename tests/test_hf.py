@@ -117,7 +117,8 @@ def import_train_export(rank, world, src, dst, layout):
     pl.seed_everything(1, verbose=False)
     module = ParallelGPTModule(our_config(src), lr=1e-2, weight_decay=0.0)
     probe = Probe(tokens())
-    trainer = trainer_for(world, MegatronStrategy(**layout), 5, callbacks=[HFCheckpointLoader(src), probe])
+    trainer = trainer_for(world, MegatronStrategy(**layout), 5, callbacks=[HFCheckpointLoader(src), probe],
+                          precision="32-true")   # compared with the float32 Hugging Face model
     trainer.fit(module, DataLoader(ListDataset(train_samples(10)), batch_size=1))
     probe.out["after"] = local_logits(module, tokens())
     export_hf(module, dst)
@@ -128,7 +129,8 @@ def import_pipeline(rank, world, src, dst, layout):
     """Import under pp=2 (the loader at predict start): predicted logits and a greedy continuation; export."""
     pl.seed_everything(1, verbose=False)
     module = ParallelGPTModule(our_config(src))
-    trainer = trainer_for(world, MegatronStrategy(**layout), 1, callbacks=[HFCheckpointLoader(src)])
+    trainer = trainer_for(world, MegatronStrategy(**layout), 1, callbacks=[HFCheckpointLoader(src)],
+                          precision="32-true")   # compared with the float32 Hugging Face model
     ids = tokens()
     [logits] = trainer.predict(module, DataLoader(ListDataset([{"tokens": t} for t in ids]), batch_size=2))
     out = {"logits": logits, "generated": module.generate(ids[:, :5], 6)}

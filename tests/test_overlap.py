@@ -57,6 +57,7 @@ class Evidence(pl.Callback):
             "waited_in_forward": s._param_gather.waited_in_forward if s._param_gather is not None else None,
             "ddp_bucket_bytes": ddp.bucket_bytes_cap if ddp is not None else None,
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "element_bytes": next(pl_module.parameters()).element_size(),
         }
 
 
@@ -176,8 +177,8 @@ def test_overlap_matches_single_process(runs, case):
             assert seen["ring_layers"] > 0, seen   # 2 layers x (qkv, proj, fc1, fc2) + the LM head
         elif evidence == "one-bucket":   # torch DDP with one bucket of every gradient
             assert seen["ddp_bucket_bytes"] > seen["param_bytes"], seen
-        elif evidence == "buckets":   # bucket_size=3000 fp32 elements
-            assert seen["ddp_bucket_bytes"] == 12000, seen
+        elif evidence == "buckets":   # bucket_size=3000 elements of the parameters' dtype
+            assert seen["ddp_bucket_bytes"] == 3000 * seen["element_bytes"], seen
         elif evidence == "backward":   # every bucket of every step started inside backward
             assert seen["buckets"] > 1 and seen["started_in_backward"] == STEPS * seen["buckets"], seen
         elif evidence == "forward":   # parameters waited for by the forward pre-hooks, after the first step

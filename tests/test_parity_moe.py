@@ -1,6 +1,6 @@
 """Mixture of experts end to end: MegatronStrategy(ep=..., etp=...) composed with TP+SP, PP, CP and DP under the
 real Trainer against the single-process run of the same MoE model (dropless): loss of every optimizer step,
-the logged ``moe_aux_loss``, and the final weights (1e-5 relative, fp32). Plus: expert tensor parallelism and
+the logged ``moe_aux_loss``, and the final weights (1e-5 relative; float64 on the CPU, tests.parity.CPU_PRECISION). Plus: expert tensor parallelism and
 capacity drops at layer level, checkpoints of expert weights, and the layout errors."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tests.parity import (
     lightning_train_order,
     make_samples,
     new_module,
+    to_reference_dtype,
     trainer_for,
 )
 
@@ -49,6 +50,7 @@ def moe_reference(cfg: GPTConfig, samples, global_batch: int, accumulate: int, c
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, STEPS)
     module.configure_model()
+    to_reference_dtype(module)
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     set_aux_loss_scale_of(module, 1.0 / accumulate)

@@ -59,7 +59,7 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: 
     module = new_module(cfg, STEPS)
     allocated = Allocated()
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
-                          accumulate_grad_batches=accumulate)
+                          accumulate_grad_batches=accumulate, precision="32-true")   # the planner's fp32 bytes
     samples = make_samples(cfg, 16)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
     return allocated.result

@@ -328,7 +328,8 @@ def _plain_checkpoint(cfg, path, drop=()):
 def _validate_from(rank, world, cfg, layout, path, strict):
     module = ParallelGPTModule(cfg)
     module.strict_loading = strict
-    trainer = trainer_for(world, MegatronStrategy(**layout), 1, limit_val_batches=1)
+    trainer = trainer_for(world, MegatronStrategy(**layout), 1, limit_val_batches=1,
+                          precision="32-true")   # the float32 checkpoint's tensors, compared exactly
     try:
         trainer.validate(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=2), ckpt_path=path,
                          verbose=False)

@@ -110,10 +110,11 @@ def eval_totals(batch: Batch, fns: StepFunctions, *, device: torch.device,
 
 def predict(batch: Batch, fns: StepFunctions, per_token_loss: Callable[[Tensor, Batch], Tensor], *,
             pipeline: Optional[PipelineRunner] = None) -> Tensor:
-    """Per-token loss ``[b, s]`` (fp32) when ``batch`` has labels, else logits ``[b, s, V/tp]``; on every rank of
-    the pipeline (broadcast from the last stage)."""
+    """Per-token loss ``[b, s]`` when ``batch`` has labels (in the loss's compute dtype: fp32 for half-precision
+    logits, float64 for a float64 model), else logits ``[b, s, V/tp]``; on every rank of the pipeline (broadcast
+    from the last stage)."""
     output = _last_stage_output(batch, fns.forward, pipeline)
     if output is not None:
         labelled = batch.get("labels") is not None
-        output = per_token_loss(output, batch).float() if labelled else output.transpose(0, 1)
+        output = per_token_loss(output, batch) if labelled else output.transpose(0, 1)
     return output if pipeline is None else pipeline.broadcast_any_from_last(output)
