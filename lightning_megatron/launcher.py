@@ -127,6 +127,34 @@ def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
     return True
 
 
+def guard_processes(launcher: Any, cluster_environment: Any, world_size: int) -> None:
+    """Install the job-wide guards for one rank: under Lightning's script launcher (``launcher`` with its
+    ``procs``), the launching rank watches the ranks it started (:func:`watch_children`); a rank started by that
+    launcher dies with its parent (:func:`die_with_parent`); with ``world_size`` > 1, SIGTERM and SIGINT end the
+    process after a short grace (:func:`watch_signals`; a one-process run, a notebook, keeps its own Ctrl-C)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    if isinstance(launcher, _SubprocessScriptLauncher) and getattr(launcher, "procs", None):
+        watch_children(lambda: launcher.procs)
+    env = cluster_environment
+    if type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0:
+        die_with_parent()
+    if world_size > 1:
+        watch_signals()
+
+
+def kill_launched(launcher: Any) -> None:
+    """Kill the ranks Lightning's script ``launcher`` started that are still running (a failed rank takes them
+    with it); any other launcher: nothing."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        for proc in getattr(launcher, "procs", []):
+            if proc.poll() is None:
+                proc.kill()
+
+
 class MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
     """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards."""
 

@@ -6,68 +6,55 @@ materialise), wraps data parallelism (:func:`~lightning_megatron.parallel.data_p
 optimizers. Training runs every layout through one step path
 (:func:`~lightning_megatron.parallel.forward_backward.forward_backward`): the strategy collects the micro-batches of
 an optimizer step (``Trainer(accumulate_grad_batches)``) and runs them at the last one, where Lightning's own
-backward is switched off (the one place Lightning's loop is bypassed). Gradients are finished and clipped by
-:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`; the checkpoint hooks (full or sharded) are
-:class:`~lightning_megatron.strategy_checkpoints.CheckpointHooks`.
+backward is switched off (the one place Lightning's loop is bypassed). The gradient hooks (finish, clip, skip) are
+:class:`~lightning_megatron.strategy_gradients.GradientHooks`, the checkpoint hooks (full or sharded)
+:class:`~lightning_megatron.strategy_checkpoints.CheckpointHooks`, the keywords' routing
+:mod:`~lightning_megatron.strategy_options`.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
 import logging
-import typing
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Union
+from typing import Any, Dict, Generator, List, Literal, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_megatron.checkpoint_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule, TiedWeightsModel
-from lightning_megatron.keywords import check_keywords
-from lightning_megatron.launcher import (
-    MegatronMultiProcessingLauncher,
-    die_with_parent,
-    global_seed,
-    watch_children,
-    watch_signals,
-)
-from lightning_megatron.parallel.config import ParallelConfig, check_fsdp_fp8
+from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed, guard_processes, kill_launched
+from lightning_megatron.parallel.config import check_fsdp_fp8
+from lightning_megatron.parallel.context_parallel.layout import split_batch
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
+from lightning_megatron.parallel.main_grad import check_bf16_params_options
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
-from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
 from lightning_megatron.precision import MegatronPrecision
 from lightning_megatron.step_path import StepPath
 from lightning_megatron.strategy_checkpoints import CheckpointHooks
+from lightning_megatron.strategy_gradients import GradientHooks
+from lightning_megatron.strategy_options import LAYOUT_OPTIONS, parallel_config_from_options, signature_with_layout_options
 
 log = logging.getLogger(__name__)
-
-#: keywords of ``DDPStrategy`` itself that reach Lightning's DDP hook registration
-_DDP_STRATEGY_KEYWORDS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-#: ``DistributedDataParallel`` arguments the strategy sets itself
-_DDP_SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
-#: the layout options (every init field of ParallelConfig) a MegatronStrategy keyword may set
-LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
+__all__ = ["MegatronStrategy", "LAYOUT_OPTIONS"]
 
 
-class MegatronStrategy(CheckpointHooks, DDPStrategy):
+class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     """Tensor (+sequence), pipeline (incl. virtual stages), context, expert and data parallelism for Lightning.
 
     Args:
@@ -117,25 +104,10 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
-        if "overlap_cp_a2a" in options:
-            raise ValueError("overlap_cp_a2a was removed: splitting the a2a layers' projections around their "
-                             "exchanges measured no gain on 2xH200 (benchmarks/RESULTS.md). The a2a layers overlap "
-                             "their backward exchanges by default (delay_wgrad_compute); drop overlap_cp_a2a")
-        layout = {k: options.pop(k) for k in list(options) if k in LAYOUT_OPTIONS}
-        minutes = layout.get("distributed_timeout_minutes")
-        if minutes is not None and not isinstance(minutes, bool) and isinstance(minutes, (int, float)) and minutes > 0:
-            if timeout is not default_pg_timeout and timeout != timedelta(minutes=minutes):
-                raise ValueError(f"timeout={timeout!r} and distributed_timeout_minutes={minutes!r} disagree: both set "
-                                 "the timeout of every process group; give one of them")
-            timeout = timedelta(minutes=minutes)
-        ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in _DDP_SET_BY_STRATEGY]
         own = [n for n in inspect.signature(MegatronStrategy.__init__).parameters if n not in ("self", "options")]
-        check_keywords("MegatronStrategy", options, own + list(LAYOUT_OPTIONS) + list(_DDP_STRATEGY_KEYWORDS) + ddp)
-        self.parallel_config = ParallelConfig(tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
-                                              sequence_parallel=sequence_parallel, **layout)
-        if self.parallel_config.grad_reduce_in_bf16 and options.get("ddp_comm_hook") is not None:
-            raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
-                             f"{options['ddp_comm_hook']!r} or grad_reduce_in_bf16")
+        self.parallel_config, timeout = parallel_config_from_options(
+            options, timeout, default_pg_timeout, own, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
+            sequence_parallel=sequence_parallel)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
@@ -176,7 +148,7 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
-        self._guard_processes()
+        guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
         if self.parallel_config.ckpt_format == "torch_dist":
@@ -194,31 +166,10 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
         self.tp_rng = TensorParallelRNG(tensor_parallel_seed(self.seed, tp_rank, pp_rank), self.root_device)
         log.info("lightning-megatron mesh: %r", self.mesh)
 
-    def _guard_processes(self) -> None:
-        """No hangs, no orphans (:mod:`lightning_megatron.launcher`): a rank this process launched that exits
-        non-zero ends the job; a rank launched by this strategy's script launcher dies with its parent; SIGTERM and
-        SIGINT end the process after a short grace even inside a stalled collective."""
-        from lightning.fabric.plugins.environments import LightningEnvironment
-        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
-        launcher = self._launcher
-        if isinstance(launcher, _SubprocessScriptLauncher) and getattr(launcher, "procs", None):
-            watch_children(lambda: launcher.procs)
-        env = self.cluster_environment
-        if type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0:
-            die_with_parent()
-        if self.num_processes * self.num_nodes > 1:   # a one-process run (a notebook) keeps its own Ctrl-C
-            watch_signals()
-
     def on_exception(self, exception: BaseException) -> None:
         """A failed rank (an error, a timed-out collective) takes the ranks it launched with it."""
         super().on_exception(exception)
-        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
-        if isinstance(self._launcher, _SubprocessScriptLauncher):
-            for proc in getattr(self._launcher, "procs", []):
-                if proc.poll() is None:
-                    proc.kill()
+        kill_launched(self._launcher)
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
@@ -245,20 +196,9 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
         main_params = self.parallelized.main_params
-        cfg = self.parallel_config
-        if main_params is not None and (cfg.overlap_grad_reduce or cfg.overlap_param_gather):
-            raise ValueError(
-                f"overlap_grad_reduce={cfg.overlap_grad_reduce}, overlap_param_gather={cfg.overlap_param_gather} with "
-                "MegatronPrecision(params_dtype=torch.bfloat16): the fp32 main gradients are reduced after the "
-                "backward and the main parameters copied back to bf16 right after the optimizer step, so neither "
-                "overlap is built for bf16 parameters; leave both options unset (or use the default fp32 parameters)")
+        if main_params is not None:
+            check_bf16_params_options(self.parallel_config, fitting)
         if fitting and self.parallel_config.fsdp:
-            if main_params is not None:
-                raise ValueError(
-                    f"data_parallel_sharding_strategy={self.parallel_config.data_parallel_sharding_strategy!r} with "
-                    "MegatronPrecision(params_dtype=torch.bfloat16): FSDP keeps its own bf16 compute copies and fp32 "
-                    "sharded parameters (its mixed-precision policy follows the precision plugin); drop params_dtype, "
-                    "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
             self._apply_fsdp()
         # bf16 parameters: their fp32 main gradients are averaged over dp x cp by the gradient finaliser, not DDP
         elif fitting and self.parallelized.pipeline is None and main_params is None:
@@ -350,27 +290,14 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
         return self.parallelized
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence.
-
-        ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` ``[b, s]`` are cut into ``2*cp`` chunks along
-        ``s`` and CP rank ``r`` keeps chunks ``r`` and ``2*cp-1-r``; ``position_ids`` (made ``arange(s)`` when
-        absent) keep the true positions for RoPE. Data modules stay unchanged; hooks after this see the split.
-        """
+        """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence
+        (:func:`~lightning_megatron.parallel.context_parallel.split_batch`: ``tokens``, ``labels``, ``loss_mask``,
+        ``position_ids`` ``[b, s]`` -> ``[b, s / cp]``). Data modules stay unchanged; hooks after this see the split."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        cfg = self.parallel_config
-        if cfg.cp == 1 or not isinstance(batch, dict) or "tokens" not in batch:
+        if self.parallel_config.cp == 1 or not isinstance(batch, dict) or "tokens" not in batch:
             return batch
-        from lightning_megatron.parallel.context_parallel import zigzag_split
-
         assert self.mesh is not None
-        split = dict(batch)
-        if split.get("position_ids") is None:
-            tokens = batch["tokens"]
-            split["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            if isinstance(split.get(key), torch.Tensor):
-                split[key] = zigzag_split(split[key], cfg.cp, self.mesh.rank("cp"), dim=1)
-        return split
+        return split_batch(batch, self.parallel_config.cp, self.mesh.rank("cp"))
 
     # ------------------------------------------------------------------ the one step path (step_path.py)
     def on_train_start(self) -> None:
@@ -404,57 +331,6 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
         """Per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
         return self._steps.predict(args[0]) if self._steps else super().predict_step(*args, **kwargs)
 
-    # ------------------------------------------------------------------ gradients
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Run the closure (forward + backward), finish the gradients, then let the precision plugin clip and
-        step. Lightning calls this once per optimizer step, after the last micro-batch."""
-
-        def closure_then_finalize() -> Any:
-            result = closure()
-            self.finalize_gradients()
-            return result
-
-        try:
-            return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
-        except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
-            self.skipped_steps += 1
-            if self.is_global_zero:
-                log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
-            self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
-                                      prog_bar=False, logger=True, rank_zero_only=True)
-            return None
-
-    def finalize_gradients(self) -> None:
-        """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
-        assert self._grads is not None
-        self.wait_for_parameters()   # before the step writes the parameters again
-        self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
-        self._grads.guard.step = self.lightning_module.trainer.global_step
-        if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
-            self._grads.guard.check_grads()
-
-    def _clips_by_norm(self) -> bool:
-        trainer = self.lightning_module.trainer
-        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
-
-    def _loss_scaled(self) -> bool:
-        """fp16 with a loss scaler: inf/NaN gradients are the scaler's business (it skips the step)."""
-        return getattr(self.precision_plugin, "scaler", None) is not None
-
-    def _install_global_norm_clipping(self) -> None:
-        """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
-        plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            # bf16-mixed has no loss scaler, so a fused optimizer (ours on CUDA) has nothing to unscale and
-            # clipping before its step is correct; Lightning's check refuses it anyway. fp16 keeps the check.
-            plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
-        """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping."""
-        assert self._grads is not None
-        return self._grads.clip([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))
-
     @classmethod
     def from_plan(cls, plan: Any, **options: Any) -> "MegatronStrategy":
         """The strategy of a planner result (:mod:`lightning_megatron.planner`): ``plan`` is a ``Plan`` (its best
@@ -480,20 +356,4 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy):
 MegatronStrategy.register_strategies(StrategyRegistry)
 
 
-def _signature_with_layout_options() -> inspect.Signature:
-    """``MegatronStrategy.__init__``'s signature with the :class:`ParallelConfig` options (its ``**options``) as
-    keyword-only parameters of their own types and defaults, so that ``inspect.signature`` and LightningCLI's
-    parser (``trainer.strategy.init_args`` in a YAML file) see every layout keyword; the other ``**options``
-    (DDP's keywords) stay accepted by the constructor."""
-    sig = inspect.signature(MegatronStrategy.__init__)
-    hints = typing.get_type_hints(ParallelConfig)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    for f in dataclasses.fields(ParallelConfig):
-        if f.init and f.name not in sig.parameters:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=hints[f.name]))
-    return sig.replace(parameters=params)
-
-
-MegatronStrategy.__init__.__signature__ = _signature_with_layout_options()  # type: ignore[attr-defined]
+MegatronStrategy.__init__.__signature__ = signature_with_layout_options(MegatronStrategy.__init__)  # type: ignore[attr-defined]

@@ -42,6 +42,24 @@ __all__ = ["MainParams", "PARAMS_DTYPES"]
 PARAMS_DTYPES = (None, torch.bfloat16)
 
 
+def check_bf16_params_options(config: Any, fitting: bool) -> None:
+    """Raise ValueError for the :class:`ParallelConfig` options that bf16 parameters (``MegatronPrecision(
+    params_dtype=torch.bfloat16)``) do not combine with: the overlapped gradient reduction and parameter gather,
+    and (when ``fitting``) FSDP's sharding levels."""
+    if config.overlap_grad_reduce or config.overlap_param_gather:
+        raise ValueError(
+            f"overlap_grad_reduce={config.overlap_grad_reduce}, overlap_param_gather={config.overlap_param_gather} "
+            "with MegatronPrecision(params_dtype=torch.bfloat16): the fp32 main gradients are reduced after the "
+            "backward and the main parameters copied back to bf16 right after the optimizer step, so neither "
+            "overlap is built for bf16 parameters; leave both options unset (or use the default fp32 parameters)")
+    if fitting and config.fsdp:
+        raise ValueError(
+            f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with "
+            "MegatronPrecision(params_dtype=torch.bfloat16): FSDP keeps its own bf16 compute copies and fp32 "
+            "sharded parameters (its mixed-precision policy follows the precision plugin); drop params_dtype, "
+            "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
+
+
 class MainParams:
     """bf16 parameters with fp32 main parameters and fp32 main gradients for the parameters of ``module``
     (see the module docstring). Built once, after materialisation (the parameters then hold the fp32 values,

@@ -40,12 +40,13 @@ from lightning_megatron.parallel.config import (
 )
 from lightning_megatron.parallel.context_parallel.all_gather import _all_gather_attention
 from lightning_megatron.parallel.context_parallel.kernels import block_kernel, use_fused_attention
-from lightning_megatron.parallel.context_parallel.layout import zigzag_gather, zigzag_positions, zigzag_split
+from lightning_megatron.parallel.context_parallel.layout import split_batch, zigzag_gather, zigzag_positions, zigzag_split
 from lightning_megatron.parallel.context_parallel.ring import _RingAttention
 from lightning_megatron.parallel.context_parallel.ulysses import _a2a_attention, _check_heads
 
 __all__ = [
     "zigzag_split",
+    "split_batch",
     "zigzag_gather",
     "zigzag_positions",
     "context_parallel_attention",

@@ -47,3 +47,22 @@ def zigzag_gather(t_local: torch.Tensor, group=None, dim: int = 0) -> torch.Tens
     pieces = [torch.empty_like(t_local) for _ in range(cp)]
     dist.all_gather(pieces, t_local.contiguous(), group=group)
     return _chunks_to_global(pieces, dim)
+
+
+#: the batch keys :func:`split_batch` cuts along the sequence
+BATCH_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def split_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """CP rank ``cp_rank``'s load-balanced part of a batch: ``tokens``, ``labels``, ``loss_mask`` and
+    ``position_ids`` ``[b, s]`` are cut into ``2*cp_size`` chunks along ``s`` and the rank keeps chunks ``cp_rank``
+    and ``2*cp_size-1-cp_rank`` (:func:`zigzag_split`); ``position_ids`` (made ``arange(s)`` when absent) keep the
+    true positions for RoPE. Other keys pass unchanged; a new dict is returned. Communicates nothing."""
+    split = dict(batch)
+    if split.get("position_ids") is None:
+        tokens = batch["tokens"]
+        split["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    for key in BATCH_SEQUENCE_KEYS:
+        if isinstance(split.get(key), torch.Tensor):
+            split[key] = zigzag_split(split[key], cp_size, cp_rank, dim=1)
+    return split

@@ -1,0 +1,74 @@
+"""The gradient hooks of :class:`~lightning_megatron.strategy.MegatronStrategy` (a mixin it inherits): after an
+optimizer step's backward, finish the gradients (:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`:
+the reductions DDP does not do, the non-finite check), clip them by their global norm over every model-parallel
+group, and count the steps ``check_for_nan_in_loss_and_grad="skip"`` dropped."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Union
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch.optim import Optimizer
+
+from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
+
+log = logging.getLogger("lightning_megatron.strategy")
+__all__ = ["GradientHooks"]
+
+
+class GradientHooks:
+    """Lightning's ``optimizer_step`` and gradient clipping for :class:`~lightning_megatron.strategy.MegatronStrategy`
+    (which provides ``_grads``, ``_steps``, ``precision_plugin``, ``lightning_module``, ``wait_for_parameters`` and
+    the Lightning strategy base these methods' ``super()`` calls reach, and ``skipped_steps``)."""
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run the closure (forward + backward), finish the gradients, then let the precision plugin clip and
+        step. Lightning calls this once per optimizer step, after the last micro-batch."""
+
+        def closure_then_finalize() -> Any:
+            result = closure()
+            self.finalize_gradients()
+            return result
+
+        try:
+            return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
+            self.skipped_steps += 1
+            if self.is_global_zero:
+                log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+            self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
+                                      prog_bar=False, logger=True, rank_zero_only=True)
+            return None
+
+    def finalize_gradients(self) -> None:
+        """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
+        assert self._grads is not None
+        self.wait_for_parameters()   # before the step writes the parameters again
+        self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
+        self._grads.guard.step = self.lightning_module.trainer.global_step
+        if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
+            self._grads.guard.check_grads()
+
+    def _clips_by_norm(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+
+    def _loss_scaled(self) -> bool:
+        """fp16 with a loss scaler: inf/NaN gradients are the scaler's business (it skips the step)."""
+        return getattr(self.precision_plugin, "scaler", None) is not None
+
+    def _install_global_norm_clipping(self) -> None:
+        """Route Lightning's ``gradient_clip_val`` (norm) through the global-norm clip (the one override)."""
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed has no loss scaler, so a fused optimizer (ours on CUDA) has nothing to unscale and
+            # clipping before its step is correct; Lightning's check refuses it anyway. fp16 keeps the check.
+            plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping."""
+        assert self._grads is not None
+        return self._grads.clip([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))
