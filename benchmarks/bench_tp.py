@@ -180,6 +180,17 @@ def _overlap_us(a: float, b: float, merged) -> float:
     return total
 
 
+def device_kernels(prof) -> list:
+    """``(start_us, end_us, name)`` of every kernel of a ``torch.profiler`` run, sorted by start. The device-side
+    ranges of ``record_function`` annotations are left out by their flag, not by name: Inductor's Triton kernels
+    share their names with their host-side launch ranges, so a name filter drops every compiled kernel."""
+    from torch.autograd import DeviceType
+
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                  and e.name != "Command Buffer Full")
+
+
 def profile_summary(prof, key: str, top: int = 80) -> dict:
     """Ops with the most self device time (us, calls) and the device timeline: the window from the first to the
     last kernel, busy time (union of all kernels) and compute time (union of non-NCCL kernels); per NCCL kernel
@@ -189,9 +200,7 @@ def profile_summary(prof, key: str, top: int = 80) -> dict:
 
     ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
     events = prof.events()
-    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}  # annotations mirrored on the device
-    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                  if e.device_type == DeviceType.CUDA and e.name not in host_names and e.name != "Command Buffer Full")
+    kern = device_kernels(prof)
     out: dict = {"ops": [[e.key, round(getattr(e, key)), e.count] for e in ops]}
     if not kern:
         return out

@@ -26,12 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_precision import BASE_ARMS  # noqa: E402
+
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
-OURS = {
-    "ours-bf16-compile": dict(precision="bf16-mixed"),
-    "ours-bf16-params-compile": dict(precision="bf16-mixed", params_dtype="bfloat16"),
-    "ours-fp8-compile": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="tensorwise", fp8_backend="torch"),
-}
+#: our arms -> their MegatronPrecision arguments (bench_precision.py's arms of the same meaning)
+OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compile": BASE_ARMS["bf16-params"],
+        "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"]}
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
     ("nccl", ("nccl",)),
@@ -54,12 +54,9 @@ def family(name: str) -> str:
 
 def breakdown(prof) -> dict:
     """Device time per kernel family (ms), the step's device window and idle time (ms), the top kernels."""
-    from torch.autograd import DeviceType
+    from bench_tp import _merged, device_kernels
 
-    # device-side ranges of record_function annotations are not kernels (inductor's Triton kernels share their
-    # names with the host-side launch ranges, so names cannot tell them apart)
-    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    kern = device_kernels(prof)
     fams: dict = {}
     per_kernel: dict = {}
     for a, b, n in kern:
@@ -68,17 +65,10 @@ def breakdown(prof) -> dict:
         k = per_kernel.setdefault(n[:90], [0.0, 0, f])
         k[0] += (b - a) / 1e3
         k[1] += 1
-    busy, last = 0.0, None
-    for a, b, _ in kern:   # union of kernel intervals
-        if last is None or a > last:
-            busy += b - a
-            last = b
-        elif b > last:
-            busy += b - last
-            last = b
+    busy = sum(b - a for a, b in _merged([(a, b) for a, b, _ in kern])) / 1e3
     window = (kern[-1][1] - kern[0][0]) / 1e3 if kern else 0.0
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
-    return dict(window_ms=round(window, 2), busy_ms=round(busy / 1e3, 2), idle_ms=round(window - busy / 1e3, 2),
+    return dict(window_ms=round(window, 2), busy_ms=round(busy, 2), idle_ms=round(window - busy, 2),
                 families_ms={k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
                 top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top])
 
