@@ -21,14 +21,23 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-#: ``GPTConfig.llama_1b_bench()``'s shape, written as Megatron flags (the shipped corpus brings its own vocabulary)
-MODEL_FLAGS = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
-               "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "8",
-               "--seq-length", "2048", "--micro-batch-size", "4", "--tensor-model-parallel-size", "1"]
+
+
+def model_flags() -> List[str]:
+    """``GPTConfig.llama_1b_bench()``'s shape as Megatron flags (the shipped corpus brings its own vocabulary), with
+    the benchmark's micro-batch of 4 on one GPU."""
+    sys.path.insert(0, str(ROOT))
+    from lightning_megatron import GPTConfig
+
+    c = GPTConfig.llama_1b_bench()
+    return ["--num-layers", str(c.num_layers), "--hidden-size", str(c.hidden_size), "--ffn-hidden-size",
+            str(c.ffn_hidden_size), "--num-attention-heads", str(c.num_attention_heads), "--group-query-attention",
+            "--num-query-groups", str(c.num_query_groups), "--seq-length", str(c.seq_length),
+            "--micro-batch-size", "4", "--tensor-model-parallel-size", "1"]
 
 
 def run_arm(name: str, extra: List[str], args: argparse.Namespace, out: Path) -> Dict[str, float]:
-    cmd = [sys.executable, str(ROOT / "examples" / "pretrain_gpt.py"), *MODEL_FLAGS,
+    cmd = [sys.executable, str(ROOT / "examples" / "pretrain_gpt.py"), *model_flags(),
            "--train-iters", str(args.train_iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "20",
            "--eval-interval", str(args.train_iters), "--eval-iters", "8", "--log-interval", "20",
            "--bf16", "--compile", "--accelerator", "gpu", "--devices", "1", "--loss-curve", str(out / name), *extra]
