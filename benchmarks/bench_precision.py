@@ -66,7 +66,7 @@ def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gp
                          plugins=[plugin], max_steps=warmup + timed, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[timer])
-    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=mbs, num_workers=2))
+    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=mbs, num_workers=2, pin_memory=accelerator == "gpu"))
     dt = timer.times[1] - timer.times[0]
     tokens = mbs * cfg.seq_length * timed / dt
     if len(timer.times) < 2:

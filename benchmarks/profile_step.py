@@ -13,6 +13,7 @@ Arms (each in a child process of its own):
                       + ``MegatronPrecision("bf16-mixed")``
   ours-bf16-params-compile   + ``params_dtype=torch.bfloat16``
   ours-fp8-compile    + ``fp8="hybrid", fp8_recipe="tensorwise"`` (torch-native FP8)
+  ours-fp8-compile-nocheck   the same with ``check_for_nan_in_loss_and_grad=False`` (what the non-finite checks cost)
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from bench_precision import BASE_ARMS  # noqa: E402
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
 #: our arms -> their MegatronPrecision arguments (bench_precision.py's arms of the same meaning)
 OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compile": BASE_ARMS["bf16-params"],
-        "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"]}
+        "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"]}
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
     ("nccl", ("nccl",)),
@@ -145,11 +146,12 @@ def run_ours(name: str) -> dict:
                 result["profile"] = breakdown(self.prof)
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=MegatronStrategy(compile=True),
+    strategy = MegatronStrategy(compile=True, check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer, ProfileOne()])
-    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2))
+    trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     dt = timer.times[1] - timer.times[0]
     return dict(tokens_per_s=round(4 * cfg.seq_length * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
                 peak_mem_gib=round(timer.peak_mem / 2**30, 2), **result)

@@ -309,9 +309,11 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     def on_train_end(self) -> None:
         self.wait_for_parameters()
         self.finish_checkpoints()
-        super().on_train_end()
-        if self._steps is not None:
-            self.lightning_module.trainer.fit_loop._skip_backward = False
+        try:
+            super().on_train_end()   # GradientHooks: the last step's non-finite verdict, when decided on the device
+        finally:
+            if self._steps is not None:
+                self.lightning_module.trainer.fit_loop._skip_backward = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Collect the step's micro-batches and run them at the last one (:meth:`StepPath.train`)."""

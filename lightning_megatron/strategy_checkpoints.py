@@ -56,6 +56,7 @@ class CheckpointHooks:
 
     def _check_weights(self) -> None:
         if self._grads is not None:
+            self.settle_non_finite(log_skip=False)   # a device-decided non-finite step raises before anything is written
             trainer = self.lightning_module._trainer
             self._grads.guard.step = trainer.global_step if trainer is not None else None
             with self._main_view():

@@ -25,22 +25,52 @@ class GradientHooks:
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the closure (forward + backward), finish the gradients, then let the precision plugin clip and
-        step. Lightning calls this once per optimizer step, after the last micro-batch."""
+        step. Lightning calls this once per optimizer step, after the last micro-batch. With a fused optimizer the
+        non-finite checks are decided on the device (:meth:`NonFiniteGuard.start_step`): the previous step's verdict
+        is settled first."""
+        guard = self._grads.guard if self._grads is not None else None
 
         def closure_then_finalize() -> Any:
             result = closure()
             self.finalize_gradients()
             return result
 
+        if guard is not None:
+            self.settle_non_finite()
+            guard.start_step(None if self._loss_scaled() else optimizer)
         try:
-            return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
         except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
-            self.skipped_steps += 1
-            if self.is_global_zero:
-                log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+            self._count_skipped(skipped)
+            return None
+        if guard is not None:
+            guard.end_step()
+        return result
+
+    def settle_non_finite(self, log_skip: bool = True) -> None:
+        """Read the verdict of the last step whose non-finite checks were decided on the device: raises
+        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` for a non-finite step (its update was skipped
+        on the device), or counts it in ``skip`` mode (logged as ``skipped_steps`` when ``log_skip``). Called at the
+        next optimizer step, at the end of training and before a checkpoint is written; collective on every rank."""
+        if self._grads is None:
+            return
+        try:
+            self._grads.guard.settle()
+        except NonFiniteStepSkipped as skipped:
+            self._count_skipped(skipped, log_skip)
+
+    def _count_skipped(self, skipped: NonFiniteStepSkipped, log_skip: bool = True) -> None:
+        self.skipped_steps += 1
+        if self.is_global_zero:
+            log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+        if log_skip:
             self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
                                       prog_bar=False, logger=True, rank_zero_only=True)
-            return None
+
+    def on_train_end(self) -> None:
+        """The last step's device-decided non-finite verdict, read before ``fit`` returns."""
+        self.settle_non_finite(log_skip=False)
+        super().on_train_end()
 
     def finalize_gradients(self) -> None:
         """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""

@@ -65,8 +65,24 @@ def lightning_train_order(n: int, epoch: int = 0) -> List[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def new_module(cfg: GPTConfig, steps: int) -> ParallelGPTModule:
-    return ParallelGPTModule(cfg, lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
+class FusedAdamGPTModule(ParallelGPTModule):
+    """:class:`ParallelGPTModule` whose AdamW is torch's fused one on the CPU too (as it is on CUDA): the optimizer
+    that skips a non-finite step on the device, so the strategy decides its non-finite checks there."""
+
+    def configure_optimizers(self) -> Any:
+        conf = super().configure_optimizers()
+        groups = [dict(g, fused=True, foreach=None) for g in conf["optimizer"].param_groups]
+        optimizer = torch.optim.AdamW(groups, fused=True)
+        lambdas = conf["lr_scheduler"]["scheduler"].lr_lambdas
+        conf["optimizer"] = optimizer
+        conf["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        return conf
+
+
+def new_module(cfg: GPTConfig, steps: int, fused_adam: bool = False) -> ParallelGPTModule:
+    """The parity tests' module; ``fused_adam``: :class:`FusedAdamGPTModule`."""
+    cls = FusedAdamGPTModule if fused_adam else ParallelGPTModule
+    return cls(cfg, lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
 
 
 def to_reference_dtype(module: torch.nn.Module, device: str = "cpu", precision: Optional[str] = None) -> None:

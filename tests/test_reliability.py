@@ -143,13 +143,16 @@ class _Weights(pl.Callback):
         self.after_step.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
 
 
-def _skip_run(rank, world, clip):
+def _skip_run(rank, world, clip, fused_adam=False):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     weights, losses = _Weights(), LossRecorder()
     strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad="skip")
     trainer = trainer_for(world, strategy, 4, callbacks=[_PoisonOnce(1, 1), weights, losses], gradient_clip_val=clip)
-    trainer.fit(new_module(cfg, 4), DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
+    module = new_module(cfg, 4, fused_adam=fused_adam)
+    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
+    if fused_adam:   # the checks were decided on the device: the optimizer skipped the step by itself
+        assert strategy._grads.guard.on_device
     w = weights.after_step
     return {"global_step": trainer.global_step, "skipped": strategy.skipped_steps,
             "logged": float(trainer.callback_metrics["skipped_steps"]), "losses": losses.losses,
@@ -160,6 +163,8 @@ def _skip_run(rank, world, clip):
 def _case(rank, world, kind, arg):
     if kind == "skip":
         return _skip_run(rank, world, arg)
+    if kind == "skip_fused":
+        return _skip_run(rank, world, arg, fused_adam=True)
     return _save_after_poison(rank, world, True, arg, ckpt_format="torch_dist")
 
 
@@ -167,9 +172,11 @@ def test_skip_mode_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     """check_for_nan_in_loss_and_grad="skip", tp=2, a NaN gradient on rank 1 at step 1 (without clipping: the
     gradient check; with clipping: the global norm): both ranks drop that step (the weights after it equal those
     before), count and log it, and train on with finite weights to the end. Non-finite weights are still refused
-    a checkpoint, a sharded one too (nothing is written, not even a temporary directory)."""
+    a checkpoint, a sharded one too (nothing is written, not even a temporary directory). The same with a fused
+    AdamW, whose checks are decided on the device (the optimizer skips the update, the host learns it a step later)."""
     path = tmp_path / "bad.ckpt"
-    cases = [("no_clip", ("skip", None)), ("clip", ("skip", 1.0)), ("refuse", ("refuse", str(path)))]
+    cases = [("no_clip", ("skip", None)), ("clip", ("skip", 1.0)), ("fused_no_clip", ("skip_fused", None)),
+             ("fused_clip", ("skip_fused", 1.0)), ("refuse", ("refuse", str(path)))]
     out = run_distributed(run_each, 2, _case, cases)
     assert os.listdir(tmp_path) == []
     for rank, results in enumerate(out):

@@ -71,6 +71,69 @@ def test_guard_names_step_and_first_bad_gradient(value, kind):
         guard.check_loss(torch.tensor(float("inf")))
 
 
+@pytest.mark.parametrize("check, kind", [("grads", "a gradient is nan"), ("loss", "the loss is inf"),
+                                         ("norm", "the global gradient norm is nan")])
+def test_guard_decided_on_the_device_skips_the_update_and_reports_a_step_later(check, kind):
+    """A fused optimizer (skips its update on the device): the checks raise nothing while the step runs; the
+    optimizer leaves weights, moments and step counts unchanged; ``settle`` then raises the synchronous check's
+    error naming the step. A finite step changes the weights and settles silently; a plain optimizer keeps the
+    synchronous checks."""
+    from lightning_megatron.parallel.nonfinite import skips_on_device
+
+    net = _net_with_grads(value=1.0)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
+    assert skips_on_device(optimizer) and not skips_on_device(torch.optim.AdamW(net.parameters()))
+    guard = NonFiniteGuard(net)
+
+    def step(number, poison):
+        guard.step = number
+        guard.start_step(optimizer)
+        assert guard.on_device and optimizer.found_inf is not None
+        net[1].weight.grad[0, 0] = NAN if poison else 1.0
+        guard.check_loss(torch.tensor(float("inf") if poison and check == "loss" else 2.0))
+        if check == "norm":
+            guard.check_grad_norm(torch.tensor(NAN if poison else 3.0))
+        else:
+            guard.check_grads()
+        optimizer.step()
+        guard.end_step()
+
+    step(3, poison=False)
+    guard.settle()                                 # finite: silent
+    before = [p.detach().clone() for p in net.parameters()]
+    states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in net.parameters()]
+    step(4, poison=True)                           # nothing raised yet
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    assert all(torch.equal(v, optimizer.state[p][k]) for s, p in zip(states, net.parameters()) for k, v in s.items())
+    with pytest.raises(NonFiniteError, match=rf"at step 4 .*{kind}.*rank 0: gradient of 1\.weight \(nan\)"):
+        guard.settle()
+    guard.settle()                                 # read once
+    guard.start_step(torch.optim.SGD(net.parameters(), lr=0.1))   # cannot skip on the device: synchronous
+    assert not guard.on_device
+    with pytest.raises(NonFiniteError, match="at step 4 .*a gradient is nan"):
+        guard.check_grads()
+
+
+def test_non_finite_last_step_decided_on_the_device_raises_before_fit_returns():
+    """A fused AdamW (checks decided on the device) and a NaN gradient at the last step, with no checkpoint after
+    it: ``fit`` still raises, at the end of training, naming that step; the weights are the last finite ones."""
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    module = new_module(cfg, 3, fused_adam=True)
+    poison, weights = _PoisonGradient(rank=0, at=2), []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            weights.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+
+    trainer = trainer_for(1, MegatronStrategy(), 3, callbacks=[poison, Keep()])
+    with pytest.raises(NonFiniteError, match=r"at step 2 \(trainer.global_step\): a gradient is nan.*rank 0: gradient "
+                                             r"of model\.decoder\.layers\.1\.mlp\.linear_fc2\.weight \(nan\)"):
+        trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 12)), batch_size=4))
+    assert len(weights) == 3 and torch.equal(weights[1], weights[2]) and not torch.equal(weights[0], weights[1])
+    assert torch.isfinite(weights[2]).all()
+
+
 def test_guard_off_and_grads_off_are_silent():
     net = _net_with_grads()
     NonFiniteGuard(net, enabled=False).check_grads()
@@ -134,13 +197,13 @@ def _fit_until_error(rank, world, mode, layout, path):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     samples = make_samples(cfg, 16)
-    module = new_module(cfg, 4)
+    module = new_module(cfg, 4, fused_adam=mode.endswith("fused"))
     callbacks, clip = [], None
     if mode == "lr":        # Megatron's --lr 1e30: the first step blows the weights up, the second loss is NaN
         module.hparams.lr = module.hparams.min_lr = 1e30
     else:                   # a NaN gradient on rank 1 only, at the second step; clipping on or off
         callbacks.append(_PoisonGradient(rank=1, at=1))
-        clip = 1.0 if mode == "grad_clip" else None
+        clip = 1.0 if mode.startswith("grad_clip") else None
     callbacks.append(ModelCheckpoint(dirpath=path, every_n_train_steps=1, save_top_k=-1, save_last=True))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=MegatronStrategy(**layout), max_steps=4,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
@@ -153,21 +216,24 @@ def _fit_until_error(rank, world, mode, layout, path):
 
 
 @pytest.mark.parametrize("mode, layout", [("lr", dict(tp=2)), ("grad", dict(tp=2)), ("grad_clip", dict(tp=2)),
-                                          ("grad_clip", dict(pp=2))],
-                         ids=["tp2-lr1e30", "tp2-nan-grad", "tp2-nan-grad-clip", "pp2-nan-grad-clip"])
+                                          ("grad_clip", dict(pp=2)), ("grad_clip_fused", dict(tp=2))],
+                         ids=["tp2-lr1e30", "tp2-nan-grad", "tp2-nan-grad-clip", "pp2-nan-grad-clip",
+                              "tp2-nan-grad-clip-fused-adam"])
 def test_non_finite_stops_every_rank_and_keeps_finite_checkpoints(tmp_path, mode, layout):
     """tp=2 and pp=2: the step that goes non-finite raises NonFiniteError on both ranks (naming the step and the
     parameter on the rank that holds it), the optimizer step is not taken, and every checkpoint on disk is finite,
-    the last one from the step before."""
+    the last one from the step before. With a fused AdamW the checks are decided on the device: the optimizer skips
+    the update itself and the error comes when the step's checkpoint is about to be written (Lightning has counted
+    the step by then: ``global_step`` 2), with the same text and the same files."""
     out = run_distributed(_fit_until_error, 2, mode, layout, str(tmp_path))
     for rank, result in enumerate(out):
         assert result["error"] is not None, f"rank {rank} did not raise"
-        assert result["step"] == 1, result
+        assert result["step"] == (2 if mode.endswith("fused") else 1), result
         assert "at step 1 (trainer.global_step)" in result["error"]
     if mode == "lr":
         assert re.search(r"(the loss|a gradient) is nan; .*rank 0: gradient of model\.", out[0]["error"])
     else:
-        what = "the global gradient norm is nan" if mode == "grad_clip" else "a gradient is nan"
+        what = "the global gradient norm is nan" if mode.startswith("grad_clip") else "a gradient is nan"
         assert what in out[0]["error"]
         assert "rank 1: gradient of model.decoder.layers.1.mlp.linear_fc2.weight (nan)" in out[0]["error"]
         assert "rank 0:" not in out[0]["error"]

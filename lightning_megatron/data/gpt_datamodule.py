@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_megatron.data.gpt_dataset import (
@@ -172,7 +173,9 @@ class GPTDataModule(L.LightningDataModule):
         data_parallel_size: dp assumed by :attr:`num_microbatches` *before* :meth:`setup`
             (default 1); setup reads the real one from the strategy.
         check_accumulation: in ``setup("fit")``, require ``Trainer(accumulate_grad_batches=num_microbatches)``.
-        pin_memory: DataLoader ``pin_memory``.
+        pin_memory: DataLoader ``pin_memory``; None (default): pinned when the trainer runs on CUDA, as Megatron's
+            loaders are (a batch copied from pageable memory makes the host wait for every kernel queued before it,
+            once per micro-batch).
     """
 
     def __init__(
@@ -192,7 +195,7 @@ class GPTDataModule(L.LightningDataModule):
         eod_id: int | None = None,
         data_parallel_size: int | None = None,
         check_accumulation: bool = True,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         self.prefixes, self.weights = parse_data_path(data_path)
@@ -395,8 +398,14 @@ class GPTDataModule(L.LightningDataModule):
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            pin_memory=self.pin_memory,
+            pin_memory=self._pins_memory(),
         )
+
+    def _pins_memory(self) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return isinstance(device, torch.device) and device.type == "cuda"
 
     def train_dataloader(self) -> MegatronDataLoader:
         """Training micro-batches of this dp rank, starting after the consumed samples."""

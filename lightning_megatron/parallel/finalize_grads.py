@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.parallel.grad_buckets import GradBucketReducer, overlaps_grad_reduce
-from lightning_megatron.parallel.grad_norm import clip_grad_norm_
+from lightning_megatron.parallel.grad_norm import clip_coefficient, clip_grad_norm_
 from lightning_megatron.parallel.grad_sync import (
     allreduce_data_parallel_grads,
     allreduce_expert_parallel_grads,
@@ -119,7 +119,7 @@ class GradientFinalizer:
         excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]
         if excluded:
             with torch.no_grad():
-                coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+                coef = clip_coefficient(norm, float(max_norm))
                 for p in excluded:
                     grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                     grad.mul_(coef.to(grad.device))

@@ -87,6 +87,13 @@ def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) 
 
 
 @torch.no_grad()
+def clip_coefficient(norm: Tensor, max_norm: float, eps: float = 1e-6) -> Tensor:
+    """``min(1, max_norm / (norm + eps))``, and 1 for a non-finite ``norm``: a step whose norm is NaN/inf is dropped by
+    the non-finite guard, and its gradients stay as they were (to name the first non-finite one)."""
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
                     model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
                     expert: Optional[Set[int]] = None, expert_group: Group = None,
@@ -105,7 +112,7 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, shard
     if check is not None:
         check(norm)
     params = [p for p in params if p.grad is not None]
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    coef = clip_coefficient(norm, max_norm, eps)
     if params:
         torch._foreach_mul_([_local(p.grad) for p in params], coef.to(params[0].grad.device))
     return norm

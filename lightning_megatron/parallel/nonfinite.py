@@ -12,11 +12,20 @@ pass over the local tensors and one ``all_gather_object``, on the failure path o
 :meth:`~NonFiniteGuard.check_grad_norm` on the norm that clipping computed (before it scales anything) or
 :meth:`~NonFiniteGuard.check_grads` without clipping, and :meth:`~NonFiniteGuard.check_weights` before a
 checkpoint is written.
+
+Decided on the device (no host synchronisation): when the optimizer can skip its own update on the device (a fused
+torch optimizer, which reads ``optimizer.found_inf``), :meth:`~NonFiniteGuard.start_step` arms a device flag that the
+step's checks raise and the optimizer reads, so a non-finite step changes no weight and no optimizer state without
+the host waiting for the GPU. The verdict travels to the host behind the step (:meth:`~NonFiniteGuard.end_step`) and is
+read by :meth:`~NonFiniteGuard.settle` at the start of the next optimizer step, at the end of training and before a
+checkpoint is written: the same error (naming the step it happened at) or the same skip, one step later in host time.
+A check that waits for the GPU at every step costs the step the time the host then needs to queue work again.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +81,34 @@ def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[
     return None
 
 
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` skips its update on the device when ``optimizer.found_inf`` (a float tensor) is 1: torch's
+    fused optimizers (``fused=True``, e.g. ``AdamW``), which also leave their step counts unchanged then, over plain
+    (not DTensor) parameters."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and optimizer.defaults.get("fused")):
+        return False
+    # FSDP's DTensor parameters would meet a plain flag tensor inside the fused kernel's dispatch
+    return not any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+
+
+@dataclass
+class _Verdict:
+    """A step's checked values on their way to the host: ``values[i]`` of check ``names[i]``, readable once ``ready``
+    has passed."""
+
+    step: Optional[int]
+    names: List[str]
+    values: Tensor
+    ready: Any
+
+
+#: what each check's non-finite value says, in the order the synchronous checks decide
+_WHAT = {"loss": "the loss is {}", "norm": "the global gradient norm is {}", "grads": "a gradient is {}"}
+
+
 def _kind(value: float) -> str:
     return "nan" if math.isnan(value) else "inf"
 
@@ -94,17 +131,90 @@ class NonFiniteGuard:
     def __init__(self, module: nn.Module, enabled: bool = True, grads: bool = True, skip: bool = False) -> None:
         self.module, self.enabled, self.grads, self.skip = module, enabled, grads, skip
         self.step: Optional[int] = None
+        #: this step's checks are decided on the device (see the module docstring); set by :meth:`start_step`
+        self.on_device = False
+        self._found: Optional[Tensor] = None     # the device flag the optimizer reads
+        self._values: Dict[str, Tensor] = {}    # this step's checked values, by check
+        self._pending: Optional[_Verdict] = None
+        self._sent: Optional[_Verdict] = None     # this step's checked values, on their way to the host
+        self._host: Optional[Tensor] = None      # pinned landing place of the values
+
+    # ------------------------------------------------------------------ the device-side verdict
+    def start_step(self, optimizer: Any) -> None:
+        """At an optimizer step's start (after :meth:`settle`): decide this step's checks on the device when
+        ``optimizer`` can skip its update there (:func:`skips_on_device`; None: it cannot, e.g. fp16's loss scaler
+        owns ``found_inf``). The flag is handed to the optimizer as ``found_inf``."""
+        self._values, self._sent = {}, None
+        self.on_device = self.enabled and optimizer is not None and skips_on_device(optimizer)
+        if not self.on_device:
+            if optimizer is not None and self._found is not None and getattr(optimizer, "found_inf", None) is self._found:
+                del optimizer.found_inf
+            return
+        device = next(iter(optimizer.param_groups[0]["params"])).device
+        if self._found is None or self._found.device != device:
+            self._found = torch.zeros((), dtype=torch.float32, device=device)
+        else:
+            self._found.zero_()
+        optimizer.found_inf = self._found
+
+    def _note(self, name: str, value: Tensor) -> None:
+        """Record a checked value, raise the device flag when it is not finite and send the values so far to the host
+        (no host synchronisation). The last check's copy is the one :meth:`settle` waits for: it is queued before the
+        optimizer's kernels, so settling waits for the checks only, not for the optimizer step behind them."""
+        assert self._found is not None
+        value = value.detach().to(self._found.device, torch.float32).reshape(())
+        self._values[name] = value
+        torch.maximum(self._found, (~torch.isfinite(value)).float(), out=self._found)
+        names = [n for n in _WHAT if n in self._values]
+        values = torch.stack([self._values[n] for n in names])
+        if values.is_cuda:
+            if self._host is None:
+                self._host = torch.empty(len(_WHAT), dtype=torch.float32, pin_memory=True)
+            host = self._host[:len(names)]
+            host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = values, None
+        self._sent = _Verdict(self.step, names, host, ready)
+
+    def end_step(self) -> None:
+        """After the optimizer step: this step's verdict (sent to the host by its last check) is the one
+        :meth:`settle` reads next."""
+        if self.on_device and self._sent is not None:
+            self._pending = self._sent
+        self._sent, self._values = None, {}
+
+    def settle(self) -> None:
+        """Read the last device-decided step's verdict (waits for that step's checks only, not for the work queued
+        after them): a non-finite value raises as the synchronous checks do, naming that step (the optimizer has
+        already skipped its update). Collective on the failure path: every rank calls it at the same point."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        values = pending.values.tolist()
+        bad = [(n, v) for n, v in zip(pending.names, values) if not math.isfinite(v)]
+        if bad:
+            name, value = bad[0]
+            self.step = pending.step
+            self._raise(_WHAT[name].format(_kind(value)), grads=True)
 
     # ------------------------------------------------------------------ checks
     def check_loss(self, loss: Tensor) -> None:
         """``loss``: the step's loss, the same on every rank. Raises :class:`NonFiniteError` when it is not finite
         (one host sync)."""
-        if self.enabled and not bool(torch.isfinite(loss.detach()).all()):
+        if self.enabled and self.on_device:
+            self._note("loss", loss)
+        elif self.enabled and not bool(torch.isfinite(loss.detach()).all()):
             self._raise(f"the loss is {_kind(float(loss))}", grads=True)
 
     def check_grad_norm(self, norm: Tensor) -> None:
         """``norm``: the global gradient norm, the same on every rank (before clipping scales anything)."""
-        if self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):
+        if self.enabled and self.grads and self.on_device:
+            self._note("norm", norm)
+        elif self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):
             self._raise(f"the global gradient norm is {_kind(float(norm))}", grads=True)
 
     def check_grads(self, params: Optional[List[nn.Parameter]] = None) -> None:
@@ -113,7 +223,10 @@ class NonFiniteGuard:
         if not (self.enabled and self.grads):
             return
         params = list(self.module.parameters()) if params is None else params
-        value = self._world_sum(local_max_abs(p.grad for p in params))
+        if self.on_device:
+            self._note("grads", self._world_sum_tensor(local_max_abs(p.grad for p in params)))
+            return
+        value = float(self._world_sum_tensor(local_max_abs(p.grad for p in params)))
         if not math.isfinite(value):
             self._raise(f"a gradient is {_kind(value)}", grads=True)
 
@@ -122,17 +235,17 @@ class NonFiniteGuard:
         :class:`NonFiniteError` before a checkpoint holding them is written."""
         if not self.enabled:
             return
-        value = self._world_sum(local_max_abs(self.module.state_dict().values()))
+        value = float(self._world_sum_tensor(local_max_abs(self.module.state_dict().values())))
         if not math.isfinite(value):
             self._raise("a weight is non-finite; no checkpoint was written", grads=False)
 
     # ------------------------------------------------------------------ helpers
-    def _world_sum(self, value: Tensor) -> float:
+    def _world_sum_tensor(self, value: Tensor) -> Tensor:
         device = next((p.device for p in self.module.parameters()), value.device)
         value = value.to(device)
         if _distributed():
             dist.all_reduce(value)
-        return float(value)
+        return value
 
     def _raise(self, what: str, grads: bool) -> None:
         """Name the first non-finite weight (and gradient) on every rank, then raise (collective over the world:
