@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 
 from lightning_megatron import MFUMonitor, ParallelGPTModule
 from lightning_megatron.callbacks import SampleContinuation
@@ -57,7 +57,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # The model is built on the meta device; the strategy materialises it already sharded.
     model = ParallelGPTModule(config, **plan.module_kwargs)
 
-    callbacks: List[Callback] = []
+    # --exit-duration-in-mins (Timer), --profile, --manual-gc / --empty-unused-memory-level, the loss curve (CSV, and
+    # a PNG with matplotlib) written at the end, and the progress bar, refreshed once per --log-interval; the bar
+    # goes first, so that it has ended its line when the others print at the end of training
+    run_control = plan.build_callbacks()
+    callbacks: List[Callback] = [c for c in run_control if isinstance(c, ProgressBar)]
     if plan.mfu_kwargs is not None:  # tokens/s, TFLOP/s per device and MFU, printed as Megatron's log line
         monitor = MFUMonitor(**plan.mfu_kwargs)
         callbacks += [monitor, IterationPrinter(plan.mfu_kwargs["log_every_n_steps"], plan.global_batch_size,
@@ -66,9 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         callbacks.append(LastCheckpoint(**plan.checkpoint_kwargs))
     if isinstance(data, TinyCorpusDataModule):  # at the end: how the model continues a prompt (greedy, 12 tokens)
         callbacks.append(SampleContinuation("The compiler", data.tokenizer, max_new_tokens=12))
-    # --exit-duration-in-mins (Timer), --profile, --manual-gc / --empty-unused-memory-level, and the loss curve
-    # (CSV, and a PNG with matplotlib) written at the end
-    callbacks += plan.build_callbacks()
+    callbacks += [c for c in run_control if not isinstance(c, ProgressBar)]
     # --bf16 / --fp16 / --fp8-*: MegatronPrecision (mixed precision, fp16 loss scaling over all ranks, FP8 GEMMs)
     plugins = [plan.precision] if plan.precision is not None else None
     trainer = pl.Trainer(strategy=plan.strategy, callbacks=callbacks, plugins=plugins, **plan.trainer_kwargs)

@@ -272,3 +272,31 @@ def test_decoupled_lr_schedules_the_embedding_and_output_layer_on_their_own():
     assert len(plain_groups) == 2 and all(len(step) == 2 for step in plain_lrs)
     for name in ("model.embedding.word_embeddings.weight", "model.output_layer.weight"):
         assert moved[name] > 3 * plain_moved[name], (name, moved[name], plain_moved[name])
+
+
+def test_loss_curve_reads_the_device_losses_in_batches(tmp_path):
+    """``LossCurve`` keeps each step's loss on the device (a copy: the logged tensor may be reused) and reads them
+    on the host every ``read_every`` steps and at the end, with the right step for each value; the progress bar of
+    ``pretrain_gpt.py`` refreshes once per ``--log-interval`` iterations (each a host read)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_megatron import LossCurve
+
+    curve = LossCurve(tmp_path / "curve", read_every=3)
+    logged = torch.zeros(())
+    trainer = SimpleNamespace(is_global_zero=True, callback_metrics={"train_loss": logged})
+    for step in range(1, 8):
+        logged.fill_(step / 10)
+        curve.on_optimizer_step_end(trainer, None, step)
+        assert len(curve.train) == step // 3 * 3
+    curve.read()
+    assert curve.train == [(s, pytest.approx(s / 10)) for s in range(1, 8)]
+    with pytest.raises(ValueError, match="read_every=0 must be >= 1"):
+        LossCurve(tmp_path / "curve", read_every=0)
+    plan = plan_from_args(build_parser().parse_args(["--log-interval", "5", "--global-batch-size", "16",
+                                                     "--micro-batch-size", "4"]))
+    assert plan.num_microbatches == 4
+    assert plan.callback_kwargs["TQDMProgressBar"] == {"refresh_rate": 20}
+    assert type(plan.build_callbacks()[-1]).__name__ == "TQDMProgressBar"

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
+import torch
+
 from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
 from lightning_megatron.optional import MATPLOTLIB
 
@@ -16,29 +18,46 @@ class LossCurve(OptimizerStepCallback):
     """Record ``train_loss`` after every optimizer step and ``val_loss`` after every validation (global rank 0;
     both are already the global values), and write them at the end of training as ``<path>.csv`` and
     ``<path>.png`` (the PNG needs matplotlib; without it the run prints a note and writes the CSV only).
-    Communicates nothing.
+    Communicates nothing. The train losses stay on the device and are read on the host every ``read_every`` steps,
+    at validation and at the end (reading one waits for the GPU to finish all work queued before it).
 
     Args:
         path: output path without suffix, e.g. ``lightning_logs/loss_curve``.
+        read_every: optimizer steps between host reads of the recorded train losses.
     """
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, path: Union[str, Path], read_every: int = 100) -> None:
+        if read_every < 1:
+            raise ValueError(f"LossCurve: read_every={read_every} must be >= 1")
         self.path = Path(path).with_suffix("") if Path(path).suffix in (".png", ".csv") else Path(path)
+        self.read_every = read_every
         self.train: List[Tuple[int, float]] = []
         self.val: List[Tuple[int, float]] = []
         self.png: Optional[Path] = None
+        self._unread: List[Tuple[int, torch.Tensor]] = []
 
     def on_optimizer_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         loss = trainer.callback_metrics.get("train_loss")
         if trainer.is_global_zero and loss is not None:
-            self.train.append((step, float(loss)))
+            self._unread.append((step, torch.as_tensor(loss).detach().clone().float()))
+            if len(self._unread) >= self.read_every:
+                self.read()
+
+    def read(self) -> None:
+        """Move the recorded train losses to :attr:`train` (one host read for all of them)."""
+        if self._unread:
+            values = torch.stack([v.reshape(()) for _, v in self._unread]).tolist()
+            self.train.extend((step, value) for (step, _), value in zip(self._unread, values))
+            self._unread = []
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val_loss")
         if trainer.is_global_zero and loss is not None and not trainer.sanity_checking:
+            self.read()
             self.val.append((trainer.global_step, float(loss)))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.read()
         if not trainer.is_global_zero or not self.train:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback, Timer, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_megatron.callbacks.loss_curve import LossCurve
@@ -57,7 +57,7 @@ TINY_TOKENIZERS = {"SentencePieceTokenizer": "sentencepiece", "GPTSentencePieceT
 DEFAULT_TRAIN_ITERS = 400
 # The plan's callbacks by class, in the order they run (PretrainPlan.callback_kwargs keys).
 PLAN_CALLBACKS = {"Timer": Timer, "StepProfiler": StepProfiler, "MemoryHousekeeping": MemoryHousekeeping,
-                  "LossCurve": LossCurve}
+                  "LossCurve": LossCurve, "TQDMProgressBar": TQDMProgressBar}
 
 
 class FlagError(ValueError):
@@ -398,7 +398,7 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
             trainer_kwargs["logger"] = CSVLogger(**logger_kwargs)
             notes.append(f"--tensorboard-dir {args.tensorboard_dir}: tensorboard is not installed ({TENSORBOARD}); "
                          "the metrics go to metrics.csv there instead")
-    callback_kwargs = _callback_kwargs(args)
+    callback_kwargs = _callback_kwargs(args, micro_batches)
 
     mfu_kwargs = None
     if gpt_data or args.log_throughput or args.peak_tflops is not None:
@@ -460,9 +460,10 @@ def _iterations(flag: str, samples: int, gbs: int) -> int:
     return samples // gbs
 
 
-def _callback_kwargs(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    """``PretrainPlan.callback_kwargs`` of the run-control flags (only the callbacks they ask for, and the loss
-    curve, which every run writes)."""
+def _callback_kwargs(args: argparse.Namespace, micro_batches: int) -> Dict[str, Dict[str, Any]]:
+    """``PretrainPlan.callback_kwargs`` of the run-control flags (only the callbacks they ask for, the loss curve,
+    which every run writes, and the progress bar, refreshed once per ``--log-interval`` of ``micro_batches``
+    micro-batches per iteration)."""
     out: Dict[str, Dict[str, Any]] = {}
     if args.exit_duration_in_mins is not None:
         out["Timer"] = dict(duration=dict(minutes=args.exit_duration_in_mins), interval="step", verbose=True)
@@ -487,6 +488,8 @@ def _callback_kwargs(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
                                          empty_unused_memory_level=args.empty_unused_memory_level or 0)
     out["LossCurve"] = dict(path=args.loss_curve or str(Path(args.tensorboard_dir or "lightning_logs")
                                                         / "loss_curve"))
+    # the bar reads the logged loss on the host, which waits for the GPU: once per --log-interval, as Megatron prints
+    out["TQDMProgressBar"] = dict(refresh_rate=args.log_interval * micro_batches)
     return out
 
 
