@@ -126,6 +126,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self._sharded_io: Optional[Any] = None
         #: optimizer steps dropped by ``check_for_nan_in_loss_and_grad="skip"`` (also logged as ``skipped_steps``)
         self.skipped_steps: int = 0
+        self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
 
     @property
     def pipeline_schedule(self) -> str:

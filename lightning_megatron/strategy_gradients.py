@@ -37,6 +37,8 @@ class GradientHooks:
 
         if guard is not None:
             self.settle_non_finite()
+            if self._skips_unlogged:
+                self._log_skipped()
             guard.start_step(None if self._loss_scaled() else optimizer)
         try:
             result = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
@@ -63,9 +65,14 @@ class GradientHooks:
         self.skipped_steps += 1
         if self.is_global_zero:
             log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
+        self._skips_unlogged = True   # counted outside a step (a checkpoint, the end): logged at the next step
         if log_skip:
-            self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
-                                      prog_bar=False, logger=True, rank_zero_only=True)
+            self._log_skipped()
+
+    def _log_skipped(self) -> None:
+        self._skips_unlogged = False
+        self.lightning_module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False,
+                                  prog_bar=False, logger=True, rank_zero_only=True)
 
     def on_train_end(self) -> None:
         """The last step's device-decided non-finite verdict, read before ``fit`` returns."""

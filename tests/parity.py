@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -194,9 +195,9 @@ def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator:
     own_precision = "precision" in kwargs or any(isinstance(p, Precision) for p in kwargs.get("plugins") or ())
     if accelerator == "cpu" and not own_precision:
         kwargs["precision"] = CPU_PRECISION
+    kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks") or ()))
     return pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, **kwargs)
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
 def parallel_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, steps: int,

@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+import tempfile
 from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy
@@ -148,7 +150,10 @@ def _skip_run(rank, world, clip, fused_adam=False):
     cfg = tiny_config()
     weights, losses = _Weights(), LossRecorder()
     strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad="skip")
-    trainer = trainer_for(world, strategy, 4, callbacks=[_PoisonOnce(1, 1), weights, losses], gradient_clip_val=clip)
+    callbacks = [_PoisonOnce(1, 1), weights, losses]
+    if fused_adam:   # a checkpoint after every step: the skip is counted there (before writing), logged a step later
+        callbacks.append(ModelCheckpoint(dirpath=tempfile.mkdtemp(), every_n_train_steps=1, save_top_k=-1))
+    trainer = trainer_for(world, strategy, 4, callbacks=callbacks, gradient_clip_val=clip)
     module = new_module(cfg, 4, fused_adam=fused_adam)
     trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
     if fused_adam:   # the checks were decided on the device: the optimizer skipped the step by itself
