@@ -204,14 +204,15 @@ class NonFiniteGuard:
     # ------------------------------------------------------------------ checks
     def check_loss(self, loss: Tensor) -> None:
         """``loss``: the step's loss, the same on every rank. Raises :class:`NonFiniteError` when it is not finite
-        (one host sync)."""
+        (one host sync); decided on the device after :meth:`start_step` armed it (raised by :meth:`settle`)."""
         if self.enabled and self.on_device:
             self._note("loss", loss)
         elif self.enabled and not bool(torch.isfinite(loss.detach()).all()):
             self._raise(f"the loss is {_kind(float(loss))}", grads=True)
 
     def check_grad_norm(self, norm: Tensor) -> None:
-        """``norm``: the global gradient norm, the same on every rank (before clipping scales anything)."""
+        """``norm``: the global gradient norm, the same on every rank (before clipping scales anything); on the device
+        as :meth:`check_loss`."""
         if self.enabled and self.grads and self.on_device:
             self._note("norm", norm)
         elif self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):
@@ -219,7 +220,8 @@ class NonFiniteGuard:
 
     def check_grads(self, params: Optional[List[nn.Parameter]] = None) -> None:
         """Check every gradient of ``params`` (default: the module's) without computing the norm: the largest
-        absolute values summed over the world (one all-reduce of a scalar, one host sync)."""
+        absolute values summed over the world (one all-reduce of a scalar, one host sync; on the device as
+        :meth:`check_loss`)."""
         if not (self.enabled and self.grads):
             return
         params = list(self.module.parameters()) if params is None else params
