@@ -210,7 +210,7 @@ def test_run_control_callbacks_of_the_flags_act_in_a_real_fit(tmp_path):
         probe = Probe()
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=0, callbacks=plan.build_callbacks() + [probe])
+                             limit_val_batches=0, callbacks=plan.build_callbacks(progress_bar=False) + [probe])
         trainer.fit(ParallelGPTModule(plan.config, **plan.module_kwargs), datamodule=plan.data_module)
         return trainer, probe
 
@@ -300,3 +300,4 @@ def test_loss_curve_reads_the_device_losses_in_batches(tmp_path):
     assert plan.num_microbatches == 4
     assert plan.callback_kwargs["TQDMProgressBar"] == {"refresh_rate": 20}
     assert type(plan.build_callbacks()[-1]).__name__ == "TQDMProgressBar"
+    assert "TQDMProgressBar" not in [type(c).__name__ for c in plan.build_callbacks(progress_bar=False)]

@@ -114,10 +114,12 @@ class PretrainPlan:
     callback_kwargs: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
     logger_kwargs: Optional[Dict[str, Any]] = None
 
-    def build_callbacks(self) -> List[Callback]:
+    def build_callbacks(self, progress_bar: bool = True) -> List[Callback]:
         """The callbacks of :attr:`callback_kwargs` (``--exit-duration-in-mins``, ``--profile``, ``--manual-gc``,
-        ``--empty-unused-memory-level``, the loss curve), built fresh on each call."""
-        return [PLAN_CALLBACKS[name](**kwargs) for name, kwargs in self.callback_kwargs.items()]
+        ``--empty-unused-memory-level``, the loss curve, the progress bar), built fresh on each call.
+        ``progress_bar=False`` leaves the bar out (for ``Trainer(enable_progress_bar=False)``, which refuses one)."""
+        return [PLAN_CALLBACKS[name](**kwargs) for name, kwargs in self.callback_kwargs.items()
+                if progress_bar or name != "TQDMProgressBar"]
 
     @property
     def layout(self) -> ParallelConfig:
