@@ -65,9 +65,10 @@ class GradientHooks:
         self.skipped_steps += 1
         if self.is_global_zero:
             log.warning("%s (%d skipped so far)", skipped, self.skipped_steps)
-        self._skips_unlogged = True   # counted outside a step (a checkpoint, the end): logged at the next step
         if log_skip:
             self._log_skipped()
+        else:   # counted outside a step (a checkpoint, the end): logged at the next step
+            self._skips_unlogged = True
 
     def _log_skipped(self) -> None:
         self._skips_unlogged = False

@@ -66,24 +66,58 @@ def lightning_train_order(n: int, epoch: int = 0) -> List[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-class FusedAdamGPTModule(ParallelGPTModule):
-    """:class:`ParallelGPTModule` whose AdamW is torch's fused one on the CPU too (as it is on CUDA): the optimizer
-    that skips a non-finite step on the device, so the strategy decides its non-finite checks there."""
+class AdamWGPTModule(ParallelGPTModule):
+    """:class:`ParallelGPTModule` with a chosen kind of AdamW on any device: ``adamw="fused"`` (torch's fused one, on
+    the CPU too, as on CUDA: it skips a non-finite step on the device, so the strategy decides its non-finite checks
+    there) or ``"foreach"`` (on CUDA too: the checks stay synchronous)."""
+
+    adamw = "fused"
 
     def configure_optimizers(self) -> Any:
         conf = super().configure_optimizers()
-        groups = [dict(g, fused=True, foreach=None) for g in conf["optimizer"].param_groups]
-        optimizer = torch.optim.AdamW(groups, fused=True)
+        fused = True if self.adamw == "fused" else None
+        foreach = True if self.adamw == "foreach" else None
+        groups = [dict(g, fused=fused, foreach=foreach) for g in conf["optimizer"].param_groups]
+        optimizer = torch.optim.AdamW(groups, fused=fused, foreach=foreach)
         lambdas = conf["lr_scheduler"]["scheduler"].lr_lambdas
         conf["optimizer"] = optimizer
         conf["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
         return conf
 
 
-def new_module(cfg: GPTConfig, steps: int, fused_adam: bool = False) -> ParallelGPTModule:
-    """The parity tests' module; ``fused_adam``: :class:`FusedAdamGPTModule`."""
-    cls = FusedAdamGPTModule if fused_adam else ParallelGPTModule
-    return cls(cfg, lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
+def new_module(cfg: GPTConfig, steps: int, adamw: Optional[str] = None) -> ParallelGPTModule:
+    """The parity tests' module; ``adamw`` ("fused" or "foreach"): :class:`AdamWGPTModule` with that AdamW."""
+    kwargs = dict(lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
+    if adamw is None:
+        return ParallelGPTModule(cfg, **kwargs)
+    if adamw not in ("fused", "foreach"):
+        raise ValueError(f"adamw={adamw!r} must be 'fused' or 'foreach'")
+    module = AdamWGPTModule(cfg, **kwargs)
+    module.adamw = adamw
+    return module
+
+
+class PoisonGradientOnce(pl.Callback):
+    """One parameter's gradient (``decoder.layers["1"].mlp.linear_fc2.weight``) is NaN on global rank ``rank`` at
+    optimizer step ``at`` only."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at = rank, at
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank:
+            p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
+            p.register_hook(lambda g: torch.full_like(g, float("nan")) if trainer.global_step == self.at else g)
+
+
+class WeightsAfterStep(pl.Callback):
+    """All parameters, flattened into one tensor, after every training batch (``after_step``)."""
+
+    def __init__(self) -> None:
+        self.after_step: List[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after_step.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
 
 
 def to_reference_dtype(module: torch.nn.Module, device: str = "cpu", precision: Optional[str] = None) -> None:

@@ -23,11 +23,11 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.parallel.config import ParallelConfig
 from tests._dist import run_distributed, run_each
-from tests.parity import SEED, ListDataset, LossRecorder, make_samples, new_module, tiny_config, trainer_for
+from tests.parity import (SEED, ListDataset, LossRecorder, PoisonGradientOnce, WeightsAfterStep, make_samples,
+                          new_module, tiny_config, trainer_for)
 from tests.test_robustness import _save_after_poison   # its sharded-checkpoint case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAN = float("nan")
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -125,38 +125,18 @@ def test_sigterm_to_a_rank_blocked_in_a_collective_ends_the_job(tmp_path, jobs):
 
 
 # ---------------------------------------------------------------------------------------------- skip mode
-class _PoisonOnce(pl.Callback):
-    """One parameter's gradient is NaN on rank ``rank`` at optimizer step ``at`` only."""
-
-    def __init__(self, rank: int, at: int) -> None:
-        self.rank, self.at = rank, at
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.global_rank == self.rank:
-            p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
-            p.register_hook(lambda g: torch.full_like(g, NAN) if trainer.global_step == self.at else g)
-
-
-class _Weights(pl.Callback):
-    def __init__(self) -> None:
-        self.after_step = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.after_step.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
-
-
-def _skip_run(rank, world, clip, fused_adam=False):
+def _skip_run(rank, world, clip, adamw=None):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
-    weights, losses = _Weights(), LossRecorder()
+    weights, losses = WeightsAfterStep(), LossRecorder()
     strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad="skip")
-    callbacks = [_PoisonOnce(1, 1), weights, losses]
-    if fused_adam:   # a checkpoint after every step: the skip is counted there (before writing), logged a step later
+    callbacks = [PoisonGradientOnce(1, 1), weights, losses]
+    if adamw:   # a checkpoint after every step: the skip is counted there (before writing), logged a step later
         callbacks.append(ModelCheckpoint(dirpath=tempfile.mkdtemp(), every_n_train_steps=1, save_top_k=-1))
     trainer = trainer_for(world, strategy, 4, callbacks=callbacks, gradient_clip_val=clip)
-    module = new_module(cfg, 4, fused_adam=fused_adam)
+    module = new_module(cfg, 4, adamw=adamw)
     trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
-    if fused_adam:   # the checks were decided on the device: the optimizer skipped the step by itself
+    if adamw:   # the checks were decided on the device: the optimizer skipped the step by itself
         assert strategy._grads.guard.on_device
     w = weights.after_step
     return {"global_step": trainer.global_step, "skipped": strategy.skipped_steps,
@@ -169,7 +149,7 @@ def _case(rank, world, kind, arg):
     if kind == "skip":
         return _skip_run(rank, world, arg)
     if kind == "skip_fused":
-        return _skip_run(rank, world, arg, fused_adam=True)
+        return _skip_run(rank, world, arg, adamw="fused")
     return _save_after_poison(rank, world, True, arg, ckpt_format="torch_dist")
 
 

@@ -119,7 +119,7 @@ def test_non_finite_last_step_decided_on_the_device_raises_before_fit_returns():
     it: ``fit`` still raises, at the end of training, naming that step; the weights are the last finite ones."""
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
-    module = new_module(cfg, 3, fused_adam=True)
+    module = new_module(cfg, 3, adamw="fused")
     poison, weights = _PoisonGradient(rank=0, at=2), []
 
     class Keep(pl.Callback):
@@ -197,7 +197,7 @@ def _fit_until_error(rank, world, mode, layout, path):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     samples = make_samples(cfg, 16)
-    module = new_module(cfg, 4, fused_adam=mode.endswith("fused"))
+    module = new_module(cfg, 4, adamw="fused" if mode.endswith("fused") else None)
     callbacks, clip = [], None
     if mode == "lr":        # Megatron's --lr 1e30: the first step blows the weights up, the second loss is NaN
         module.hparams.lr = module.hparams.min_lr = 1e30

@@ -16,28 +16,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy, ParallelGPTModule
+from lightning_megatron import MegatronStrategy
 from lightning_megatron.parallel.nonfinite import NonFiniteError
-from tests.parity import LR, SEED, ListDataset, make_samples, tiny_config
-
-NAN = float("nan")
-
-
-class _Poison(pl.Callback):
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
-        p.register_hook(lambda g: torch.full_like(g, NAN) if trainer.global_step == self.at else g)
-
-
-class _Weights(pl.Callback):
-    def __init__(self) -> None:
-        self.after = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.after.append(torch.cat([p.detach().float().flatten().cpu() for p in pl_module.parameters()]))
+from tests.parity import SEED, ListDataset, PoisonGradientOnce, WeightsAfterStep, make_samples, new_module, tiny_config
 
 
 class _SyncWatch(pl.Callback):
@@ -63,19 +44,7 @@ class _SyncWatch(pl.Callback):
             self._catch = None
 
 
-class _PlainAdamModule(ParallelGPTModule):
-    """AdamW without ``fused``: it cannot skip a step on the device, so the checks stay synchronous."""
-
-    def configure_optimizers(self):
-        conf = super().configure_optimizers()
-        optimizer = torch.optim.AdamW([dict(g, fused=None, foreach=True) for g in conf["optimizer"].param_groups])
-        conf["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, conf["lr_scheduler"]["scheduler"].lr_lambdas)
-        conf["optimizer"] = optimizer
-        return conf
-
-
-def _fit(check, callbacks, steps=4, plain_adam=False):
+def _fit(check, callbacks, steps=4, adamw=None):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     strategy = MegatronStrategy(check_for_nan_in_loss_and_grad=check)
@@ -83,28 +52,26 @@ def _fit(check, callbacks, steps=4, plain_adam=False):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks)
     data = DataLoader(ListDataset(make_samples(cfg, 4 * steps)), batch_size=4, pin_memory=True)
-    module = (_PlainAdamModule if plain_adam else ParallelGPTModule)(
-        cfg, lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
-    return strategy, trainer, data, module
+    return strategy, trainer, data, new_module(cfg, steps, adamw=adamw)
 
 
 def test_nan_step_is_skipped_on_the_device_and_raised_naming_it():
-    weights = _Weights()
-    strategy, trainer, data, module = _fit(True, [_Poison(1), weights])
+    weights = WeightsAfterStep()
+    strategy, trainer, data, module = _fit(True, [PoisonGradientOnce(0, 1), weights])
     with pytest.raises(NonFiniteError, match=r"at step 1 \(trainer.global_step\): a gradient is nan.*gradient of "
                                              r"model\.decoder\.layers\.1\.mlp\.linear_fc2\.weight \(nan\)"):
         trainer.fit(module, data)
     assert strategy._grads.guard.on_device
-    assert torch.equal(weights.after[0], weights.after[1]) and torch.isfinite(weights.after[1]).all()
+    assert torch.equal(weights.after_step[0], weights.after_step[1]) and torch.isfinite(weights.after_step[1]).all()
 
 
 def test_skip_mode_drops_the_step_and_goes_on():
-    weights = _Weights()
-    strategy, trainer, data, module = _fit("skip", [_Poison(1), weights])
+    weights = WeightsAfterStep()
+    strategy, trainer, data, module = _fit("skip", [PoisonGradientOnce(0, 1), weights])
     trainer.fit(module, data)
     assert strategy._grads.guard.on_device and strategy.skipped_steps == 1
     assert float(trainer.callback_metrics["skipped_steps"]) == 1.0
-    w = weights.after
+    w = weights.after_step
     assert [not torch.equal(w[i], w[i + 1]) for i in range(3)] == [False, True, True]
     assert torch.isfinite(w[-1]).all()
 
@@ -117,7 +84,7 @@ def test_finite_steps_make_no_synchronising_call(measured):
     trainer.fit(module, data)
     assert strategy._grads.guard.on_device
     plain = _SyncWatch()
-    strategy_plain, trainer_plain, data, module = _fit(True, [plain], steps=6, plain_adam=True)
+    strategy_plain, trainer_plain, data, module = _fit(True, [plain], steps=6, adamw="foreach")
     trainer_plain.fit(module, data)
     assert not strategy_plain._grads.guard.on_device
     measured(sync_calls_fused=float(len(watch.seen)), sync_calls_plain_adamw=float(len(plain.seen)))
