@@ -14,6 +14,11 @@ skipped. The compiled arms come after the eager ones. Arms:
   fp8-te-delayed         Transformer Engine backend, hybrid delayed scaling (needs transformer_engine importable)
   <arm>-compile          the same with MegatronStrategy(compile=True)
   peer-compile           the shared plain-PyTorch peer (``peer_baseline.py compile``)
+  peer-fp8               the same with torchao float8, tensorwise (``peer_baseline.py fp8``; torchao importable)
+  peer-megatron-<mode>   Megatron-Core 0.19.2 with Transformer Engine layers (``peer_megatron_te.py <mode>``, mode
+                         bf16 / fp8-delayed / fp8-tensorwise: bf16 parameters and torch's fused AdamW on them);
+                         ``peer-megatron-full-<mode>`` with ``FULL=1``: Megatron's own DDP (fp32 gradient buffer)
+                         and optimizer (fp32 main parameters, clipping). Needs megatron-core and TE importable.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Dict
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = 989e12
@@ -38,7 +44,9 @@ BASE_ARMS = {
 }
 #: eager arms, the peer, then the compiled arms (the most asked-for first: arms past the budget are skipped)
 ARMS = list(BASE_ARMS) + ["peer-compile"] + [f"{a}-compile" for a in (
-    "bf16-params", "bf16-autocast", "fp8-te-delayed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise")]
+    "bf16-params", "bf16-autocast", "fp8-te-delayed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise")] + [
+    "peer-fp8"] + [f"peer-megatron-{full}{mode}" for full in ("", "full-")
+                   for mode in ("bf16", "fp8-delayed", "fp8-tensorwise")]
 
 
 def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gpu", tiny: bool = False) -> dict:
@@ -79,17 +87,35 @@ def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gp
                 note=(f"backend={fp8.config.backend} fp8 layers={len(fp8.converted)}" if fp8 is not None else ""))
 
 
-def run_peer(peer: Path, timeout: float) -> dict:
-    """``peer_baseline.py compile`` as a child process; its JSON line as a row."""
-    out = subprocess.run([sys.executable, str(peer), "compile"], capture_output=True, text=True, timeout=timeout)
+def run_peer(arm: str, peers: Dict[str, Path], timeout: float) -> dict:
+    """A peer arm as a child process (``peer-compile`` / ``peer-fp8``: ``peer_baseline.py compile|fp8``;
+    ``peer-megatron-[full-]<mode>``: ``peer_megatron_te.py <mode>``); its JSON line as a row."""
+    env = dict(os.environ)
+    if arm.startswith("peer-megatron-"):
+        mode = arm[len("peer-megatron-"):]
+        if mode.startswith("full-"):
+            env["FULL"], mode = "1", mode[len("full-"):]
+        cmd = [sys.executable, str(peers["megatron"]), mode]
+    else:
+        cmd = [sys.executable, str(peers["baseline"]), arm[len("peer-"):]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{") and '"name"' in line]
     if not rows:
         raise RuntimeError(f"peer printed no result (rc {out.returncode}): {out.stderr[-800:]}")
     r = rows[-1]
     if "error" in r:
         raise RuntimeError(r["error"])
-    return dict(arm="peer-compile", tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], mfu_bf16=r["mfu"],
-                peak_mem_gib=r["peak_mem_gib"], base_mem_gib=None, loss=None, note=r.get("name", ""))
+    tokens = r.get("tokens_per_s", r.get("tokens_per_s_per_gpu"))
+    return dict(arm=arm, tokens_per_s=tokens, tflops=r.get("tflops", round(PEAK * r["mfu"] / 1e12, 1)),
+                mfu_bf16=r["mfu"], peak_mem_gib=r["peak_mem_gib"], base_mem_gib=None, loss=r.get("loss"),
+                note=r.get("name", ""))
+
+
+def find_peer(root: Path, name: str) -> Path:
+    """``shared/bench/<name>`` in or beside the repository, else ``benchmarks/<name>``."""
+    candidates = [root / "shared" / "bench" / name, root.parent / "shared" / "bench" / name,
+                  root / "benchmarks" / name]
+    return next((c for c in candidates if c.exists()), candidates[-1])
 
 
 def child(name: str, args) -> None:
@@ -131,6 +157,8 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--peer", default=None, help="the plain-PyTorch peer (default: shared/bench/peer_baseline.py "
                    "in or beside the repository, else benchmarks/peer_baseline.py, the same file)")
+    p.add_argument("--peer-megatron", default=None, help="the Megatron-Core + TE peer (default: "
+                   "shared/bench/peer_megatron_te.py in or beside the repository)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)   # cpu + --tiny: a smoke run of the script
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -142,10 +170,8 @@ def main() -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {ARMS}")
-    if args.peer is None:
-        candidates = [ROOT / "shared" / "bench" / "peer_baseline.py", ROOT.parent / "shared" / "bench" /
-                      "peer_baseline.py", ROOT / "benchmarks" / "peer_baseline.py"]
-        args.peer = str(next((c for c in candidates if c.exists()), candidates[-1]))
+    peers = {"baseline": Path(args.peer) if args.peer else find_peer(ROOT, "peer_baseline.py"),
+             "megatron": Path(args.peer_megatron) if args.peer_megatron else find_peer(ROOT, "peer_megatron_te.py")}
     start, rows = time.perf_counter(), []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
     for arm in arms:
@@ -156,8 +182,8 @@ def main() -> None:
         left = max(30.0, min(args.arm_timeout_s, args.budget_s + 60 - elapsed))
         print(f"== {arm} (t={elapsed:.0f}s, limit {left:.0f}s)", flush=True)
         try:
-            if arm == "peer-compile":
-                row = run_peer(Path(args.peer), left)
+            if arm.startswith("peer-"):
+                row = run_peer(arm, peers, left)
             else:
                 out = subprocess.run([sys.executable, __file__, "--child", arm, "--warmup", str(args.warmup),
                                       "--timed", str(args.timed), "--mbs", str(args.mbs),
@@ -174,7 +200,7 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - start - elapsed, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\npeer: {args.peer}; seq 2048, micro-batch {args.mbs}, {args.warmup} warm-up + {args.timed} timed steps, 1 {args.accelerator.upper()}; "
+    print(f"\npeers: {peers['baseline']}, {peers['megatron']}; seq 2048, micro-batch {args.mbs}, {args.warmup} warm-up + {args.timed} timed steps, 1 {args.accelerator.upper()}; "
           f"total {time.perf_counter() - start:.0f} s\n", flush=True)
     print(table(rows), flush=True)
 

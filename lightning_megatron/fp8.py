@@ -417,12 +417,17 @@ def transformer_engine_recipe(config: Float8Config) -> Any:
 class TransformerEngineGemm:
     """A layer's local GEMM through Transformer Engine's ``te.Linear`` (no bias, ``parallel_mode=None``: the
     layer's own tensor-parallel communication stays around it), which uses the layer's weight parameter.
-    Runs in FP8 inside ``te.fp8_autocast`` (the precision plugin's forward context)."""
+    Runs in FP8 inside ``te.fp8_autocast`` (the precision plugin's forward context).
+
+    Under ``MegatronStrategy(compile=True)`` the call is left out of the compiled graph (``torch.compiler.disable``):
+    dynamo cannot trace TE's modules (torch 2.11 fails guarding them), so a compiled layer runs its norms, rotary
+    embedding, attention and activation as compiled graphs between TE's own FP8 GEMMs."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         self.in_features, self.out_features = in_features, out_features
         self._linear: Optional[nn.Module] = None
 
+    @torch.compiler.disable
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         if self._linear is None:
             te = import_transformer_engine()
