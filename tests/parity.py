@@ -378,19 +378,20 @@ class InitialState(pl.Callback):
 
 def plugin_layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any],
                       precision: Dict[str, Any], samples, micro_batch: int, accumulate: int, clip: Optional[float],
-                      steps: int) -> Dict[str, Any]:
+                      steps: int, accelerator: str = "cpu") -> Dict[str, Any]:
     """One rank of a ``steps``-step AdamW run under ``MegatronStrategy(**strategy_kwargs)`` with
-    ``MegatronPrecision(**precision)``: the loss of each step and (rank 0) the full ``initial`` and ``final``
-    states, on the CPU. ``world=1`` with ``strategy_kwargs={}`` is the one-process reference of runs whose numerics
-    the plain loop of :func:`reference_loop` does not reproduce (FP8, fp16)."""
+    ``MegatronPrecision(**precision)`` on ``accelerator`` (``"gpu"``: one GPU per rank, NCCL): the loss of each step
+    and (rank 0) the full ``initial`` and ``final`` states, on the CPU. ``world=1`` with ``strategy_kwargs={}`` is
+    the one-process reference of runs whose numerics the plain loop of :func:`reference_loop` does not reproduce
+    (FP8, fp16)."""
     from lightning_megatron import MegatronPrecision
 
     pl.seed_everything(SEED, verbose=False)
     module = new_module(cfg, steps)
     recorder, initial = StepLossRecorder(accumulate), InitialState()
-    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, callbacks=[recorder, initial],
-                          plugins=[MegatronPrecision(**precision)], gradient_clip_val=clip,
-                          accumulate_grad_batches=accumulate)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, accelerator=accelerator,
+                          callbacks=[recorder, initial], plugins=[MegatronPrecision(**precision)],
+                          gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch, shuffle=False))
     final = trainer.strategy.lightning_module_state_dict()
     fp8 = trainer.strategy.parallelized.fp8
