@@ -38,8 +38,8 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_megatro
 def _context() -> Any:
     """The ``forkserver`` context with :data:`PRELOAD` (takes effect when the server starts, at the first run); on a
     machine with CUDA the ``spawn`` context (a process forked after anything touched the CUDA driver cannot use it,
-    and the GPU tier's runs are few)."""
-    if torch.cuda.is_available():
+    and the GPU tier's runs are few) or where there is no fork server (Windows)."""
+    if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
