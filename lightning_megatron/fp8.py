@@ -417,7 +417,7 @@ def transformer_engine_recipe(config: Float8Config) -> Any:
 class TransformerEngineGemm:
     """A layer's local GEMM through Transformer Engine's ``te.Linear`` (no bias, ``parallel_mode=None``: the
     layer's own tensor-parallel communication stays around it), which uses the layer's weight parameter.
-    Runs in FP8 inside ``te.fp8_autocast`` (the precision plugin's forward context).
+    Runs in FP8 inside TE's autocast (the precision plugin's forward context).
 
     Under ``MegatronStrategy(compile=True)`` the call is left out of the compiled graph (``torch.compiler.disable``):
     dynamo cannot trace TE's modules (torch 2.11 fails guarding them), so a compiled layer runs its norms, rotary
@@ -440,14 +440,14 @@ class TransformerEngineGemm:
 
 
 def transformer_engine_context(config: Float8Config, amax_group: Any = None) -> Callable[[], ContextManager]:
-    """Context factory entering ``te.fp8_autocast`` with ``config``'s recipe, amaxes reduced over ``amax_group``."""
+    """Context factory entering Transformer Engine's autocast with ``config``'s recipe, amaxes reduced over
+    ``amax_group``: ``te.autocast`` where TE has it (``fp8_autocast`` is its deprecated wrapper, warning at every
+    forward), else ``te.fp8_autocast`` (older TE)."""
     te = import_transformer_engine()
     recipe = transformer_engine_recipe(config)
-
-    def context() -> ContextManager:
-        return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)
-
-    return context
+    if hasattr(te, "autocast"):
+        return lambda: te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -673,7 +673,7 @@ def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any
 
 
 def fp8_forward_context(config: Optional[Float8Config], amax_group: Any = None) -> Callable[[], ContextManager]:
-    """The context FP8 GEMMs need around forward: ``te.fp8_autocast`` for the TE backend, nothing for torch's."""
+    """The context FP8 GEMMs need around forward: TE's autocast for the TE backend, nothing for torch's."""
     if config is None or config.backend != "te":
         return contextlib.nullcontext
     return transformer_engine_context(config, amax_group)

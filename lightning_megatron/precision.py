@@ -218,7 +218,7 @@ class MegatronPrecision(MixedPrecision):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast (bf16 / fp16; none for fp32), and ``te.fp8_autocast`` with the Transformer Engine backend."""
+        """Autocast (bf16 / fp16; none for fp32), and Transformer Engine's autocast with its backend."""
         with self.autocast_context_manager(), self._fp8_context():
             yield
 
