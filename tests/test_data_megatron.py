@@ -556,12 +556,12 @@ def test_resume_gives_next_unseen_sample_simulated(tmp_path: Path) -> None:
         return [b["tokens"] for b in dm.train_dataloader()]
 
     for rank in range(dp):
-        full_dm = datamodule(prefix, tmp_path, global_batch_size=gbs)
+        full_dm = datamodule(prefix, tmp_path, micro_batch_size=micro, global_batch_size=gbs)
         full_dm.trainer = fake_trainer(dp, rank, accumulate=2)
         full_dm.setup("fit")
         full = batches(rank, full_dm)
         for k_steps in (1, 4):
-            dm = datamodule(prefix, tmp_path, global_batch_size=gbs)
+            dm = datamodule(prefix, tmp_path, micro_batch_size=micro, global_batch_size=gbs)
             dm.trainer = fake_trainer(dp, rank, accumulate=2, global_step=0)
             dm.setup("fit")
             it = iter(dm.train_dataloader())
@@ -570,7 +570,7 @@ def test_resume_gives_next_unseen_sample_simulated(tmp_path: Path) -> None:
             dm.trainer.global_step = k_steps  # the optimizer stepped k times
             state = dm.state_dict()
             assert state["consumed_samples"] == k_steps * gbs
-            resumed = datamodule(prefix, tmp_path, global_batch_size=gbs)
+            resumed = datamodule(prefix, tmp_path, micro_batch_size=micro, global_batch_size=gbs)
             resumed.trainer = fake_trainer(dp, rank, accumulate=2, global_step=k_steps)
             resumed.setup("fit")
             resumed.load_state_dict(state)
