@@ -441,8 +441,8 @@ class TransformerEngineGemm:
 
 def transformer_engine_context(config: Float8Config, amax_group: Any = None) -> Callable[[], ContextManager]:
     """Context factory entering Transformer Engine's autocast with ``config``'s recipe, amaxes reduced over
-    ``amax_group``: ``te.autocast`` where TE has it (``fp8_autocast`` is its deprecated wrapper, warning at every
-    forward), else ``te.fp8_autocast`` (older TE)."""
+    ``amax_group``: ``te.autocast`` where TE has it (``fp8_autocast`` is its deprecated wrapper, one
+    ``DeprecationWarning`` per call), else ``te.fp8_autocast`` (older TE)."""
     te = import_transformer_engine()
     recipe = transformer_engine_recipe(config)
     if hasattr(te, "autocast"):
