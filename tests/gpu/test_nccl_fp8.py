@@ -26,9 +26,9 @@ def test_tp2_sp_fp8_on_two_gpus_matches_tp1_fp8(recipe, measured):
     cfg = tiny_config(num_query_groups=4)
     precision = dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe=recipe, fp8_backend="torch")
     samples = make_samples(cfg, STEPS * MICRO_BATCH)
-    args = (cfg, precision, samples, MICRO_BATCH, 1, None, STEPS, "gpu")
-    one = run_distributed(run_plugin_cases, 1, [("tp1", (cfg, {}) + args[1:])])[0]["tp1"]
-    two = run_distributed(run_plugin_cases, 2, [("tp2", (cfg, dict(tp=2, sequence_parallel=True)) + args[1:])])
+    run = (precision, samples, MICRO_BATCH, 1, None, STEPS, "gpu")   # plugin_layout_run's arguments after the layout
+    one = run_distributed(run_plugin_cases, 1, [("tp1", (cfg, {}) + run)])[0]["tp1"]
+    two = run_distributed(run_plugin_cases, 2, [("tp2", (cfg, dict(tp=2, sequence_parallel=True)) + run)])
     for rank_result in two:
         assert not isinstance(rank_result["tp2"], str), rank_result["tp2"]
     assert not isinstance(one, str), one
