@@ -42,6 +42,7 @@ _EXPORTS: Dict[str, str] = {
     "ParallelizedModel": "lightning_megatron.parallelize",
     "MegatronStrategy": "lightning_megatron.strategy",
     "MegatronPrecision": "lightning_megatron.precision",
+    "PrecisionAwareAdamW": "lightning_megatron.optim",
     "MFUMonitor": "lightning_megatron.callbacks",
     "LossCurve": "lightning_megatron.callbacks",
     "num_floating_point_operations": "lightning_megatron.callbacks",

@@ -85,13 +85,20 @@ class AdamWGPTModule(ParallelGPTModule):
         return conf
 
 
+#: ``ParallelGPTModule`` arguments of the precision-aware optimizer with both moments in bf16
+BF16_MOMENTS = dict(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+
+
 def new_module(cfg: GPTConfig, steps: int, adamw: Optional[str] = None) -> ParallelGPTModule:
-    """The parity tests' module; ``adamw`` ("fused" or "foreach"): :class:`AdamWGPTModule` with that AdamW."""
+    """The parity tests' module; ``adamw`` ("fused" or "foreach"): :class:`AdamWGPTModule` with that AdamW,
+    ``"bf16_moments"``: the precision-aware AdamW with bf16 moments (:data:`BF16_MOMENTS`)."""
     kwargs = dict(lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
+    if adamw == "bf16_moments":
+        return ParallelGPTModule(cfg, **kwargs, **BF16_MOMENTS)
     if adamw is None:
         return ParallelGPTModule(cfg, **kwargs)
     if adamw not in ("fused", "foreach"):
-        raise ValueError(f"adamw={adamw!r} must be 'fused' or 'foreach'")
+        raise ValueError(f"adamw={adamw!r} must be 'fused', 'foreach' or 'bf16_moments'")
     module = AdamWGPTModule(cfg, **kwargs)
     module.adamw = adamw
     return module
@@ -378,16 +385,16 @@ class InitialState(pl.Callback):
 
 def plugin_layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any],
                       precision: Dict[str, Any], samples, micro_batch: int, accumulate: int, clip: Optional[float],
-                      steps: int, accelerator: str = "cpu") -> Dict[str, Any]:
+                      steps: int, accelerator: str = "cpu", adamw: Optional[str] = None) -> Dict[str, Any]:
     """One rank of a ``steps``-step AdamW run under ``MegatronStrategy(**strategy_kwargs)`` with
     ``MegatronPrecision(**precision)`` on ``accelerator`` (``"gpu"``: one GPU per rank, NCCL): the loss of each step
     and (rank 0) the full ``initial`` and ``final`` states, on the CPU. ``world=1`` with ``strategy_kwargs={}`` is
     the one-process reference of runs whose numerics the plain loop of :func:`reference_loop` does not reproduce
-    (FP8, fp16)."""
+    (FP8, fp16). ``adamw``: the optimizer kind (:func:`new_module`)."""
     from lightning_megatron import MegatronPrecision
 
     pl.seed_everything(SEED, verbose=False)
-    module = new_module(cfg, steps)
+    module = new_module(cfg, steps, adamw)
     recorder, initial = StepLossRecorder(accumulate), InitialState()
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), steps, accelerator=accelerator,
                           callbacks=[recorder, initial], plugins=[MegatronPrecision(**precision)],

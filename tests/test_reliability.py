@@ -150,6 +150,8 @@ def _case(rank, world, kind, arg):
         return _skip_run(rank, world, arg)
     if kind == "skip_fused":
         return _skip_run(rank, world, arg, adamw="fused")
+    if kind == "skip_bf16_moments":
+        return _skip_run(rank, world, arg, adamw="bf16_moments")
     return _save_after_poison(rank, world, True, arg, ckpt_format="torch_dist")
 
 
@@ -158,10 +160,12 @@ def test_skip_mode_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     gradient check; with clipping: the global norm): both ranks drop that step (the weights after it equal those
     before), count and log it, and train on with finite weights to the end. Non-finite weights are still refused
     a checkpoint, a sharded one too (nothing is written, not even a temporary directory). The same with a fused
-    AdamW, whose checks are decided on the device (the optimizer skips the update, the host learns it a step later)."""
+    AdamW, whose checks are decided on the device (the optimizer skips the update, the host learns it a step later),
+    and with the precision-aware AdamW (bf16 moments), which skips on the device too."""
     path = tmp_path / "bad.ckpt"
     cases = [("no_clip", ("skip", None)), ("clip", ("skip", 1.0)), ("fused_no_clip", ("skip_fused", None)),
-             ("fused_clip", ("skip_fused", 1.0)), ("refuse", ("refuse", str(path)))]
+             ("fused_clip", ("skip_fused", 1.0)), ("bf16_moments_no_clip", ("skip_bf16_moments", None)),
+             ("refuse", ("refuse", str(path)))]
     out = run_distributed(run_each, 2, _case, cases)
     assert os.listdir(tmp_path) == []
     for rank, results in enumerate(out):

@@ -266,6 +266,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--adam-beta1", "ParallelGPTModule.adam_beta1", type=float, default=0.9)
     add_flag(g, "--adam-beta2", "ParallelGPTModule.adam_beta2", type=float, default=0.95)
     add_flag(g, "--adam-eps", "ParallelGPTModule.adam_eps", type=float, default=1e-8)
+    add_flag(g, "--use-precision-aware-optimizer",
+             ("ParallelGPTModule.exp_avg_dtype", "ParallelGPTModule.exp_avg_sq_dtype"), action="store_true",
+             help="AdamW with its moments stored in --exp-avg-dtype / --exp-avg-sq-dtype, updated in fp32 "
+                  "(PrecisionAwareAdamW)")
+    add_flag(g, "--exp-avg-dtype", "ParallelGPTModule.exp_avg_dtype", choices=("fp32", "bf16"), default=None,
+             help="with --use-precision-aware-optimizer: dtype of Adam's first moment (default fp32)")
+    add_flag(g, "--exp-avg-sq-dtype", "ParallelGPTModule.exp_avg_sq_dtype", choices=("fp32", "bf16"), default=None,
+             help="with --use-precision-aware-optimizer: dtype of Adam's second moment (default fp32)")
     add_flag(g, "--clip-grad", "Trainer.gradient_clip_val", type=float, default=1.0, help="0 disables clipping")
     add_flag(g, "--seed", ("seed_everything.seed", "GPTDataModule.seed"), type=int, default=1234)
     add_flag(g, "--eval-interval", "Trainer.val_check_interval", type=int, default=100,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -15,6 +15,7 @@ from lightning_megatron.models.generation import check_sampling, generate_tokens
 from lightning_megatron.models.kv_cache import KVCache
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
+from lightning_megatron.optim import PrecisionAwareAdamW, optimizer_state_dtype, optimizer_state_dtype_name
 from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
 from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -109,7 +110,9 @@ class ParallelGPTModule(pl.LightningModule):
     of the global micro-batch, and ``train_loss`` / ``val_loss`` are the same value on every rank.
 
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
-    no weight decay on norms and biases (1-D parameters); schedule: linear warmup over ``lr_warmup_iters``
+    no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments, or with
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` ``"bf16"`` Megatron's precision-aware optimizer
+    (:class:`~lightning_megatron.optim.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule: linear warmup over ``lr_warmup_iters``
     then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default ``Trainer.max_steps``). With
     ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer weights
     (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
@@ -140,6 +143,8 @@ class ParallelGPTModule(pl.LightningModule):
         lr_decay_style: str = "cosine",
         decoupled_lr: Optional[float] = None,
         decoupled_min_lr: Optional[float] = None,
+        exp_avg_dtype: Union[str, torch.dtype] = "fp32",
+        exp_avg_sq_dtype: Union[str, torch.dtype] = "fp32",
     ) -> None:
         super().__init__()
         check_optimizer_arguments(lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
@@ -153,6 +158,9 @@ class ParallelGPTModule(pl.LightningModule):
                                       weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
                                       adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
                                       lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
+        # stored by Megatron's name ("fp32" / "bf16") in the hyper-parameters
+        exp_avg_dtype = optimizer_state_dtype_name(exp_avg_dtype, "exp_avg_dtype")
+        exp_avg_sq_dtype = optimizer_state_dtype_name(exp_avg_sq_dtype, "exp_avg_sq_dtype")
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.config = config
@@ -439,8 +447,14 @@ class ParallelGPTModule(pl.LightningModule):
         if vocab:   # not on pipeline stages without the embedding / output layer
             groups.append({"params": vocab, "weight_decay": hp.weight_decay, "lr": decoupled_lr})
         on_cuda = any(p.is_cuda for p in decay)
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
-                                      fused=True if on_cuda else None)
+        moments = (optimizer_state_dtype(hp.get("exp_avg_dtype", "fp32")),
+                   optimizer_state_dtype(hp.get("exp_avg_sq_dtype", "fp32")))
+        if moments == (torch.float32, torch.float32):
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps, fused=True if on_cuda else None)
+        else:
+            optimizer = PrecisionAwareAdamW(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                                            exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1])
         decay_iters = hp.lr_decay_iters
         if decay_iters is None and self._trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
             decay_iters = self.trainer.max_steps

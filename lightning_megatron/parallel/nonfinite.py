@@ -83,12 +83,14 @@ def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[
 
 def skips_on_device(optimizer: Any) -> bool:
     """Whether ``optimizer`` skips its update on the device when ``optimizer.found_inf`` (a float tensor) is 1: torch's
-    fused optimizers (``fused=True``, e.g. ``AdamW``), which also leave their step counts unchanged then, over plain
-    (not DTensor) parameters."""
+    fused optimizers (``fused=True``, e.g. ``AdamW``) and :class:`~lightning_megatron.optim.PrecisionAwareAdamW`,
+    which also leave their step counts unchanged then, over plain (not DTensor) parameters."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_megatron.optim import PrecisionAwareAdamW
+
     if not (isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and optimizer.defaults.get("fused")):
+            and (optimizer.defaults.get("fused") or isinstance(optimizer, PrecisionAwareAdamW))):
         return False
     # FSDP's DTensor parameters would meet a plain flag tensor inside the fused kernel's dispatch
     return not any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])

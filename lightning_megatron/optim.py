@@ -1,0 +1,184 @@
+"""Megatron's precision-aware optimizer (``--use-precision-aware-optimizer``): AdamW whose moment estimates are
+stored in a narrower dtype than the fp32 main parameters they update.
+
+:class:`PrecisionAwareAdamW` keeps ``exp_avg`` (Megatron's ``--exp-avg-dtype``) and ``exp_avg_sq``
+(``--exp-avg-sq-dtype``) in ``torch.float32`` or ``torch.bfloat16`` and does the update itself in fp32: each step
+reads a moment, updates it in fp32 and stores the result rounded to its dtype. With both moments in bf16 an fp32
+parameter costs 4 bytes of optimizer state instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32
+main parameters under ``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
+
+On CUDA every tensor's update is one fused kernel (``torch.compile`` of :func:`adamw_update_`, compiled once for all
+shapes); on the CPU the same function runs eagerly. Like torch's fused optimizers it skips its update on the device
+when ``found_inf`` is set (the non-finite guard's device flag, fp16's loss scaler) and divides the gradients by
+``grad_scale`` when that is set, so it never waits for the GPU. No communication: it steps what it is given (a
+shard, under the distributed optimizer or FSDP, where it updates the local part of each ``DTensor``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
+
+#: Megatron's names for the moment dtypes this optimizer stores (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``)
+OPTIMIZER_STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def optimizer_state_dtype(value: Union[str, torch.dtype], name: str = "exp_avg_dtype") -> torch.dtype:
+    """``value`` (``"fp32"`` / ``"bf16"`` or the torch dtype) as a torch dtype; ValueError naming ``name``
+    otherwise (fp16 and fp8 moments need scaling factors that are not built)."""
+    if isinstance(value, str) and value in OPTIMIZER_STATE_DTYPES:
+        return OPTIMIZER_STATE_DTYPES[value]
+    if isinstance(value, torch.dtype) and value in OPTIMIZER_STATE_DTYPES.values():
+        return value
+    raise ValueError(f"{name}={value!r}: the moments are stored in 'fp32' (torch.float32) or 'bf16' "
+                     "(torch.bfloat16); Megatron's fp16 / fp8 moments (scaled by per-tensor factors) are not built")
+
+
+def optimizer_state_dtype_name(value: Union[str, torch.dtype], name: str = "exp_avg_dtype") -> str:
+    """Megatron's name (``"fp32"`` / ``"bf16"``) of the moment dtype ``value`` (validated as
+    :func:`optimizer_state_dtype`)."""
+    dtype = optimizer_state_dtype(value, name)
+    return next(k for k, v in OPTIMIZER_STATE_DTYPES.items() if v == dtype)
+
+
+def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: Optional[Tensor] = None,
+                  found_inf: Optional[Tensor] = None) -> None:
+    """One AdamW step of one tensor, in place, computed in fp32 whatever the dtypes the tensors are stored in.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: tensors of one shape (any dtypes; the moments are rounded to theirs).
+        step: 0-d fp32 tensor, the step count including this step (bias corrections ``1 - beta ** step``).
+        lr, beta1, beta2, eps, weight_decay: AdamW's (decoupled weight decay ``param *= 1 - lr * weight_decay``).
+        grad_scale: 0-d tensor the gradient is divided by, or None.
+        found_inf: 0-d tensor; where it is > 0 nothing changes (the update is computed and discarded), or None.
+    """
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale
+    m_old, v_old, p_old = exp_avg.float(), exp_avg_sq.float(), param.float()
+    m = m_old.lerp(g, 1 - beta1)
+    v = v_old * beta2 + (1 - beta2) * g * g
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    p = p_old * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
+    if found_inf is not None:
+        skip = found_inf > 0
+        p, m, v = torch.where(skip, p_old, p), torch.where(skip, m_old, m), torch.where(skip, v_old, v)
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
+class PrecisionAwareAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch's and Megatron's formula) with its moments stored in
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and the update computed in fp32 (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups (fp32 parameters: the main parameters).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        exp_avg_dtype, exp_avg_sq_dtype: ``torch.float32`` / ``"fp32"`` or ``torch.bfloat16`` / ``"bf16"``
+            (Megatron's ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``); also per parameter group.
+
+    State per parameter: ``step`` (0-d fp32 on the parameter's device, as torch's fused AdamW), ``exp_avg`` and
+    ``exp_avg_sq`` (the parameter's shape, in their dtypes), so its state dicts load into ``torch.optim.AdamW`` and
+    back (loading casts the moments to this optimizer's dtypes).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 exp_avg_dtype: Union[str, torch.dtype] = torch.float32,
+                 exp_avg_sq_dtype: Union[str, torch.dtype] = torch.float32) -> None:
+        if isinstance(lr, Tensor) or not lr >= 0:
+            raise ValueError(f"PrecisionAwareAdamW(lr={lr!r}) must be a float >= 0")
+        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"PrecisionAwareAdamW(betas={betas!r}) must be two floats in [0, 1)")
+        if not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"PrecisionAwareAdamW(eps={eps!r}, weight_decay={weight_decay!r}) must be >= 0")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        exp_avg_dtype=optimizer_state_dtype(exp_avg_dtype, "exp_avg_dtype"),
+                        exp_avg_sq_dtype=optimizer_state_dtype(exp_avg_sq_dtype, "exp_avg_sq_dtype"))
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            group["exp_avg_dtype"] = optimizer_state_dtype(group["exp_avg_dtype"], "exp_avg_dtype")
+            group["exp_avg_sq_dtype"] = optimizer_state_dtype(group["exp_avg_sq_dtype"], "exp_avg_sq_dtype")
+            for p in group["params"]:
+                if not p.is_floating_point():
+                    raise ValueError(f"PrecisionAwareAdamW: a parameter of dtype {p.dtype} is not floating point")
+        # it reads ``grad_scale`` / ``found_inf`` itself (torch.amp.GradScaler and the non-finite guard hand them over)
+        self._step_supports_amp_scaling = True
+        self._compiled: Optional[Callable[..., None]] = None
+
+    def _update_fn(self, device: torch.device) -> Callable[..., None]:
+        """The per-tensor update: compiled once (all shapes) for CUDA, eager elsewhere."""
+        if device.type != "cuda":
+            return adamw_update_
+        if self._compiled is None:
+            self._compiled = torch.compile(adamw_update_, dynamic=True, fullgraph=True)
+        return self._compiled
+
+    def _init_state(self, p: Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        from lightning_megatron.parallel.fsdp import local_tensor
+
+        state = self.state[p]
+        if not state:
+            local = local_tensor(p)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
+                                                   memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`); returns the closure's
+        value. Reads ``self.grad_scale`` and ``self.found_inf`` when set (0-d tensors)."""
+        from lightning_megatron.parallel.fsdp import local_tensor
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
+        found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
+                state = self._init_state(p, group)
+                local = local_tensor(p)
+                step = state["step"]
+                flag = found_inf.to(step.device) if found_inf is not None else None
+                step.add_(1 if flag is None else 1 - flag)
+                update = self._update_fn(local.device)
+                update(local.view(-1), local_tensor(p.grad).view(-1), local_tensor(state["exp_avg"]).view(-1),
+                       local_tensor(state["exp_avg_sq"]).view(-1), step, float(group["lr"]), float(beta1),
+                       float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                       grad_scale.to(step.device) if grad_scale is not None else None, flag)
+        return loss
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's loading (which casts the moments to the parameters' dtype), then the moments back to this
+        optimizer's dtypes and ``step`` to an fp32 tensor on the parameter's device."""
+        from lightning_megatron.parallel.fsdp import local_tensor
+
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["exp_avg_dtype"] = optimizer_state_dtype(group.get("exp_avg_dtype", torch.float32), "exp_avg_dtype")
+            group["exp_avg_sq_dtype"] = optimizer_state_dtype(group.get("exp_avg_sq_dtype", torch.float32),
+                                                              "exp_avg_sq_dtype")
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(local_tensor(p).device)
+                for key, dtype in (("exp_avg", group["exp_avg_dtype"]), ("exp_avg_sq", group["exp_avg_sq_dtype"])):
+                    if key in state:
+                        state[key] = state[key].to(dtype)
