@@ -7,15 +7,16 @@ reads a moment, updates it in fp32 and stores the result rounded to its dtype. W
 parameter costs 4 bytes of optimizer state instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32
 main parameters under ``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
 
-On CUDA every tensor's update is one fused kernel (``torch.compile`` of :func:`adamw_update_`, compiled once for all
-shapes); on the CPU the same function runs eagerly. Like torch's fused optimizers it skips its update on the device
+On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
+compiled once for all shapes and hyper-parameter values: one fused kernel per tensor); on the CPU the same function
+runs eagerly. Like torch's fused optimizers it skips its update on the device
 when ``found_inf`` is set (the non-finite guard's device flag, fp16's loss scaler) and divides the gradients by
 ``grad_scale`` when that is set, so it never waits for the GPU. No communication: it steps what it is given (a
 shard, under the distributed optimizer or FSDP, where it updates the local part of each ``DTensor``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -74,6 +75,17 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     exp_avg_sq.copy_(v)
 
 
+def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                        steps: List[Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), each after
+    adding one to its ``steps`` entry (nothing where ``found_inf`` is > 0)."""
+    for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step.add_(1 if found_inf is None else 1 - (found_inf > 0).float())
+        adamw_update_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                      found_inf)
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's and Megatron's formula) with its moments stored in
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and the update computed in fp32 (see the module docstring).
@@ -114,11 +126,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._compiled: Optional[Callable[..., None]] = None
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
-        """The per-tensor update: compiled once (all shapes) for CUDA, eager elsewhere."""
+        """The update of a list of tensors: compiled once (all shapes, any hyper-parameter values) for CUDA, eager
+        elsewhere."""
         if device.type != "cuda":
-            return adamw_update_
+            return adamw_multi_update_
         if self._compiled is None:
-            self._compiled = torch.compile(adamw_update_, dynamic=True, fullgraph=True)
+            self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True)
         return self._compiled
 
     def _init_state(self, p: Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
@@ -135,8 +148,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`); returns the closure's
-        value. Reads ``self.grad_scale`` and ``self.found_inf`` when set (0-d tensors)."""
+        """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`): one call of the update per
+        parameter group and device. Returns the closure's value. Reads ``self.grad_scale`` and ``self.found_inf``
+        when set (0-d tensors)."""
         from lightning_megatron.parallel.fsdp import local_tensor
 
         loss = None
@@ -147,6 +161,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            lists: Dict[torch.device, Tuple[List[Tensor], ...]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -154,14 +169,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
                 state = self._init_state(p, group)
                 local = local_tensor(p)
-                step = state["step"]
-                flag = found_inf.to(step.device) if found_inf is not None else None
-                step.add_(1 if flag is None else 1 - flag)
-                update = self._update_fn(local.device)
-                update(local.view(-1), local_tensor(p.grad).view(-1), local_tensor(state["exp_avg"]).view(-1),
-                       local_tensor(state["exp_avg_sq"]).view(-1), step, float(group["lr"]), float(beta1),
-                       float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                       grad_scale.to(step.device) if grad_scale is not None else None, flag)
+                per_device = lists.setdefault(local.device, ([], [], [], [], []))
+                for out, t in zip(per_device, (local, local_tensor(p.grad), local_tensor(state["exp_avg"]),
+                                               local_tensor(state["exp_avg_sq"]))):
+                    out.append(t.view(-1))
+                per_device[4].append(state["step"])
+            for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+                self._update_fn(device)(
+                    params, grads, exp_avgs, exp_avg_sqs, steps, float(group["lr"]), float(beta1), float(beta2),
+                    float(group["eps"]), float(group["weight_decay"]),
+                    grad_scale.to(device) if grad_scale is not None else None,
+                    found_inf.to(device) if found_inf is not None else None)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
