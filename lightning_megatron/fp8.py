@@ -90,6 +90,11 @@ class Float8Config:
             :meth:`resolve_backend`.
         first_last_layers_bf16: keep the first ``num_layers_at_start_in_bf16`` and the last
             ``num_layers_at_end_in_bf16`` transformer layers out of FP8 (Megatron's ``--first-last-layers-bf16``).
+        sequence_parallel_gather: under sequence parallelism, all-gather the input of a column-parallel layer in
+            FP8 (1 byte per element instead of 2) instead of gathering it in bf16 and casting after (the result is
+            the same, bit for bit). None (default): with the delayed recipe, whose scale is known before the
+            gather; True also with ``"tensorwise"`` (one more all-reduce of the input's amax over tp per layer).
+            Torch backend only.
     """
 
     fp8_format: str = "hybrid"
@@ -101,6 +106,7 @@ class Float8Config:
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    sequence_parallel_gather: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check_choice("fp8", self.fp8_format, FP8_FORMATS)
@@ -135,6 +141,13 @@ class Float8Config:
             raise ValueError("fp8_recipe='mxfp8' needs fp8_backend='te' (Transformer Engine) and a GPU with compute "
                              "capability >= 10.0 (Blackwell); the torch backend offers 'tensorwise', 'rowwise' and "
                              "'delayed'")
+        if self.sequence_parallel_gather not in (None, True, False):
+            raise ValueError(f"fp8_sequence_parallel_gather={self.sequence_parallel_gather!r} must be None (auto), "
+                             "True or False")
+        if self.sequence_parallel_gather and (self.recipe not in ("delayed", "tensorwise") or self.backend == "te"):
+            raise ValueError(f"fp8_sequence_parallel_gather=True with fp8_recipe={self.recipe!r}, "
+                             f"fp8_backend={self.backend!r}: the FP8 all-gather of the sequence-parallel input is the "
+                             "torch backend's, with one scale per tensor ('delayed' or 'tensorwise'); drop it")
         if self.recipe == "rowwise" and self.backend == "te":
             raise ValueError("fp8_recipe='rowwise' is the torch backend's (fp8_backend='torch'); Transformer Engine "
                              "offers 'delayed', 'tensorwise' (current scaling) and 'mxfp8'")
@@ -160,7 +173,19 @@ class Float8Config:
         if backend == "te" and device.type != "cuda":
             raise ValueError(f"fp8_backend='te': Transformer Engine runs on CUDA GPUs only, this run is on "
                              f"{device.type!r}; use fp8_backend='torch' (torch._scaled_mm also runs on CPU)")
+        if backend == "te" and self.sequence_parallel_gather:
+            raise ValueError("fp8_sequence_parallel_gather=True: the FP8 all-gather of the sequence-parallel input is "
+                             "the torch backend's, and fp8_backend='auto' chose Transformer Engine here; pass "
+                             "fp8_backend='torch' or drop it")
         return self if backend == self.backend else _replace(self, backend=backend)
+
+    @property
+    def gathers_in_fp8(self) -> bool:
+        """Whether a column-parallel layer under sequence parallelism all-gathers its input in FP8
+        (``sequence_parallel_gather`` resolved: None means the delayed recipe on the torch backend)."""
+        if self.backend == "te" or self.recipe not in ("delayed", "tensorwise"):
+            return False
+        return self.recipe == "delayed" if self.sequence_parallel_gather is None else self.sequence_parallel_gather
 
     def layers_in_bf16(self, num_layers: int) -> List[int]:
         """Global indices of the transformer layers kept out of FP8 (``first_last_layers_bf16``)."""
@@ -251,6 +276,8 @@ class Float8Gemm:
         self.amax_groups = [g for g in amax_groups if group_size(g) > 1]
         self.history: Optional[Tensor] = None       # [3, L]; None until the first end_step
         self.records: Tuple[List[Tensor], ...] = ([], [], [])   # per kind: current amax of each use since end_step
+        #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
+        self.fp8_gathers = 0
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -261,11 +288,30 @@ class Float8Gemm:
             y = y + bias.to(y.dtype)
         return y
 
-    def tensor_scale(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool) -> Tensor:
+    def sequence_parallel(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Any) -> Tensor:
+        """``all_gather(x) @ weight^T + bias`` for a column-parallel layer under sequence parallelism: ``x``
+        ``[s/tp, b, in]`` is cast to FP8 with the whole input's scale and all-gathered over ``group`` (tp) in FP8,
+        ``-> [s, b, out/tp]``; the input gradient is reduce-scattered over ``group`` in the compute dtype. Equal to
+        gathering in bf16 and calling this GEMM (``config.gathers_in_fp8`` decides which a layer does)."""
+        record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        out_dtype = compute_dtype(x)
+        self.fp8_gathers += 1
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Float8SequenceParallelLinearFn.apply(x, weight, self, out_dtype, record, group)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y
+
+    def tensor_scale(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool,
+                     shard_group: Optional[Any] = None) -> Tensor:
         """Scale (0-dim fp32) for quantising tensor ``t`` of ``kind`` (0 input, 1 weight, 2 output gradient);
-        ``record``: a training use (its amax joins the step's record)."""
+        ``record``: a training use (its amax joins the step's record). ``shard_group``: ``t`` is this rank's part of
+        a tensor split over that group, and the scale is the whole tensor's, the same on every rank of it (where the
+        scale comes from the current amax, that amax is all-reduced (max) over the group: one collective)."""
         cfg = self.config
         current = t.detach().abs().amax().float()
+        if shard_group is not None and group_size(shard_group) > 1 and (cfg.recipe != "delayed" or self.history is None):
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=shard_group)
         if cfg.recipe != "delayed":
             return scale_from_amax(current, dtype, cfg.margin)
         if record:
@@ -366,6 +412,49 @@ class _Float8LinearFn(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None
+
+
+class _Float8SequenceParallelLinearFn(torch.autograd.Function):
+    """``all_gather(x) @ W^T`` with the sequence-parallel input gathered in FP8 and all three GEMMs in FP8 (one scale
+    per tensor: tensorwise or delayed); :meth:`Float8Gemm.sequence_parallel`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, gemm: Float8Gemm, out_dtype: torch.dtype, record: bool,
+                group: Any) -> Tensor:
+        from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_dim0
+
+        fwd = gemm.config.forward_dtype
+        size = group_size(group)
+        x2 = x.reshape(-1, x.shape[-1])
+        sx = gemm.tensor_scale(_INPUT, x2, fwd, record, shard_group=group)
+        xq = all_gather_dim0(quantize(x2, sx, fwd).view(torch.uint8), group).view(fwd)   # [s * b, in]
+        sw = gemm.tensor_scale(_WEIGHT, weight, fwd, record)
+        wq = quantize(weight, sw, fwd)
+        y = _scaled_mm(xq, wq.t(), sx, sw, out_dtype)
+        ctx.gemm, ctx.out_dtype, ctx.record, ctx.group = gemm, out_dtype, record, group
+        ctx.x_shape = (x.shape[0] * size,) + tuple(x.shape[1:])
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.save_for_backward(xq, wq, sx, sw)
+        return y.view(*ctx.x_shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        from lightning_megatron.parallel.tensor_parallel.mappings import reduce_scatter_dim0
+
+        gemm: Float8Gemm = ctx.gemm
+        bwd = gemm.config.grad_dtype
+        xq, wq, sx, sw = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
+        gq = quantize(g2, sg, bwd)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            total = _scaled_mm(gq, _col_major(wq), sg, sw, ctx.out_dtype).view(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = reduce_scatter_dim0(total, ctx.group)
+        if ctx.needs_input_grad[1]:
+            grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), ctx.out_dtype)
+            grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------- Transformer Engine

@@ -351,6 +351,13 @@ LAYOUTS = {  # name: (strategy kwargs, model, micro-batch) with the global batch
     "ep2": (dict(ep=2), "moe", 2),
     "dp2": (dict(), "dense", 2),
 }
+#: tp2+SP with the input of column-parallel layers all-gathered in bf16 instead of FP8 (the delayed recipe's
+#: default), and the tensorwise recipe gathering each way: (precision options, the run it must equal bit for bit)
+SP_GATHER = {
+    "tp2-sp-bf16-gather": (dict(FP8_32, fp8_sequence_parallel_gather=False), "tp2-sp"),
+    "tp2-sp-tensorwise-bf16-gather": (dict(FP8_32, fp8_recipe="tensorwise"), "tp2-sp-tensorwise-fp8-gather"),
+    "tp2-sp-tensorwise-fp8-gather": (dict(FP8_32, fp8_recipe="tensorwise", fp8_sequence_parallel_gather=True), None),
+}
 
 
 @lru_cache(maxsize=None)
@@ -361,7 +368,31 @@ def _layout_results() -> Dict[str, Any]:
         cfg = tiny_config() if model == "dense" else _moe_config()
         cases.append((name, (cfg, kwargs, FP8_32, make_samples(cfg, STEPS * ACCUMULATE * GLOBAL_BATCH), micro,
                              ACCUMULATE, None, STEPS)))
+    cfg = tiny_config()
+    for name, (precision, _) in SP_GATHER.items():
+        cases.append((name, (cfg, LAYOUTS["tp2-sp"][0], precision, make_samples(cfg, STEPS * ACCUMULATE * GLOBAL_BATCH),
+                             LAYOUTS["tp2-sp"][2], ACCUMULATE, None, STEPS)))
     return run_distributed(run_plugin_cases, 2, cases)[0]
+
+
+@pytest.mark.parametrize("run", [name for name, (_, twin) in SP_GATHER.items() if twin])
+def test_fp8_all_gather_of_the_sequence_parallel_input_equals_the_bf16_gather(run):
+    """tp2+SP, 4 steps: the input of the column-parallel layers all-gathered in FP8 (cast with the whole input's
+    scale, then gathered: half the bytes) gives the same losses and final weights, bit for bit, as gathering in bf16
+    and casting after, for the delayed recipe (its default: the scale is known before the gather) and for tensorwise
+    (opted in: the amax is all-reduced over tp first). The FP8 path ran (its gather count) and the bf16 path did
+    not."""
+    results = _layout_results()
+    twin = SP_GATHER[run][1]
+    bf16, fp8 = results[run], results[twin]
+    assert not isinstance(bf16, str), bf16
+    assert not isinstance(fp8, str), fp8
+    # forward calls of the 2 column-parallel layers (qkv, fc1) of the 2 layers, 2 micro-batches x 4 steps, per rank
+    assert bf16["fp8_gathers"] == 0 and fp8["fp8_gathers"] == 2 * 2 * ACCUMULATE * STEPS, (bf16["fp8_gathers"],
+                                                                                          fp8["fp8_gathers"])
+    assert bf16["losses"] == fp8["losses"]
+    for k, v in fp8["final"].items():
+        assert torch.equal(v, bf16["final"][k]), k
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -387,3 +418,21 @@ def test_fp8_layout_matches_one_process_fp8(layout):
         assert converted == [n for n in ref["fp8_converted"] if ".layers.0." in n]
     else:
         assert converted == ref["fp8_converted"]
+
+
+def test_sequence_parallel_gather_option_is_validated():
+    """The FP8 all-gather of the sequence-parallel input: on by default for the delayed recipe, an opt-in for
+    tensorwise, refused (naming the recipe / backend) where the input has no one scale per tensor or TE runs it."""
+    assert Float8Config(recipe="delayed", backend="torch").gathers_in_fp8
+    assert not Float8Config(recipe="tensorwise", backend="torch").gathers_in_fp8
+    assert Float8Config(recipe="tensorwise", backend="torch", sequence_parallel_gather=True).gathers_in_fp8
+    assert not Float8Config(recipe="delayed", backend="torch", sequence_parallel_gather=False).gathers_in_fp8
+    assert not Float8Config(recipe="rowwise", backend="torch").gathers_in_fp8
+    with pytest.raises(ValueError, match="fp8_recipe='rowwise'.*'delayed' or 'tensorwise'"):
+        MegatronPrecision(fp8="hybrid", fp8_recipe="rowwise", fp8_sequence_parallel_gather=True)
+    with pytest.raises(ValueError, match="fp8_backend='te'"):
+        MegatronPrecision(fp8="hybrid", fp8_backend="te", fp8_sequence_parallel_gather=True)
+    with pytest.raises(ValueError, match="fp8_sequence_parallel_gather=True.*sets FP8 options without fp8"):
+        MegatronPrecision(fp8_sequence_parallel_gather=True)
+    with pytest.raises(ValueError, match="must be None"):
+        Float8Config(sequence_parallel_gather="yes")

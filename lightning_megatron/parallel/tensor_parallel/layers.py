@@ -285,7 +285,10 @@ class ColumnParallelLinear(TensorParallelModule):
         w = self.weight if weight is None else weight
         if w is None:
             raise RuntimeError("ColumnParallelLinear was built with skip_weight_param_allocation: pass weight=")
-        if self.fp8_gemm is not None:   # the same collectives as mappings, around the FP8 GEMM
+        if self.fp8_gemm is not None and self.sequence_parallel and self.tp_size > 1 \
+                and getattr(getattr(self.fp8_gemm, "config", None), "gathers_in_fp8", False):
+            y = self.fp8_gemm.sequence_parallel(x, w, self.bias, self.group)   # the input gathered in FP8
+        elif self.fp8_gemm is not None:   # the same collectives as mappings, around the FP8 GEMM
             if self.tp_size > 1:
                 x = (gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel
                      else copy_to_tensor_model_parallel_region(x, self.group))
