@@ -150,7 +150,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`): one call of the update per
         parameter group and device. Returns the closure's value. Reads ``self.grad_scale`` and ``self.found_inf``
-        when set (0-d tensors)."""
+        when set (one-element tensors: ``torch.amp.GradScaler`` hands over ``[1]``)."""
         from lightning_megatron.parallel.fsdp import local_tensor
 
         loss = None
@@ -178,8 +178,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 self._update_fn(device)(
                     params, grads, exp_avgs, exp_avg_sqs, steps, float(group["lr"]), float(beta1), float(beta2),
                     float(group["eps"]), float(group["weight_decay"]),
-                    grad_scale.to(device) if grad_scale is not None else None,
-                    found_inf.to(device) if found_inf is not None else None)
+                    grad_scale.to(device).reshape(()) if grad_scale is not None else None,
+                    found_inf.to(device).reshape(()) if found_inf is not None else None)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

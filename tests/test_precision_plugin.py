@@ -5,7 +5,7 @@ gets the loss scale too."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -123,28 +123,32 @@ class OverflowOnOneRank(pl.Callback):
         self.scales.append(trainer.precision_plugin.loss_scale)
 
 
-def _overflow_run(rank: int, world: int, strategy_kwargs: Dict[str, Any], name: str, accumulate: int):
+def _overflow_run(rank: int, world: int, strategy_kwargs: Dict[str, Any], name: str, accumulate: int,
+                  adamw: Optional[str] = None):
     cfg = tiny_config()
     pl.seed_everything(SEED, verbose=False)
     probe = OverflowOnOneRank(rank=1, step=1, name=name)
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), 3, callbacks=[probe], gradient_clip_val=1.0,
                           accumulate_grad_batches=accumulate,
                           plugins=[MegatronPrecision("16-mixed", initial_loss_scale=1024.0)])
-    trainer.fit(new_module(cfg, 3), DataLoader(ListDataset(make_samples(cfg, 3 * accumulate * 2)), batch_size=2))
+    trainer.fit(new_module(cfg, 3, adamw), DataLoader(ListDataset(make_samples(cfg, 3 * accumulate * 2)),
+                                                      batch_size=2))
     steps = accumulate - 1  # the last micro-batch of each step
     return {"hooked": probe.hooked, "changed": probe.changed[steps::accumulate],
             "scales": probe.scales[steps::accumulate]}
 
 
-@pytest.mark.parametrize("strategy_kwargs, name, accumulate", [
-    (dict(tp=2, sequence_parallel=True), "model.decoder.layers.0.self_attention.linear_qkv.weight", 1),
-    (dict(pp=2), "model.decoder.layers.1.mlp.linear_fc2.weight", 2),
-], ids=["tp2-sp", "pp2"])
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(strategy_kwargs, name, accumulate):
+@pytest.mark.parametrize("strategy_kwargs, name, accumulate, adamw", [
+    (dict(tp=2, sequence_parallel=True), "model.decoder.layers.0.self_attention.linear_qkv.weight", 1, None),
+    (dict(pp=2), "model.decoder.layers.1.mlp.linear_fc2.weight", 2, None),
+    (dict(tp=2, sequence_parallel=True), "model.decoder.layers.0.self_attention.linear_qkv.weight", 1, "bf16_moments"),
+], ids=["tp2-sp", "pp2", "tp2-sp-bf16-moments"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(strategy_kwargs, name, accumulate, adamw):
     """Rank 1 alone overflows at step 1 (a tensor-parallel shard / a layer of its pipeline stage, which no other rank
     holds): every rank skips that step and halves the loss scale (1024 -> 512); the other steps run. Without the
-    found-inf reduction rank 0 would step and keep 1024."""
-    results = run_distributed(_overflow_run, 2, strategy_kwargs, name, accumulate)
+    found-inf reduction rank 0 would step and keep 1024. The precision-aware AdamW (bf16 moments) reads the scaler's
+    ``found_inf`` itself and skips the same way."""
+    results = run_distributed(_overflow_run, 2, strategy_kwargs, name, accumulate, adamw)
     assert [r["hooked"] for r in results] == [False, True]
     for rank, r in enumerate(results):
         assert r["changed"] == [True, False, True], (rank, r)
