@@ -183,15 +183,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """torch's loading (which casts the moments to the parameters' dtype), then the moments back to this
-        optimizer's dtypes and ``step`` to an fp32 tensor on the parameter's device."""
+        """torch's loading (which casts the moments to the parameters' dtype), then the moments to this optimizer's
+        dtypes (its own, whatever the state dict's optimizer kept: e.g. torch's AdamW with fp32 moments) and ``step``
+        to an fp32 tensor on the parameter's device."""
         from lightning_megatron.parallel.fsdp import local_tensor
 
+        dtypes = [(g["exp_avg_dtype"], g["exp_avg_sq_dtype"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            group["exp_avg_dtype"] = optimizer_state_dtype(group.get("exp_avg_dtype", torch.float32), "exp_avg_dtype")
-            group["exp_avg_sq_dtype"] = optimizer_state_dtype(group.get("exp_avg_sq_dtype", torch.float32),
-                                                              "exp_avg_sq_dtype")
+        for group, (exp_avg_dtype, exp_avg_sq_dtype) in zip(self.param_groups, dtypes):
+            group["exp_avg_dtype"], group["exp_avg_sq_dtype"] = exp_avg_dtype, exp_avg_sq_dtype
             for p in group["params"]:
                 state = self.state.get(p)
                 if not state:

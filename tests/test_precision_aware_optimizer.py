@@ -169,6 +169,16 @@ def test_state_dict_keeps_bf16_moments_resumes_exactly_and_loads_to_and_from_tor
     for p, q in zip(back, first):
         for key in ("exp_avg", "exp_avg_sq"):
             assert bopt.state[p][key].dtype == BF16 and torch.equal(bopt.state[p][key], opt1.state[q][key])
+    # a state dict of torch's own AdamW (its groups know nothing of moment dtypes): this optimizer's dtypes win
+    plain, popt = fresh("torch")
+    _steps(popt, plain, grads[:2])
+    mine, mopt = fresh("ours")
+    mopt.load_state_dict(popt.state_dict())
+    assert {(g["exp_avg_dtype"], g["exp_avg_sq_dtype"]) for g in mopt.param_groups} == {(BF16, BF16)}
+    for p, q in zip(mine, plain):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(mopt.state[p][key], popt.state[q][key].to(BF16))
+        assert mopt.state[p]["step"].dtype == torch.float32 and float(mopt.state[p]["step"]) == 2
 
 
 def test_arguments_are_validated():
