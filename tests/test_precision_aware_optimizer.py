@@ -5,7 +5,8 @@ Units: the update equals an independent float64 AdamW whose moments are rounded 
 AdamW with fp32 moments; ``found_inf`` skips everything and ``grad_scale`` divides; state dicts keep the bf16
 moments, resume exactly and load to and from torch's AdamW. Training (one spawn of 1 process, one of 2): bf16
 moments follow fp32 moments within bf16 tolerance over 20 steps and learn; tp2+SP, pp2, dp2 with the distributed
-optimizer and FSDP match the one-process run with the same optimizer, also with bf16 parameters (Megatron's bf16
+optimizer and FSDP, ep2 (MoE) with the distributed optimizer match the one-process run with the same optimizer, also
+with bf16 parameters (Megatron's bf16
 with fp32 main parameters); a checkpoint resumes exactly with the moments still bf16.
 """
 from __future__ import annotations
@@ -253,6 +254,7 @@ def _call(rank: int, world: int, fn, args):
 
 
 LAYOUT_CFG = dict(num_query_groups=4)
+MOE = dict(LAYOUT_CFG, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2)
 
 
 @lru_cache(maxsize=None)
@@ -265,6 +267,8 @@ def _one_process() -> Dict[str, Any]:
     runs += [(f"ref-{p}-mb{mb}", (plugin_layout_run, (tiny_config(**LAYOUT_CFG), {}, prec, short, mb, ACCUMULATE,
                                                       0.05, STEPS, "cpu", "bf16_moments")))
              for p, prec in (("fp32", FP32), ("bf16p", BF16P)) for mb in (2, 4)]
+    runs += [("ref-fp32-mb4-moe", (plugin_layout_run, (tiny_config(**MOE), {}, FP32, short, 4, ACCUMULATE, 0.05, STEPS,
+                                                       "cpu", "bf16_moments")))]
     runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
     out = run_distributed(run_each, 1, _call, runs)[0]
     for name, result in out.items():
@@ -296,6 +300,7 @@ LAYOUTS = {   # name: (strategy kwargs, precision, per-rank micro-batch; the ref
     "pp2": (dict(pp=2), "fp32", 2),
     "dp2-distopt": (dict(use_distributed_optimizer=True), "fp32", 2),
     "dp2-fsdp": (dict(data_parallel_sharding_strategy="optim_grads_params"), "fp32", 2),
+    "ep2-distopt-moe": (dict(ep=2, use_distributed_optimizer=True), "fp32", 2),
     "bf16p-tp2-sp": (dict(tp=2, sequence_parallel=True), "bf16p", 2),
     "bf16p-dp2-distopt": (dict(use_distributed_optimizer=True), "bf16p", 2),
 }
@@ -306,7 +311,8 @@ TOLERANCE = {"fp32": (1e-5, 3e-4), "bf16p": (5e-5, 1e-1)}
 @lru_cache(maxsize=None)
 def _layouts() -> Dict[str, Any]:
     samples = make_samples(tiny_config(**LAYOUT_CFG), STEPS * ACCUMULATE * 4)
-    cases = [(name, (tiny_config(**LAYOUT_CFG), kwargs, FP32 if p == "fp32" else BF16P, samples, micro, ACCUMULATE,
+    cases = [(name, (tiny_config(**(MOE if name.endswith("-moe") else LAYOUT_CFG)), kwargs,
+                     FP32 if p == "fp32" else BF16P, samples, micro, ACCUMULATE,
                      0.05, STEPS, "cpu", "bf16_moments")) for name, (kwargs, p, micro) in LAYOUTS.items()]
     return run_distributed(run_each, 2, plugin_layout_run, cases)[0]
 
@@ -315,7 +321,8 @@ def _layouts() -> Dict[str, Any]:
 def test_bf16_moments_layout_matches_one_process(layout):
     """3 steps of 2 micro-batches with clipping, bf16 moments: losses and weight changes against the one-process run
     of the same optimizer and precision (:data:`TOLERANCE`). Measured (loss / weight change), fp32: tp2+SP and pp2
-    0 / 4.0e-5, dp2 with the distributed optimizer and with FSDP 9.0e-8 / 3.1e-5 (bf16 rounding of a moment flips
+    0 / 4.0e-5, dp2 with the distributed optimizer and with FSDP 9.0e-8 / 3.1e-5, ep2 (MoE) with the distributed
+    optimizer (dense states over dp, experts' over edp) 9.0e-8 / 2.1e-5 (bf16 rounding of a moment flips
     where the layouts' gradients differ in fp32 round-off; the fp32-moment optimizer against this reference: 8.3e-4);
     bf16 parameters: tp2+SP 7.7e-6 / 5.7e-2, dp2 with the distributed optimizer 1.6e-5 / 2.5e-2 (bf16 round-off, as
     with fp32 moments in test_main_grad.py)."""
@@ -323,7 +330,7 @@ def test_bf16_moments_layout_matches_one_process(layout):
     dp = 1 if ("tp" in kwargs or "pp" in kwargs) else 2
     result = _layouts()[layout]
     assert not isinstance(result, str), result
-    ref = _one_process()[f"ref-{precision}-mb{micro * dp}"]
+    ref = _one_process()[f"ref-{precision}-mb{micro * dp}" + ("-moe" if layout.endswith("-moe") else "")]
     loss_tol, weight_tol = TOLERANCE[precision]
     assert len(result["losses"]) == STEPS
     worst = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))
