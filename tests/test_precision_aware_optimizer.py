@@ -1,13 +1,13 @@
 """Megatron's precision-aware optimizer (``ParallelGPTModule(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")``,
 ``--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``): :class:`PrecisionAwareAdamW`.
 
-Units: the update equals an independent float64 AdamW whose moments are rounded to bf16 after every step, and torch's
+Units: the update equals an independent float64 AdamW whose moments are rounded to bf16 when stored, and torch's
 AdamW with fp32 moments; ``found_inf`` skips everything and ``grad_scale`` divides; state dicts keep the bf16
 moments, resume exactly and load to and from torch's AdamW. Training (one spawn of 1 process, one of 2): bf16
 moments follow fp32 moments within bf16 tolerance over 20 steps and learn; tp2+SP, pp2, dp2 with the distributed
 optimizer and FSDP, ep2 (MoE) with the distributed optimizer match the one-process run with the same optimizer, also
-with bf16 parameters (Megatron's bf16
-with fp32 main parameters); a checkpoint resumes exactly with the moments still bf16.
+with bf16 parameters (Megatron's bf16 with fp32 main parameters); a checkpoint resumes exactly with the moments still
+bf16.
 """
 from __future__ import annotations
 
