@@ -3,16 +3,17 @@ stored in a narrower dtype than the fp32 main parameters they update.
 
 :class:`PrecisionAwareAdamW` keeps ``exp_avg`` (Megatron's ``--exp-avg-dtype``) and ``exp_avg_sq``
 (``--exp-avg-sq-dtype``) in ``torch.float32`` or ``torch.bfloat16`` and does the update itself in fp32: each step
-reads a moment, updates it in fp32 and stores the result rounded to its dtype. With both moments in bf16 an fp32
-parameter costs 4 bytes of optimizer state instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32
-main parameters under ``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
+reads a moment, updates it in fp32, steps the parameter with that fp32 value and stores it rounded to its dtype (as
+Megatron's fused precision-aware Adam). With both moments in bf16 an fp32 parameter costs 4 bytes of optimizer state
+instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32 main parameters under
+``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
 
 On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
 compiled once for all shapes and hyper-parameter values: one fused kernel per tensor); on the CPU the same function
-runs eagerly. Like torch's fused optimizers it skips its update on the device
-when ``found_inf`` is set (the non-finite guard's device flag, fp16's loss scaler) and divides the gradients by
-``grad_scale`` when that is set, so it never waits for the GPU. No communication: it steps what it is given (a
-shard, under the distributed optimizer or FSDP, where it updates the local part of each ``DTensor``).
+runs eagerly. Like torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the
+non-finite guard's device flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so
+it never waits for the GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or
+FSDP, where it updates the local part of each ``DTensor``).
 """
 from __future__ import annotations
 
