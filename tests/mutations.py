@@ -111,6 +111,18 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (sharp("pp2-1f1b"), sharp("pp2-tied-clip")),
         fp32_tests=("tests/test_parity_pp.py::test_pipeline_matches_single_process[pp2-1f1b]",)),
     Mutation(
+        "adam-no-bias-correction1", "PrecisionAwareAdamW steps with lr instead of lr / (1 - beta1 ** step)",
+        (Edit("lightning_megatron/optim.py",
+              "p = p_old * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)",
+              "p = p_old * (1 - lr * weight_decay) - lr * (m / denom)"),),
+        ("tests/test_precision_aware_optimizer.py::test_update_equals_float64_adamw_with_moments_rounded_to_their_dtype",)),
+    Mutation(
+        "fp8-sp-gather-local-scale", "the FP8 all-gather of the sequence-parallel input casts each shard with its own "
+        "tensorwise scale (the amax is not all-reduced over tp)",
+        (Edit("lightning_megatron/fp8.py", "sx = gemm.tensor_scale(_INPUT, x2, fwd, record, shard_group=group)",
+              "sx = gemm.tensor_scale(_INPUT, x2, fwd, record)"),),
+        ("tests/test_fp8.py::test_fp8_all_gather_of_the_sequence_parallel_input_equals_the_bf16_gather",)),
+    Mutation(
         "hf-import-one-key-head", "the Hugging Face import gives every query group key head 0 (GQA grouping lost)",
         (Edit("lightning_megatron/hf/mapping.py", "Rows(k, g * d, (g + 1) * d)", "Rows(k, 0, d)"),),
         ("tests/test_hf.py::test_single_process_round_trip_and_generate",)),
