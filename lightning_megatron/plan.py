@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--exp-avg-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Adam's first moment (bf16: the precision-aware optimizer)")
+    p.add_argument("--exp-avg-sq-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Adam's second moment (bf16: the precision-aware optimizer)")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
@@ -74,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     args = build_parser().parse_args(argv)
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,
-                  args.precision, args.recompute, args.sharding, args.micro_batch_sizes)
+                  args.precision, args.recompute, args.sharding, args.micro_batch_sizes, args.exp_avg_dtype,
+                  args.exp_avg_sq_dtype)
     shown = []
     for spec in args.show:
         row = result.rank_of(**parse_show(spec))

@@ -88,6 +88,29 @@ def test_memory_model_parts():
         state_bytes(cfg, Layout(sharding="zero3"))
 
 
+def test_bf16_moments_lower_the_predicted_peak_by_what_they_measured():
+    """The precision-aware optimizer's bf16 moments: 4 bytes per parameter of optimizer state instead of 8, in the
+    bytes (also sharded) and in the predicted peak of the 1.3B model on one H200: 4.71 GiB lower, as measured
+    (RESULTS.md, precision-aware optimizer: FP8 tensorwise 25.15 -> 20.44 GiB, bf16 parameters 30.16 -> 25.45)."""
+    cfg = GPTConfig.llama_1b_bench()
+    n = cfg.num_parameters
+    for layout in (Layout(), Layout(dp=4, sharding="optim"), Layout(dp=4, sharding="optim_grads_params")):
+        fp32, bf16 = (state_bytes(cfg, layout, dp_rank=0, moment_bytes=b) for b in (8, 4))
+        assert (bf16.params, bf16.grads) == (fp32.params, fp32.grads)
+        shard = 1 if layout.sharding == "no_shard" else 4
+        assert fp32.optimizer - bf16.optimizer == pytest.approx(4 * n / shard, rel=2e-2), layout
+    hw = load_hardware("h200")
+    layout = Layout(micro_batch_size=4)
+    peaks = [predict(layout, Workload(cfg, 2048, 4, "fp8", exp_avg_dtype=m, exp_avg_sq_dtype=m), hw).peak_gib
+             for m in ("fp32", "bf16")]
+    assert peaks[0] - peaks[1] == pytest.approx(25.15 - 20.44, abs=0.01), peaks
+    result = plan(cfg, 1, 4, hardware="h200", precision="fp8", exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16",
+                  micro_batch_sizes=(4,), recompute=("none",))
+    assert result.work.moment_bytes == 4 and result.feasible
+    with pytest.raises(ValueError, match="exp_avg_dtype='fp16' must be one of 'fp32', 'bf16'"):
+        plan(cfg, 1, 4, exp_avg_dtype="fp16")
+
+
 def test_enumeration_refuses_by_the_library_rules():
     """The reasons are ParallelConfig's own errors (tp not dividing the heads, layers over pipeline stages), and
     no refused layout is ranked."""

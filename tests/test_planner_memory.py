@@ -2,7 +2,8 @@
 for each rank of tp2 x pp2 and of tp2+SP x dp2 with the distributed optimizer, and of tp2+SP x dp2 under FSDP
 (``optim_grads``, ``optim_grads_params``), after training steps, the bytes of the rank's parameters, gradients and
 optimizer states (sum of numel x element size of the local shards: FSDP's DTensors count their local part, Adam's
-moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly."""
+moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly; also with the
+precision-aware optimizer's bf16 moments (``moment_bytes=4``) under the distributed optimizer and FSDP."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,12 @@ CASES = {
         dict(tp=2, sequence_parallel=True, data_parallel_sharding_strategy="optim_grads_params"),
         Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads_params"), 2, UNEVEN),
 }
+# the precision-aware optimizer (bf16 moments: 4 bytes per parameter instead of 8)
+CASES.update({f"{name}-bf16-moments": CASES[name] for name in ("tp2sp-dp2-distopt", "tp2sp-dp2-fsdp-optim_grads_params")})
+
+
+def _moment_bytes(case: str) -> int:
+    return 4 if case.endswith("-bf16-moments") else 8
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -53,10 +60,11 @@ class Allocated(pl.Callback):
         }
 
 
-def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: Dict[str, Any]) -> Dict[str, int]:
+def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: Dict[str, Any],
+         adamw: Any = None) -> Dict[str, int]:
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config(num_layers=4, **model)
-    module = new_module(cfg, STEPS)
+    module = new_module(cfg, STEPS, adamw)
     allocated = Allocated()
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
                           accumulate_grad_batches=accumulate, precision="32-true")   # the planner's fp32 bytes
@@ -67,7 +75,8 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: 
 
 @pytest.fixture(scope="module")
 def allocations():
-    cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {})) for name, case in CASES.items()]
+    cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {},
+                     "bf16_moments" if _moment_bytes(name) == 4 else None)) for name, case in CASES.items()]
     return run_distributed(run_each, 4, _run, cases)
 
 
@@ -81,11 +90,13 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         # the process grid (pp, dp, cp, tp), tp fastest; ZeRO's rank is the index in the dp x cp group
         rest = rank // layout.tp
         cp_rank, dp_rank, pp_rank = rest % layout.cp, (rest // layout.cp) % layout.dp, rest // (layout.cp * layout.dp)
-        want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank)
+        want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank,
+                           moment_bytes=_moment_bytes(case))
         assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), (
             case, rank, got, want)
         if layout.dp > 1:  # really sharded: less than the whole states of the rank's parameters
-            whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank)
+            whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank,
+                                moment_bytes=_moment_bytes(case))
             assert 0 < got["optimizer"] < whole.optimizer, (case, rank, got, whole)
             if layout.sharding.startswith("optim_grads"):  # FSDP: gradients and parameters sharded too, unevenly
                 assert 0 < got["grads"] < whole.grads and 0 < got["params"] < whole.params, (case, rank, got, whole)

@@ -6,8 +6,8 @@ over tp, row-parallel ``linear_proj`` / ``linear_fc2`` their input columns, the 
 ``make_vocab_size_divisible_by * tp`` and split over tp, norms are whole, routed experts are split ``E/ep`` per
 rank and each expert's ffn over etp, a pipeline rank keeps only its stages' layers (the embedding on the first
 stage, the final norm and output layer on the last, a word-embedding copy there too when tied). Precision is
-the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments and a 4-byte step per
-parameter tensor. With the distributed optimizer (``sharding="optim"``) the states are split as torch's
+the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments (or bf16 ones: the
+precision-aware optimizer) and a 4-byte step per parameter tensor. With the distributed optimizer (``sharding="optim"``) the states are split as torch's
 ``ZeroRedundancyOptimizer`` splits them (largest tensor first onto the least-loaded rank, per parameter group:
 weights with weight decay, then norms and biases); under FSDP (``optim_grads`` / ``optim_grads_params``) every
 tensor is split along its first dimension as ``fully_shard`` splits it (:func:`fsdp_numel`), so the count equals
@@ -34,6 +34,8 @@ SHARDING_LEVELS = SHARDING_STRATEGIES
 PARAM_BYTES = 4        # fp32 parameters (bf16-mixed keeps fp32 weights, autocast casts them per forward)
 GRAD_BYTES = 4         # fp32 gradients (grad_reduce_in_bf16 only changes the wire format)
 ADAM_BYTES = 8         # exp_avg + exp_avg_sq in fp32
+#: bytes per element of an Adam moment by its dtype (``ParallelGPTModule(exp_avg_dtype=..., exp_avg_sq_dtype=...)``)
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
 
 
@@ -156,15 +158,16 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def _adam_bytes(tensors: Sequence[ParamTensor]) -> int:
-    return sum(ADAM_BYTES * t.numel + STEP_BYTES for t in tensors)
+def _adam_bytes(tensors: Sequence[ParamTensor], moment_bytes: int = ADAM_BYTES) -> int:
+    return sum(moment_bytes * t.numel + STEP_BYTES for t in tensors)
 
 
 def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int] = 0,
-                edp_rank: Optional[int] = 0) -> StateBytes:
+                edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES) -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of one rank (pipeline rank ``pp_rank``; ``dp_rank`` its
     index in the dp x cp group and ``edp_rank`` in expert data parallel, which only matter when sharded; None:
-    the rank holding the most).
+    the rank holding the most). ``moment_bytes``: bytes per parameter of Adam's two moments (8 in fp32; 4 with both
+    in bf16, the precision-aware optimizer's).
 
     Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
     optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
@@ -184,16 +187,16 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     dp_cp = layout.dp * layout.cp
     edp = layout.edp
     if level == "no_shard":
-        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, _adam_bytes(tensors))
+        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, _adam_bytes(tensors, moment_bytes))
     if level in FSDP_STRATEGIES:
         local = [fsdp_numel(t, dp_cp, dp_rank) for t in dense] + [fsdp_numel(t, edp, edp_rank) for t in expert]
         return StateBytes(PARAM_BYTES * sum(local), GRAD_BYTES * sum(local),
-                          sum(ADAM_BYTES * k + STEP_BYTES for k in local))
+                          sum(moment_bytes * k + STEP_BYTES for k in local))
 
     def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:
         if not tensors:
             return 0
-        per_rank = [_adam_bytes(owned) for owned in zero_partition(tensors, ranks)]
+        per_rank = [_adam_bytes(owned, moment_bytes) for owned in zero_partition(tensors, ranks)]
         return max(per_rank) if rank is None else per_rank[rank]
 
     opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)

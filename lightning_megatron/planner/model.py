@@ -31,7 +31,7 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    GRAD_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
+    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -42,15 +42,28 @@ GIB = 2.0 ** 30
 @dataclass(frozen=True)
 class Workload:
     """What is trained: ``model`` (a ``GPTConfig``), ``seq_length``, ``global_batch_size`` (sequences per
-    optimizer step), ``precision`` (``"bf16"``: bf16-mixed; ``"fp8"``: FP8 GEMMs, same memory model) and
+    optimizer step), ``precision`` (``"bf16"``: bf16-mixed; ``"fp8"``: FP8 GEMMs, same memory model),
     ``grads_kept_between_steps`` (True for code before the step path freed gradients before the forward; None:
-    the current code)."""
+    the current code) and the Adam moments' dtypes ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``"fp32"`` or
+    ``"bf16"``: ``ParallelGPTModule``'s arguments of the same names)."""
 
     model: Any
     seq_length: int
     global_batch_size: int
     precision: str = "bf16"
     grads_kept_between_steps: Optional[bool] = None
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in MOMENT_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, MOMENT_BYTES))}")
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes per parameter of Adam's two moments."""
+        return MOMENT_BYTES[self.exp_avg_dtype] + MOMENT_BYTES[self.exp_avg_sq_dtype]
 
 
 @dataclass
@@ -216,13 +229,13 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     best = None
     for r in range(pp):
         key = (id(c), layout.tp, layout.pp, layout.vp, layout.ep, layout.etp, layout.schedule, layout.dp * cp,
-               layout.edp, layout.sharding, r)
+               layout.edp, layout.sharding, r, work.moment_bytes)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
             tensors = rank_parameters(c, layout, r)
             edge = sum(t.numel for t in tensors if "decoder.layers" not in t.name)
             numel = (sum(t.numel for t in tensors if not t.expert), sum(t.numel for t in tensors if t.expert))
-            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None), edge, numel)
+            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None, moment_bytes=work.moment_bytes), edge, numel)
             if cache is not None:
                 cache[key] = hit
         sb, edge, numel = hit

@@ -68,12 +68,14 @@ class Plan:
 def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int] = None,
          hardware: str = "h200", gpu_memory_gib: Optional[float] = None, precision: str = "bf16",
          recompute: Sequence[str] = ("none", "selective", "full"), sharding: Sequence[str] = SUPPORTED_SHARDING,
-         micro_batch_sizes: Sequence[int] = (1, 2, 4)) -> Plan:
+         micro_batch_sizes: Sequence[int] = (1, 2, 4), exp_avg_dtype: str = "fp32",
+         exp_avg_sq_dtype: str = "fp32") -> Plan:
     """Enumerate, validate (the library's rules), predict and rank the layouts of ``model`` (a ``GPTConfig``) on
     ``gpus`` GPUs of ``hardware`` (``"h100"``/``"h200"``, memory overridden by ``gpu_memory_gib``) for
     ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding``: the
     levels considered (default all four: ``no_shard``, ``optim``, and FSDP's ``optim_grads`` /
-    ``optim_grads_params``)."""
+    ``optim_grads_params``). ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: the Adam moments' dtypes (``"bf16"``: the
+    precision-aware optimizer, ``ParallelGPTModule``'s arguments of the same names)."""
     for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -83,7 +85,8 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
     if seq != model.seq_length:
         model = model.replace(seq_length=seq, max_position_embeddings=max(seq, model.max_position_embeddings))
     hw = load_hardware(hardware, gpu_memory_gib)
-    work = Workload(model, seq, global_batch_size, precision)
+    work = Workload(model, seq, global_batch_size, precision, exp_avg_dtype=exp_avg_dtype,
+                    exp_avg_sq_dtype=exp_avg_sq_dtype)
     out = Plan(work, gpus, hw)
     cache: Dict[Any, Any] = {}
     feasible, rejected = [], []
