@@ -257,6 +257,9 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
+#: training uses per step a GEMM's delayed-scaling records keep (the last ones; the amax of older ones still counts
+#: when all uses do, and ``end_step(num_microbatches)`` larger than this counts the last AMAX_RING)
+AMAX_RING = 64
 KINDS = ("input", "weight", "grad_output")
 
 
@@ -275,7 +278,12 @@ class Float8Gemm:
         self.config = config
         self.amax_groups = [g for g in amax_groups if group_size(g) > 1]
         self.history: Optional[Tensor] = None       # [3, L]; None until the first end_step
-        self.records: Tuple[List[Tensor], ...] = ([], [], [])   # per kind: current amax of each use since end_step
+        # the delayed recipe's records of this step's training uses, on the device and changed only in place (so a
+        # compiled layer records without leaving its graph): per kind the amax of the last AMAX_RING uses (-1: free
+        # slot), the number of uses, and the largest amax of the uses the ring dropped
+        self.uses: Optional[Tensor] = None           # [3, AMAX_RING]
+        self.use_count: Optional[Tensor] = None      # [3] int64
+        self.dropped: Optional[Tensor] = None        # [3]
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
 
@@ -315,7 +323,7 @@ class Float8Gemm:
         if cfg.recipe != "delayed":
             return scale_from_amax(current, dtype, cfg.margin)
         if record:
-            self.records[kind].append(current)
+            self._record(kind, current)
         if self.history is not None:
             hist = self.history[kind]
             amax = hist[0] if cfg.amax_compute_algo == "most_recent" else hist.max()
@@ -327,28 +335,62 @@ class Float8Gemm:
             amax = current
         return scale_from_amax(amax, dtype, cfg.margin)
 
-    def step_amax(self, last: Optional[int] = None) -> Optional[Tensor]:
-        """``[3]``: per kind the largest amax of the (``last``) recorded uses since the last :meth:`end_step`
-        (0 where none), or None when nothing was recorded; forgets the records."""
-        if not any(self.records):
-            return None
-        out = []
-        for rec in self.records:
-            rec = rec[-last:] if last else rec
-            out.append(torch.stack(rec).max() if rec else torch.zeros((), device=self.records_device))
-        self.records = ([], [], [])
-        return torch.stack(out)
+    def allocate(self, device: torch.device) -> None:
+        """The delayed recipe's record buffers on ``device`` (the strategy allocates them after materialisation,
+        before any compiled forward; a direct eager use allocates them at its first record). Empty records."""
+        if self.config.recipe != "delayed":
+            return
+        self.uses = torch.full((3, AMAX_RING), -1.0, device=device)
+        self.use_count = torch.zeros(3, dtype=torch.int64, device=device)
+        self.dropped = torch.full((3,), -1.0, device=device)
 
-    @property
-    def records_device(self) -> torch.device:
-        return next(r[0].device for r in self.records if r)
+    def _record(self, kind: int, current: Tensor) -> None:
+        """Record a training use's amax (0-dim fp32) of ``kind``: in-place writes only (no host synchronisation, no
+        Python state changed, so it stays inside a compiled graph)."""
+        if self.uses is None:
+            self.allocate(current.device)
+        assert self.uses is not None and self.use_count is not None and self.dropped is not None
+        ring, count, dropped = self.uses[kind], self.use_count[kind:kind + 1], self.dropped[kind:kind + 1]
+        slot = count % ring.shape[0]
+        torch.maximum(dropped, ring.gather(0, slot), out=dropped)
+        ring.scatter_(0, slot, current.reshape(1).to(ring.dtype))
+        count.add_(1)
+
+    def forget_uses(self) -> None:
+        """Drop the records of this step's uses."""
+        if self.uses is not None:
+            self.uses.fill_(-1.0)
+            self.use_count.zero_()
+            self.dropped.fill_(-1.0)
+
+    def step_amax(self, last: Optional[int] = None) -> Optional[Tensor]:
+        """``[3]``: per kind the largest amax of the (``last``) recorded uses since the last :meth:`end_step` (0 for
+        a kind without any while another kind has some; -1 for all three when this GEMM had no use), or None when
+        it never recorded; forgets the records. Computed on the device (no host synchronisation); ``last`` larger
+        than the ring (:data:`AMAX_RING`) counts the ring's uses."""
+        if self.uses is None:
+            return None
+        assert self.use_count is not None and self.dropped is not None
+        if last is None:
+            out = torch.maximum(self.uses.max(dim=1).values, self.dropped)
+        else:
+            j = torch.arange(min(last, self.uses.shape[1]), device=self.uses.device)
+            slots = (self.use_count.unsqueeze(1) - 1 - j) % self.uses.shape[1]          # [3, k]: newest first
+            recent = torch.where(j < self.use_count.unsqueeze(1), self.uses.gather(1, slots), -1.0)
+            out = recent.max(dim=1).values
+        used = (self.use_count > 0).any()
+        out = torch.where(used, out.clamp(min=0.0), torch.full_like(out, -1.0))
+        self.forget_uses()
+        return out
 
     def end_step(self, amax: Tensor) -> None:
-        """Roll the step's amaxes ``[3]`` (reduced over the amax group) into the history."""
+        """Roll the step's amaxes ``[3]`` (reduced over the amax group) into the history, in place; amaxes of -1
+        (no use on any rank) leave it as it is. The history is created by the first call."""
         if self.history is None:
             self.history = torch.zeros(3, self.config.amax_history_len, device=amax.device)
-        self.history = torch.roll(self.history, 1, dims=1)
-        self.history[:, 0] = amax
+        rolled = torch.roll(self.history, 1, dims=1)
+        rolled[:, 0] = amax
+        self.history.copy_(torch.where((amax >= 0).all(), rolled, self.history))
 
 
 def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tensor:
@@ -584,6 +626,13 @@ class Float8Layers:
         self.expert_gemms = [self.expert_gemms[i] for i in experts]
         self.expert_gemm_names = [self.expert_gemm_names[i] for i in experts]
 
+    def allocate(self, device: torch.device) -> None:
+        """The delayed recipe's record buffers of every torch-backend GEMM on ``device`` (after materialisation, before
+        the first, possibly compiled, forward: :meth:`Float8Gemm.allocate`)."""
+        for _, gemm in self._named_gemms():
+            if isinstance(gemm, Float8Gemm):
+                gemm.allocate(device)
+
     def _named_gemms(self) -> List[Tuple[str, Any]]:
         return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
 
@@ -613,7 +662,7 @@ class Float8Layers:
                                  f"fp8_amax_history_len={history.shape[1]}")
             where = gemm.history.device if gemm.history is not None else device
             gemm.history = history.to(where) if where is not None else history.clone()
-            gemm.records = ([], [], [])
+            gemm.forget_uses()
 
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
@@ -645,7 +694,9 @@ def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbat
         if group_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     for (gemm, _), row in zip(pending, amax.unbind(0)):
-        if bool((row >= 0).all()):
+        if gemm.history is not None:
+            gemm.end_step(row)              # on the device: a row of -1 (no use anywhere) changes nothing
+        elif bool((row >= 0).all()):        # no history yet (first steps): read on the host whether to start one
             gemm.end_step(row)
 
 

@@ -52,3 +52,4 @@ def test_model_layers_hold_plain_ints():
     assert not leaked, leaked
     assert all(type(getattr(model.config, f)) is int for f in ("kv_channels", "ffn_hidden_size", "num_query_groups"))
     assert config.is_derived("kv_channels"), "the user's config keeps its derived markers"
+
