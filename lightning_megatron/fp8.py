@@ -257,8 +257,8 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
-#: training uses per step a GEMM's delayed-scaling records keep (the last ones; the amax of older ones still counts
-#: when all uses do, and ``end_step(num_microbatches)`` larger than this counts the last AMAX_RING)
+#: training uses per step a GEMM's delayed-scaling records keep at first (the last ones; the amax of older ones
+#: still counts when all uses do; ``end_step(num_microbatches)`` with more micro-batches grows the ring to twice that)
 AMAX_RING = 64
 KINDS = ("input", "weight", "grad_output")
 
@@ -335,12 +335,13 @@ class Float8Gemm:
             amax = current
         return scale_from_amax(amax, dtype, cfg.margin)
 
-    def allocate(self, device: torch.device) -> None:
-        """The delayed recipe's record buffers on ``device`` (the strategy allocates them after materialisation,
-        before any compiled forward; a direct eager use allocates them at its first record). Empty records."""
+    def allocate(self, device: torch.device, capacity: int = AMAX_RING) -> None:
+        """The delayed recipe's record buffers on ``device``, a ring of ``capacity`` uses per kind (the strategy
+        allocates them after materialisation, before any compiled forward; a direct eager use allocates them at its
+        first record). Empty records."""
         if self.config.recipe != "delayed":
             return
-        self.uses = torch.full((3, AMAX_RING), -1.0, device=device)
+        self.uses = torch.full((3, capacity), -1.0, device=device)
         self.use_count = torch.zeros(3, dtype=torch.int64, device=device)
         self.dropped = torch.full((3,), -1.0, device=device)
 
@@ -367,7 +368,7 @@ class Float8Gemm:
         """``[3]``: per kind the largest amax of the (``last``) recorded uses since the last :meth:`end_step` (0 for
         a kind without any while another kind has some; -1 for all three when this GEMM had no use), or None when
         it never recorded; forgets the records. Computed on the device (no host synchronisation); ``last`` larger
-        than the ring (:data:`AMAX_RING`) counts the ring's uses."""
+        than the ring counts the ring's uses, and the ring grows to twice ``last`` for the next steps."""
         if self.uses is None:
             return None
         assert self.use_count is not None and self.dropped is not None
@@ -380,7 +381,10 @@ class Float8Gemm:
             out = recent.max(dim=1).values
         used = (self.use_count > 0).any()
         out = torch.where(used, out.clamp(min=0.0), torch.full_like(out, -1.0))
-        self.forget_uses()
+        if last is not None and last > self.uses.shape[1]:   # room for every micro-batch of the next steps
+            self.allocate(self.uses.device, capacity=2 * last)
+        else:
+            self.forget_uses()
         return out
 
     def end_step(self, amax: Tensor) -> None:

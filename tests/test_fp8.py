@@ -470,3 +470,23 @@ def test_delayed_recipe_records_inside_one_compiled_graph():
     assert torch.equal(runs["compiled"][0], runs["eager"][0])
     assert (runs["eager"][0] > 0).all()                       # every kind of every GEMM recorded
     torch.testing.assert_close(runs["compiled"][1], runs["eager"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_last_microbatches_beyond_the_ring():
+    """More micro-batches per step than the record ring holds (a long pipeline step): the first step counts the
+    ring's last uses, the ring then grows, and the next step counts exactly its last ``num_microbatches`` uses."""
+    from lightning_megatron.fp8 import AMAX_RING
+
+    cfg = Float8Config(recipe="delayed", backend="torch")
+    gemm = Float8Gemm(cfg)
+    layers = Float8Layers(config=cfg, gemms=[gemm])
+    w = torch.randn(16, 32, requires_grad=True)
+    m = AMAX_RING + 6
+    for step in range(2):
+        values = [1e6] + [2.0] * 3 + [1.0] * (m - 3)      # the placeholder, then m micro-batches
+        for value in values:
+            gemm(torch.full((8, 32), value, requires_grad=True), w).sum().backward()
+        layers.end_step(num_microbatches=m)
+        want = 1.0 if step == 0 else 2.0   # step 0: the ring's last 64 uses (the 2.0s fell out); then all m
+        assert float(gemm.history[0, 0]) == want, (step, gemm.history)
+    assert gemm.uses.shape[1] == 2 * m
