@@ -139,12 +139,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         from lightning_megatron.parallel.fsdp import local_tensor
 
         state = self.state[p]
+        device = local_tensor(p).device
         if not state:
-            local = local_tensor(p)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
             state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
                                                    memory_format=torch.preserve_format)
+            return state
+        # states written by another loader (ZeroRedundancyOptimizer.load_state_dict puts 0-dim "step" tensors on the
+        # CPU and keeps the checkpoint's moment dtypes): back to this optimizer's layout
+        step = state["step"]
+        if not (torch.is_tensor(step) and step.device == device and step.dtype == torch.float32):
+            state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
+        for key, dtype in (("exp_avg", group["exp_avg_dtype"]), ("exp_avg_sq", group["exp_avg_sq_dtype"])):
+            if state[key].dtype != dtype:
+                state[key] = state[key].to(dtype)
         return state
 
     @torch.no_grad()

@@ -182,6 +182,29 @@ def test_state_dict_keeps_bf16_moments_resumes_exactly_and_loads_to_and_from_tor
         assert mopt.state[p]["step"].dtype == torch.float32 and float(mopt.state[p]["step"]) == 2
 
 
+def test_states_written_by_another_loader_are_brought_back_to_its_layout():
+    """ZeroRedundancyOptimizer's loading writes the checkpoint's states into the optimizer directly (fp32 moments of
+    an AdamW checkpoint, a Python number or a CPU tensor for ``step``): the next step casts them to the optimizer's
+    dtypes and goes on exactly as after its own loading."""
+    params, grads = _problem(4)
+    theirs = [torch.nn.Parameter(p.clone()) for p in params]
+    topt = torch.optim.AdamW(theirs, lr=1e-2)
+    _steps(topt, theirs, grads[:2])
+    mine = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+    direct = PrecisionAwareAdamW(mine, lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    for p, q in zip(mine, theirs):
+        direct.state[p] = {k: (float(v) if k == "step" else v.clone()) for k, v in topt.state[q].items()}
+    loaded_params = [torch.nn.Parameter(q.detach().clone()) for q in theirs]
+    loaded = PrecisionAwareAdamW(loaded_params, lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    loaded.load_state_dict(topt.state_dict())
+    _steps(direct, mine, grads[2:])
+    _steps(loaded, loaded_params, grads[2:])
+    for a, b in zip(mine, loaded_params):
+        assert torch.equal(a.detach(), b.detach())
+        assert direct.state[a]["exp_avg"].dtype == BF16 and direct.state[a]["step"].dtype == torch.float32
+        assert float(direct.state[a]["step"]) == 4
+
+
 def test_arguments_are_validated():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="exp_avg_dtype='fp16'.*'fp32'.*'bf16'"):

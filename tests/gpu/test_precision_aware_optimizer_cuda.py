@@ -88,3 +88,17 @@ def test_step_with_found_inf_makes_no_synchronising_call_and_skips():
     assert syncs == [], syncs
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(float(opt.state[p]["step"]) == 1 for p in params)
+
+
+def test_step_counts_left_on_the_cpu_by_zero_loading_move_back():
+    """ZeroRedundancyOptimizer's loading puts 0-dim states (``step``) on the CPU: the next step moves them back to
+    the parameter's GPU and steps as before."""
+    params = _params("cuda")
+    opt = PrecisionAwareAdamW(params, lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in params:
+        opt.state[p]["step"] = opt.state[p]["step"].cpu()
+    opt.step()
+    assert all(opt.state[p]["step"].is_cuda and float(opt.state[p]["step"]) == 2 for p in params)
