@@ -288,10 +288,15 @@ class Float8Gemm:
         self.fp8_gathers = 0
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return self._apply(_Float8LinearFn, x, weight, bias)
+
+    def _apply(self, fn: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], *extra: Any) -> Tensor:
+        """``fn.apply(x, weight, self, out_dtype, record, *extra)`` outside autocast, in the compute dtype, plus
+        ``bias``."""
         record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         out_dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            y = _Float8LinearFn.apply(x, weight, self, out_dtype, record)
+            y = fn.apply(x, weight, self, out_dtype, record, *extra)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y
@@ -301,14 +306,8 @@ class Float8Gemm:
         ``[s/tp, b, in]`` is cast to FP8 with the whole input's scale and all-gathered over ``group`` (tp) in FP8,
         ``-> [s, b, out/tp]``; the input gradient is reduce-scattered over ``group`` in the compute dtype. Equal to
         gathering in bf16 and calling this GEMM (``config.gathers_in_fp8`` decides which a layer does)."""
-        record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        out_dtype = compute_dtype(x)
         self.fp8_gathers += 1
-        with torch.autocast(x.device.type, enabled=False):
-            y = _Float8SequenceParallelLinearFn.apply(x, weight, self, out_dtype, record, group)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y
+        return self._apply(_Float8SequenceParallelLinearFn, x, weight, bias, group)
 
     def tensor_scale(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool,
                      shard_group: Optional[Any] = None) -> Tensor:
@@ -318,7 +317,8 @@ class Float8Gemm:
         scale comes from the current amax, that amax is all-reduced (max) over the group: one collective)."""
         cfg = self.config
         current = t.detach().abs().amax().float()
-        if shard_group is not None and group_size(shard_group) > 1 and (cfg.recipe != "delayed" or self.history is None):
+        from_current = cfg.recipe != "delayed" or self.history is None
+        if shard_group is not None and group_size(shard_group) > 1 and from_current:
             dist.all_reduce(current, op=dist.ReduceOp.MAX, group=shard_group)
         if cfg.recipe != "delayed":
             return scale_from_amax(current, dtype, cfg.margin)
@@ -402,6 +402,21 @@ def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tens
     return scale_from_amax(t.detach().abs().amax(dim=dim, keepdim=True), dtype, margin)
 
 
+def _per_tensor_backward(ctx: Any, g2: Tensor, need_x: bool,
+                         need_w: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The two backward GEMMs with one scale per tensor (tensorwise, delayed) from the FP8 operands the forward
+    saved (``xq, wq, sx, sw``): ``dx = dy @ W`` ``[N, in]`` and ``dW = dy^T @ x`` ``[out, in]`` in ``ctx.out_dtype``
+    (None where not needed); ``g2`` is the output gradient ``[N, out]``, quantised here."""
+    gemm: Float8Gemm = ctx.gemm
+    bwd = gemm.config.grad_dtype
+    xq, wq, sx, sw = ctx.saved_tensors
+    sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
+    gq = quantize(g2, sg, bwd)
+    grad_x = _scaled_mm(gq, _col_major(wq), sg, sw, ctx.out_dtype) if need_x else None
+    grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), ctx.out_dtype) if need_w else None
+    return grad_x, grad_w
+
+
 class _Float8LinearFn(torch.autograd.Function):
     """``x @ W^T`` with all three GEMMs in FP8 (:class:`Float8Gemm`)."""
 
@@ -446,13 +461,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 grad_w = _scaled_mm(*_pad_tokens(quantize(gt, sg, bwd).contiguous(),
                                                  _col_major(quantize(x2, sx, fwd)), sg, sx), out_dtype)
         else:
-            xq, wq, sx, sw = ctx.saved_tensors
-            sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
-            gq = quantize(g2, sg, bwd)
-            if need_x:
-                grad_x = _scaled_mm(gq, _col_major(wq), sg, sw, out_dtype)
-            if need_w:
-                grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), out_dtype)
+            grad_x, grad_w = _per_tensor_backward(ctx, g2, need_x, need_w)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if grad_w is not None:
@@ -487,18 +496,11 @@ class _Float8SequenceParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         from lightning_megatron.parallel.tensor_parallel.mappings import reduce_scatter_dim0
 
-        gemm: Float8Gemm = ctx.gemm
-        bwd = gemm.config.grad_dtype
-        xq, wq, sx, sw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
-        gq = quantize(g2, sg, bwd)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            total = _scaled_mm(gq, _col_major(wq), sg, sw, ctx.out_dtype).view(ctx.x_shape).to(ctx.x_dtype)
-            grad_x = reduce_scatter_dim0(total, ctx.group)
-        if ctx.needs_input_grad[1]:
-            grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), ctx.out_dtype)
+        grad_x, grad_w = _per_tensor_backward(ctx, g2, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        if grad_x is not None:   # the whole input's gradient, reduce-scattered to this rank's shard
+            grad_x = reduce_scatter_dim0(grad_x.view(ctx.x_shape).to(ctx.x_dtype), ctx.group)
+        if grad_w is not None:
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None
 

@@ -87,6 +87,19 @@ def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: Lis
                       found_inf)
 
 
+def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.device) -> None:
+    """``state`` in the optimizer's layout, in place: ``step`` a 0-dim fp32 tensor on ``device`` and the moments in
+    ``group``'s dtypes. States from elsewhere need it: torch's loading casts the moments to the parameter's dtype,
+    ``ZeroRedundancyOptimizer.load_state_dict`` writes the checkpoint's states directly (its moment dtypes, ``step``
+    on the CPU), a torch AdamW checkpoint may hold ``step`` as a number."""
+    step = state["step"]
+    if not (torch.is_tensor(step) and step.device == device and step.dtype == torch.float32):
+        state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
+    for key, dtype in (("exp_avg", group["exp_avg_dtype"]), ("exp_avg_sq", group["exp_avg_sq_dtype"])):
+        if key in state and state[key].dtype != dtype:
+            state[key] = state[key].to(dtype)
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's and Megatron's formula) with its moments stored in
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and the update computed in fp32 (see the module docstring).
@@ -135,25 +148,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True)
         return self._compiled
 
-    def _init_state(self, p: Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
-        from lightning_megatron.parallel.fsdp import local_tensor
-
+    def _init_state(self, p: Tensor, group: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+        """The state of ``p`` (its local part on ``device``): created at its first step, else brought to this
+        optimizer's layout (:func:`_conform_state`)."""
         state = self.state[p]
-        device = local_tensor(p).device
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
             state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
                                                    memory_format=torch.preserve_format)
-            return state
-        # states written by another loader (ZeroRedundancyOptimizer.load_state_dict puts 0-dim "step" tensors on the
-        # CPU and keeps the checkpoint's moment dtypes): back to this optimizer's layout
-        step = state["step"]
-        if not (torch.is_tensor(step) and step.device == device and step.dtype == torch.float32):
-            state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
-        for key, dtype in (("exp_avg", group["exp_avg_dtype"]), ("exp_avg_sq", group["exp_avg_sq_dtype"])):
-            if state[key].dtype != dtype:
-                state[key] = state[key].to(dtype)
+        else:
+            _conform_state(state, group, device)
         return state
 
     @torch.no_grad()
@@ -177,8 +182,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
-                state = self._init_state(p, group)
                 local = local_tensor(p)
+                state = self._init_state(p, group, local.device)
                 per_device = lists.setdefault(local.device, ([], [], [], [], []))
                 for out, t in zip(per_device, (local, local_tensor(p.grad), local_tensor(state["exp_avg"]),
                                                local_tensor(state["exp_avg_sq"]))):
@@ -204,9 +209,5 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             group["exp_avg_dtype"], group["exp_avg_sq_dtype"] = exp_avg_dtype, exp_avg_sq_dtype
             for p in group["params"]:
                 state = self.state.get(p)
-                if not state:
-                    continue
-                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(local_tensor(p).device)
-                for key, dtype in (("exp_avg", group["exp_avg_dtype"]), ("exp_avg_sq", group["exp_avg_sq_dtype"])):
-                    if key in state:
-                        state[key] = state[key].to(dtype)
+                if state:
+                    _conform_state(state, group, local_tensor(p).device)

@@ -335,10 +335,11 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     module_kwargs = dict(lr=lr, min_lr=min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                          adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, lr_warmup_iters=warmup,
                          lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
-    moment_flags = [f for f, v in (("--exp-avg-dtype", args.exp_avg_dtype), ("--exp-avg-sq-dtype",
-                                                                           args.exp_avg_sq_dtype)) if v is not None]
+    moment_flags = [flag for flag, value in (("--exp-avg-dtype", args.exp_avg_dtype),
+                                             ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype)) if value is not None]
     if moment_flags and not args.use_precision_aware_optimizer:
-        raise FlagError(f"{' and '.join(moment_flags)} {'need' if len(moment_flags) > 1 else 'needs'} --use-precision-aware-optimizer (Megatron's rule: the "
+        verb = "need" if len(moment_flags) > 1 else "needs"
+        raise FlagError(f"{' and '.join(moment_flags)} {verb} --use-precision-aware-optimizer (Megatron's rule: the "
                         "moment dtypes belong to the precision-aware optimizer)")
     if args.use_precision_aware_optimizer:
         module_kwargs["exp_avg_dtype"] = args.exp_avg_dtype or "fp32"

@@ -112,10 +112,10 @@ class ParallelGPTModule(pl.LightningModule):
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
     no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments, or with
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` ``"bf16"`` Megatron's precision-aware optimizer
-    (:class:`~lightning_megatron.optim.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule: linear warmup over ``lr_warmup_iters``
-    then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default ``Trainer.max_steps``). With
-    ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer weights
-    (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
+    (:class:`~lightning_megatron.optim.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule:
+    linear warmup over ``lr_warmup_iters`` then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default
+    ``Trainer.max_steps``). With ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer
+    weights (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
     ``decoupled_lr`` to ``decoupled_min_lr`` (default ``min_lr``) with the same warmup and decay.
 
     Under :class:`MegatronStrategy` the model is built on the meta device in :meth:`configure_model` and
@@ -451,7 +451,8 @@ class ParallelGPTModule(pl.LightningModule):
                    optimizer_state_dtype(hp.get("exp_avg_sq_dtype", "fp32")))
         if moments == (torch.float32, torch.float32):
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps, fused=True if on_cuda else None)
+                groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                fused=True if on_cuda else None)
         else:
             optimizer = PrecisionAwareAdamW(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
                                             exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1])

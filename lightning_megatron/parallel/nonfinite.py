@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.optim import PrecisionAwareAdamW
+
 #: what the error tells the user to do
 _FIX = ("lower the learning rate (or warm it up), clip gradients (gradient_clip_val), check the data, or use a "
         "wider precision; check_for_nan_in_loss_and_grad=False (--no-check-for-nan-in-loss-and-grad) turns this "
@@ -86,8 +88,6 @@ def skips_on_device(optimizer: Any) -> bool:
     fused optimizers (``fused=True``, e.g. ``AdamW``) and :class:`~lightning_megatron.optim.PrecisionAwareAdamW`,
     which also leave their step counts unchanged then, over plain (not DTensor) parameters."""
     from torch.distributed.tensor import DTensor
-
-    from lightning_megatron.optim import PrecisionAwareAdamW
 
     if not (isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_step_supports_amp_scaling", False)
             and (optimizer.defaults.get("fused") or isinstance(optimizer, PrecisionAwareAdamW))):

@@ -7,11 +7,11 @@ over tp, row-parallel ``linear_proj`` / ``linear_fc2`` their input columns, the 
 rank and each expert's ffn over etp, a pipeline rank keeps only its stages' layers (the embedding on the first
 stage, the final norm and output layer on the last, a word-embedding copy there too when tied). Precision is
 the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments (or bf16 ones: the
-precision-aware optimizer) and a 4-byte step per parameter tensor. With the distributed optimizer (``sharding="optim"``) the states are split as torch's
-``ZeroRedundancyOptimizer`` splits them (largest tensor first onto the least-loaded rank, per parameter group:
-weights with weight decay, then norms and biases); under FSDP (``optim_grads`` / ``optim_grads_params``) every
-tensor is split along its first dimension as ``fully_shard`` splits it (:func:`fsdp_numel`), so the count equals
-what the rank allocates. No torch.cuda.
+precision-aware optimizer) and a 4-byte step per parameter tensor. With the distributed optimizer
+(``sharding="optim"``) the states are split as torch's ``ZeroRedundancyOptimizer`` splits them (largest tensor
+first onto the least-loaded rank, per parameter group: weights with weight decay, then norms and biases); under
+FSDP (``optim_grads`` / ``optim_grads_params``) every tensor is split along its first dimension as ``fully_shard``
+splits it (:func:`fsdp_numel`), so the count equals what the rank allocates. No torch.cuda.
 
 Activations are counted per token per layer from what the layer's autograd graph keeps (bf16 under autocast,
 the residual stream in fp32) and checked against the measured peaks in ``benchmarks/RESULTS.md``

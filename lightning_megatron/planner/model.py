@@ -31,7 +31,8 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
+    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters,
+    stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
