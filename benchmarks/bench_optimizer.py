@@ -40,7 +40,8 @@ def measure(name: str, make, params, steps: int, warmup: int) -> dict:
     end.record()
     torch.cuda.synchronize()
     states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    row = dict(optimizer=name, device_ms=round(start.elapsed_time(end) / steps, 3), host_ms=round(host * 1e3 / steps, 3),
+    row = dict(optimizer=name, device_ms=round(start.elapsed_time(end) / steps, 3),
+               host_ms=round(host * 1e3 / steps, 3),
                state_gib=round(states / 2**30, 2), params=sum(p.numel() for p in params))
     del opt
     for p in params:

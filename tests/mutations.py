@@ -115,7 +115,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/optim.py",
               "p = p_old * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)",
               "p = p_old * (1 - lr * weight_decay) - lr * (m / denom)"),),
-        ("tests/test_precision_aware_optimizer.py::test_update_equals_float64_adamw_with_moments_rounded_to_their_dtype",)),
+        ("tests/test_precision_aware_optimizer.py::"
+         "test_update_equals_float64_adamw_with_moments_rounded_to_their_dtype",)),
     Mutation(
         "fp8-sp-gather-local-scale", "the FP8 all-gather of the sequence-parallel input casts each shard with its own "
         "tensorwise scale (the amax is not all-reduced over tp)",

@@ -100,13 +100,16 @@ LONG_STEPS, STEPS, ACCUMULATE = 20, 3, 2
 
 
 def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF16P,
-                    strategy_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                    strategy_kwargs: Optional[Dict[str, Any]] = None, adamw: Optional[str] = None) -> Dict[str, Any]:
     """bf16 parameters: 4 steps uninterrupted; 2 steps, save, resume to 4; the checkpoint into the fp32 path.
     ``samples`` are one micro-batch: every step (and epoch) sees the same data, however the resumed run counts
-    epochs."""
+    epochs. ``adamw``: the optimizer kind (:func:`tests.parity.new_module`); ``resumed_opt_dtypes`` are the dtypes of
+    the resumed run's optimizer states, by state name."""
+    resumed_opt: Dict[str, torch.dtype] = {}
+
     def fit(steps: int, precision: Dict[str, Any], ckpt=None, save=None, max_steps=None):
         pl.seed_everything(SEED, verbose=False)
-        module = new_module(cfg, steps)
+        module = new_module(cfg, steps, adamw)
         recorder = StepLossRecorder(1)
 
         trainer = trainer_for(world, MegatronStrategy(**(strategy_kwargs or {})), max_steps or steps, callbacks=[recorder],
@@ -114,6 +117,8 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
         trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2), ckpt_path=ckpt)
         if save:
             trainer.save_checkpoint(save)
+        if ckpt is not None:
+            resumed_opt.update({k: v.dtype for s in trainer.optimizers[0].state.values() for k, v in s.items()})
         state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
         state.update({f"fp8:{k}": v for k, v in trainer.precision_plugin.state_dict().get("fp8_amax_history",
                                                                                           {}).items()})
@@ -122,24 +127,29 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
     whole, whole_state = fit(4, precision)
     first, _ = fit(4, precision, save=path, max_steps=2)
     rest, resumed_state = fit(4, precision, ckpt=path)
+    resumed_opt_dtypes = dict(resumed_opt)
     if strategy_kwargs:   # a sharded directory: the resume is what is checked
         return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state,
-                "resumed_state": resumed_state}
+                "resumed_state": resumed_state, "resumed_opt_dtypes": resumed_opt_dtypes}
     ckpt = torch.load(path, weights_only=False, map_location="cpu")
     fp32, _ = fit(4, dict(precision="32-true"), ckpt=path) if "fp8" not in precision else (None, None)
     return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state, "resumed_state": resumed_state,
             "ckpt_dtypes": {k: v.dtype for k, v in ckpt["state_dict"].items()},
             "opt_dtypes": {k: v.dtype for s in ckpt["optimizer_states"][0]["state"].values() for k, v in s.items()},
-            "fp32_resumed": fp32, "ckpt_fp8": ckpt.get("MegatronPrecision", {}).get("fp8_amax_history")}
+            "fp32_resumed": fp32, "ckpt_fp8": ckpt.get("MegatronPrecision", {}).get("fp8_amax_history"),
+            "resumed_opt_dtypes": resumed_opt_dtypes}
 
 
-def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int):
-    """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task: per-step losses, initial and final full states."""
+def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int,
+               moments: str = "fp32"):
+    """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task, Adam's moments in ``moments`` ("fp32" / "bf16"):
+    per-step losses, initial and final full states."""
     from lightning_megatron import ParallelGPTModule
     from tests.parity import InitialState
 
     pl.seed_everything(SEED, verbose=False)
-    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0)
+    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0, exp_avg_dtype=moments,
+                               exp_avg_sq_dtype=moments)
     recorder, initial = StepLossRecorder(accumulate), InitialState()
     trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial],
                           plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate)

@@ -34,7 +34,8 @@ CASES = {
         Layout(tp=2, dp=2, sequence_parallel=True, sharding="optim_grads_params"), 2, UNEVEN),
 }
 # the precision-aware optimizer (bf16 moments: 4 bytes per parameter instead of 8)
-CASES.update({f"{name}-bf16-moments": CASES[name] for name in ("tp2sp-dp2-distopt", "tp2sp-dp2-fsdp-optim_grads_params")})
+CASES.update({f"{name}-bf16-moments": CASES[name]
+              for name in ("tp2sp-dp2-distopt", "tp2sp-dp2-fsdp-optim_grads_params")})
 
 
 def _moment_bytes(case: str) -> int:

@@ -16,28 +16,16 @@ import tempfile
 from functools import lru_cache
 from typing import Any, Dict, List
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronPrecision, MegatronStrategy, ParallelGPTModule, PrecisionAwareAdamW
+from lightning_megatron import ParallelGPTModule, PrecisionAwareAdamW
 from tests._dist import run_distributed, run_each
-from tests.parity import (
-    SEED,
-    ListDataset,
-    StepLossRecorder,
-    make_samples,
-    new_module,
-    plugin_layout_run,
-    tiny_config,
-    trainer_for,
-    weight_change_errors,
-)
+from tests.parity import make_samples, plugin_layout_run, tiny_config, weight_change_errors
 from tests.test_fp8 import learnable_samples
+from tests.test_main_grad import ACCUMULATE, BF16P, LONG_STEPS, STEPS, _call, _checkpoint_run, _learn_run
 
 BF16 = torch.bfloat16
-BF16P = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
 FP32 = dict(precision="32-true")
 
 
@@ -45,7 +33,8 @@ FP32 = dict(precision="32-true")
 def reference_adamw(params: List[torch.Tensor], grads: List[List[torch.Tensor]], lr: float, betas, eps: float,
                     weight_decay: float, moment_dtype: torch.dtype):
     """AdamW written out in float64, each moment rounded to ``moment_dtype`` when it is stored after a step (the
-    step itself uses the unrounded value, as Megatron's fused precision-aware Adam); the parameters rounded to fp32. Returns the parameters and moments after all steps."""
+    step itself uses the unrounded value, as Megatron's fused precision-aware Adam); the parameters rounded to fp32.
+    Returns the parameters and moments after all steps."""
     b1, b2 = betas
     p = [x.double() for x in params]
     m = [torch.zeros_like(x) for x in p]
@@ -231,49 +220,7 @@ def test_module_picks_the_optimizer_by_its_moment_dtypes():
 
 
 # ---------------------------------------------------------------------------------------------- training
-LONG_STEPS, STEPS, ACCUMULATE = 20, 3, 2
-
-
-def _learn_run(rank: int, world: int, cfg, samples, moments: str) -> Dict[str, Any]:
-    """``LONG_STEPS`` AdamW steps (lr 3e-3) under bf16 parameters with ``moments`` ("fp32" / "bf16")."""
-    pl.seed_everything(SEED, verbose=False)
-    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0, exp_avg_dtype=moments,
-                               exp_avg_sq_dtype=moments)
-    recorder = StepLossRecorder(1)
-    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder],
-                          plugins=[MegatronPrecision(**BF16P)])
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=8))
-    return {"losses": recorder.losses}
-
-
-def _checkpoint_run(rank: int, world: int, cfg, samples, path: str) -> Dict[str, Any]:
-    """bf16 parameters and bf16 moments: 4 steps uninterrupted; 2 steps, save, resume to 4."""
-    def fit(steps: int, ckpt=None, save=None, max_steps=None):
-        pl.seed_everything(SEED, verbose=False)
-        module = new_module(cfg, steps, "bf16_moments")
-        recorder = StepLossRecorder(1)
-        trainer = trainer_for(world, MegatronStrategy(), max_steps or steps, callbacks=[recorder],
-                              plugins=[MegatronPrecision(**BF16P)])
-        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2), ckpt_path=ckpt)
-        if save:
-            trainer.save_checkpoint(save)
-        opt = trainer.optimizers[0]
-        return recorder.losses, {k: v.detach().cpu().clone() for k, v in
-                                 trainer.strategy.lightning_module_state_dict().items()}, \
-            {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
-
-    whole, whole_state, _ = fit(4)
-    first, _, _ = fit(4, save=path, max_steps=2)
-    rest, resumed_state, resumed_dtypes = fit(4, ckpt=path)
-    ckpt = torch.load(path, weights_only=False, map_location="cpu")
-    return {"whole": whole, "first": first, "rest": rest, "whole_state": whole_state, "resumed_state": resumed_state,
-            "resumed_dtypes": resumed_dtypes,
-            "ckpt_moment_dtypes": {v.dtype for s in ckpt["optimizer_states"][0]["state"].values()
-                                   for k, v in s.items() if k != "step"}}
-
-
-def _call(rank: int, world: int, fn, args):
-    return fn(rank, world, *args)
+# the bf16-parameter runs of test_main_grad.py (the same helpers, with the precision-aware optimizer)
 
 
 LAYOUT_CFG = dict(num_query_groups=4)
@@ -286,13 +233,14 @@ def _one_process() -> Dict[str, Any]:
     long = learnable_samples(cfg, LONG_STEPS * 8)
     short = make_samples(tiny_config(**LAYOUT_CFG), STEPS * ACCUMULATE * 4)
     path = os.path.join(tempfile.mkdtemp(), "bf16m.ckpt")
-    runs = [(f"learn-{m}", (_learn_run, (cfg, long, m))) for m in ("fp32", "bf16")]
+    runs = [(f"learn-{m}", (_learn_run, (cfg, long, BF16P, 8, 1, m))) for m in ("fp32", "bf16")]
     runs += [(f"ref-{p}-mb{mb}", (plugin_layout_run, (tiny_config(**LAYOUT_CFG), {}, prec, short, mb, ACCUMULATE,
                                                       0.05, STEPS, "cpu", "bf16_moments")))
              for p, prec in (("fp32", FP32), ("bf16p", BF16P)) for mb in (2, 4)]
     runs += [("ref-fp32-mb4-moe", (plugin_layout_run, (tiny_config(**MOE), {}, FP32, short, 4, ACCUMULATE, 0.05, STEPS,
                                                        "cpu", "bf16_moments")))]
-    runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path)))]
+    runs += [("checkpoint", (_checkpoint_run, (tiny_config(), make_samples(tiny_config(), 2), path, BF16P, None,
+                                               "bf16_moments")))]
     out = run_distributed(run_each, 1, _call, runs)[0]
     for name, result in out.items():
         assert not isinstance(result, str), f"{name}:\n{result}"
@@ -311,7 +259,8 @@ def test_bf16_moments_follow_fp32_moments_over_20_steps():
 
 def test_checkpoint_keeps_bf16_moments_and_resumes_exactly():
     c = _one_process()["checkpoint"]
-    assert c["ckpt_moment_dtypes"] == {BF16} and c["resumed_dtypes"] == {BF16}
+    for dtypes in (c["opt_dtypes"], c["resumed_opt_dtypes"]):   # in the checkpoint, and after resuming
+        assert (dtypes["exp_avg"], dtypes["exp_avg_sq"], dtypes["step"]) == (BF16, BF16, torch.float32), dtypes
     assert c["first"] == c["whole"][:2]
     assert c["rest"] == c["whole"][2:], (c["rest"], c["whole"])
     for k, v in c["whole_state"].items():
