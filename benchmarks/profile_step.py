@@ -14,6 +14,12 @@ Arms (each in a child process of its own):
   ours-bf16-params-compile   + ``params_dtype=torch.bfloat16``
   ours-fp8-compile    + ``fp8="hybrid", fp8_recipe="tensorwise"`` (torch-native FP8)
   ours-fp8-compile-nocheck   the same with ``check_for_nan_in_loss_and_grad=False`` (what the non-finite checks cost)
+  ours-fp8-bf16m-compile     FP8 tensorwise with both Adam moments in bf16 (``ParallelGPTModule(exp_avg_dtype="bf16",
+                             exp_avg_sq_dtype="bf16")``)
+  ours-fp8-delayed-compile / ours-fp8-delayed-bf16m-compile   the delayed recipe (amax histories), without / with
+                             bf16 moments
+  <ours arm>-cudagraph       the transformer layers compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs)
+                             instead of the default mode: an experiment on the step's host time, not a library option
 """
 from __future__ import annotations
 
@@ -27,12 +33,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_precision import BASE_ARMS  # noqa: E402
+from bench_precision import BASE_ARMS, MODULE_KEYS  # noqa: E402
 
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
 #: our arms -> their MegatronPrecision arguments (bench_precision.py's arms of the same meaning)
 OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compile": BASE_ARMS["bf16-params"],
-        "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"]}
+        "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"],
+        "ours-fp8-bf16m-compile": BASE_ARMS["fp8-tensorwise-bf16-moments"],
+        "ours-fp8-delayed-compile": BASE_ARMS["fp8-delayed"],
+        "ours-fp8-delayed-bf16m-compile": dict(BASE_ARMS["fp8-delayed"], exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")}
+CUDAGRAPH = "-cudagraph"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
     ("nccl", ("nccl",)),
@@ -69,7 +79,7 @@ def breakdown(prof) -> dict:
     busy = sum(b - a for a, b in _merged([(a, b) for a, b, _ in kern])) / 1e3
     window = (kern[-1][1] - kern[0][0]) / 1e3 if kern else 0.0
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
-    return dict(window_ms=round(window, 2), busy_ms=round(busy, 2), idle_ms=round(window - busy, 2),
+    return dict(window_ms=round(window, 2), busy_ms=round(busy, 2), idle_ms=round(window - busy, 2), kernels=len(kern),
                 families_ms={k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
                 top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top])
 
@@ -124,7 +134,12 @@ def run_ours(name: str) -> dict:
     from bench_tp import RandomTokens, StepTimer
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
 
-    kwargs = dict(OURS[name])
+    cudagraph = name.endswith(CUDAGRAPH)
+    kwargs = dict(OURS[name[:-len(CUDAGRAPH)] if cudagraph else name])
+    module_kwargs = {k: kwargs.pop(k) for k in MODULE_KEYS if k in kwargs}
+    if cudagraph:   # the layers' `layer.compile()` (apply_compile) gets Inductor's CUDA-graph mode
+        plain_compile = torch.nn.Module.compile
+        torch.nn.Module.compile = lambda self, *a, **kw: plain_compile(self, *a, **{"mode": "reduce-overhead", **kw})
     if "params_dtype" in kwargs:
         kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
     cfg = GPTConfig.llama_1b_bench()
@@ -145,7 +160,8 @@ def run_ours(name: str) -> dict:
                 self.prof.__exit__(None, None, None)
                 result["profile"] = breakdown(self.prof)
 
-    module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1)
+    module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
+                               **module_kwargs)
     strategy = MegatronStrategy(compile=True, check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
@@ -153,8 +169,12 @@ def run_ours(name: str) -> dict:
                          callbacks=[timer, ProfileOne()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     dt = timer.times[1] - timer.times[0]
+    from torch._dynamo.utils import counters
+
+    graphs = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
     return dict(tokens_per_s=round(4 * cfg.seq_length * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
-                peak_mem_gib=round(timer.peak_mem / 2**30, 2), **result)
+                peak_mem_gib=round(timer.peak_mem / 2**30, 2), loss=timer.losses[-1] if timer.losses else None,
+                cudagraph_counters=graphs, **result)
 
 
 def child(name: str) -> None:
@@ -188,14 +208,15 @@ def main() -> None:
         rows.append(row)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
-    print("\n| arm | tokens/s | step ms | peak GiB | device busy ms | idle ms | " +
+    print("\n| arm | tokens/s | step ms | peak GiB | kernels | device busy ms | idle ms | " +
           " | ".join(f for f, _ in FAMILIES) + " | other eager |")
     for r in rows:
         if "profile" not in r:
             print(f"| {r['arm']} | {r.get('error', '')[:200]} |")
             continue
         f = r["profile"]["families_ms"]
-        print(f"| {r['arm']} | {r['tokens_per_s']} | {r['step_ms']} | {r['peak_mem_gib']} | {r['profile']['busy_ms']} | "
+        print(f"| {r['arm']} | {r['tokens_per_s']} | {r['step_ms']} | {r['peak_mem_gib']} | "
+              f"{r['profile'].get('kernels', '')} | {r['profile']['busy_ms']} | "
               f"{r['profile']['idle_ms']} | " + " | ".join(str(f.get(k, 0)) for k, _ in FAMILIES) +
               f" | {f.get('other eager', 0)} |")
 

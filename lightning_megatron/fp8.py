@@ -279,11 +279,13 @@ class Float8Gemm:
         self.amax_groups = [g for g in amax_groups if group_size(g) > 1]
         self.history: Optional[Tensor] = None       # [3, L]; None until the first end_step
         # the delayed recipe's records of this step's training uses, on the device and changed only in place (so a
-        # compiled layer records without leaving its graph): per kind the amax of the last AMAX_RING uses (-1: free
-        # slot), the number of uses, and the largest amax of the uses the ring dropped
-        self.uses: Optional[Tensor] = None           # [3, AMAX_RING]
-        self.use_count: Optional[Tensor] = None      # [3] int64
-        self.dropped: Optional[Tensor] = None        # [3]
+        # compiled layer records without leaving its graph): per kind the largest amax of the uses (-1: none yet);
+        # under a pipeline schedule also a ring of the last uses' amaxes (-1: free slot), the number of uses, and the
+        # largest amax of the uses the ring dropped (end_step(num_microbatches) counts only the last uses)
+        self.running: Optional[Tensor] = None        # [3]
+        self.uses: Optional[Tensor] = None           # [3, capacity] (pipeline only)
+        self.use_count: Optional[Tensor] = None      # [3] int64 (pipeline only)
+        self.dropped: Optional[Tensor] = None        # [3] (pipeline only)
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
 
@@ -335,66 +337,64 @@ class Float8Gemm:
             amax = current
         return scale_from_amax(amax, dtype, cfg.margin)
 
-    def allocate(self, device: torch.device, capacity: int = AMAX_RING) -> None:
-        """The delayed recipe's record buffers on ``device``, a ring of ``capacity`` uses per kind (the strategy
-        allocates them after materialisation, before any compiled forward; a direct eager use allocates them at its
-        first record). Empty records."""
+    def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING) -> None:
+        """The delayed recipe's record buffers on ``device`` (the strategy allocates them after materialisation,
+        before any compiled forward; a direct eager use allocates them, with a ring, at its first record): the
+        running amax per kind, and with ``ring`` a ring of the last ``capacity`` uses per kind (pipeline schedules,
+        :meth:`Float8Layers.end_step` with ``num_microbatches``). Empty records."""
         if self.config.recipe != "delayed":
             return
-        self.uses = torch.full((3, capacity), -1.0, device=device)
-        self.use_count = torch.zeros(3, dtype=torch.int64, device=device)
-        self.dropped = torch.full((3,), -1.0, device=device)
+        self.running = torch.full((3,), -1.0, device=device)
+        if ring:
+            self.uses = torch.full((3, capacity), -1.0, device=device)
+            self.use_count = torch.zeros(3, dtype=torch.int64, device=device)
+            self.dropped = torch.full((3,), -1.0, device=device)
+        else:
+            self.uses = self.use_count = self.dropped = None
 
     def _record(self, kind: int, current: Tensor) -> None:
         """Record a training use's amax (0-dim fp32) of ``kind``: in-place writes only (no host synchronisation, no
         Python state changed, so it stays inside a compiled graph)."""
-        if self.uses is None:
-            self.allocate(current.device)
-        assert self.uses is not None and self.use_count is not None and self.dropped is not None
-        ring, count, dropped = self.uses[kind], self.use_count[kind:kind + 1], self.dropped[kind:kind + 1]
-        slot = count % ring.shape[0]
-        torch.maximum(dropped, ring.gather(0, slot), out=dropped)
-        ring.scatter_(0, slot, current.reshape(1).to(ring.dtype))
-        count.add_(1)
+        if self.running is None:
+            self.allocate(current.device, ring=True)
+        assert self.running is not None
+        running = self.running[kind:kind + 1]
+        torch.maximum(running, current.reshape(1).to(running.dtype), out=running)
+        if self.uses is not None:
+            assert self.use_count is not None and self.dropped is not None
+            ring, count, dropped = self.uses[kind], self.use_count[kind:kind + 1], self.dropped[kind:kind + 1]
+            slot = count % ring.shape[0]
+            torch.maximum(dropped, ring.gather(0, slot), out=dropped)
+            ring.scatter_(0, slot, current.reshape(1).to(ring.dtype))
+            count.add_(1)
 
     def forget_uses(self) -> None:
         """Drop the records of this step's uses."""
-        if self.uses is not None:
-            self.uses.fill_(-1.0)
-            self.use_count.zero_()
-            self.dropped.fill_(-1.0)
+        _forget_uses([self])
 
-    def step_amax(self, last: Optional[int] = None) -> Optional[Tensor]:
-        """``[3]``: per kind the largest amax of the (``last``) recorded uses since the last :meth:`end_step` (0 for
-        a kind without any while another kind has some; -1 for all three when this GEMM had no use), or None when
-        it never recorded; forgets the records. Computed on the device (no host synchronisation); ``last`` larger
-        than the ring counts the ring's uses, and the ring grows to twice ``last`` for the next steps."""
-        if self.uses is None:
-            return None
-        assert self.use_count is not None and self.dropped is not None
-        if last is None:
-            out = torch.maximum(self.uses.max(dim=1).values, self.dropped)
-        else:
-            j = torch.arange(min(last, self.uses.shape[1]), device=self.uses.device)
-            slots = (self.use_count.unsqueeze(1) - 1 - j) % self.uses.shape[1]          # [3, k]: newest first
-            recent = torch.where(j < self.use_count.unsqueeze(1), self.uses.gather(1, slots), -1.0)
-            out = recent.max(dim=1).values
-        used = (self.use_count > 0).any()
-        out = torch.where(used, out.clamp(min=0.0), torch.full_like(out, -1.0))
-        if last is not None and last > self.uses.shape[1]:   # room for every micro-batch of the next steps
-            self.allocate(self.uses.device, capacity=2 * last)
-        else:
-            self.forget_uses()
-        return out
+    def last_uses_amax(self, last: int) -> Tensor:
+        """``[3]``: per kind the largest amax of the last ``last`` recorded uses (-1 for a kind without any), on the
+        device; ``last`` larger than the ring counts the ring's uses. Needs the ring (``allocate(ring=True)``)."""
+        if self.uses is None or self.use_count is None:
+            raise RuntimeError("end_step(num_microbatches=...) counts the last uses of each FP8 GEMM, which needs their "
+                               "record ring: allocate the records with Float8Layers.allocate(device, ring=True) "
+                               "(parallelize does under pipeline parallelism)")
+        j = torch.arange(min(last, self.uses.shape[1]), device=self.uses.device)
+        slots = (self.use_count.unsqueeze(1) - 1 - j) % self.uses.shape[1]          # [3, k]: newest first
+        recent = torch.where(j < self.use_count.unsqueeze(1), self.uses.gather(1, slots), -1.0)
+        return recent.max(dim=1).values
 
-    def end_step(self, amax: Tensor) -> None:
-        """Roll the step's amaxes ``[3]`` (reduced over the amax group) into the history, in place; amaxes of -1
-        (no use on any rank) leave it as it is. The history is created by the first call."""
-        if self.history is None:
-            self.history = torch.zeros(3, self.config.amax_history_len, device=amax.device)
-        rolled = torch.roll(self.history, 1, dims=1)
-        rolled[:, 0] = amax
-        self.history.copy_(torch.where((amax >= 0).all(), rolled, self.history))
+
+def _forget_uses(gemms: Sequence[Float8Gemm]) -> None:
+    """Drop the records of ``gemms``' uses since the last step: one multi-tensor copy per kind of buffer and shape."""
+    for attr, empty in (("running", -1.0), ("uses", -1.0), ("use_count", 0), ("dropped", -1.0)):
+        by_shape: Dict[Tuple[Tuple[int, ...], torch.device], List[Tensor]] = {}
+        for g in gemms:
+            t = getattr(g, attr)
+            if t is not None:
+                by_shape.setdefault((tuple(t.shape), t.device), []).append(t)
+        for tensors in by_shape.values():
+            torch._foreach_copy_(tensors, [torch.full_like(tensors[0], empty)] * len(tensors))
 
 
 def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tensor:
@@ -632,12 +632,13 @@ class Float8Layers:
         self.expert_gemms = [self.expert_gemms[i] for i in experts]
         self.expert_gemm_names = [self.expert_gemm_names[i] for i in experts]
 
-    def allocate(self, device: torch.device) -> None:
+    def allocate(self, device: torch.device, ring: bool = False) -> None:
         """The delayed recipe's record buffers of every torch-backend GEMM on ``device`` (after materialisation, before
-        the first, possibly compiled, forward: :meth:`Float8Gemm.allocate`)."""
+        the first, possibly compiled, forward: :meth:`Float8Gemm.allocate`); ``ring``: also the rings of the last uses
+        that :meth:`end_step` with ``num_microbatches`` reads (pipeline schedules)."""
         for _, gemm in self._named_gemms():
             if isinstance(gemm, Float8Gemm):
-                gemm.allocate(device)
+                gemm.allocate(device, ring=ring)
 
     def _named_gemms(self) -> List[Tuple[str, Any]]:
         return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
@@ -683,27 +684,57 @@ class Float8Layers:
 
 
 def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbatches: Optional[int]) -> None:
-    """One all-reduce (max) per group of the step's amaxes of ``gemms``, rolled into their histories. A GEMM
-    without uses this step contributes zeros (it must still join: every rank of a group calls with the same GEMMs)."""
+    """The step's amaxes ``[len(gemms), 3]`` of ``gemms`` (their records; the last ``num_microbatches`` uses when
+    given), one all-reduce (max) per group, rolled into their histories: a fixed number of kernels for all GEMMs,
+    none of them a host read once every GEMM has a history. A GEMM without uses this step contributes -1 (it must
+    still join: every rank of a group calls with the same GEMMs) and leaves its history as it is."""
     if not gemms:
         return
-    pending = [(g, g.step_amax(num_microbatches)) for g in gemms]
-    if all(a is None for _, a in pending) and not any(group_size(g) > 1 for g in groups):
+    recorded = [g for g in gemms if g.running is not None]
+    if not recorded and not any(group_size(g) > 1 for g in groups):
         return
-    device = next((a.device for _, a in pending if a is not None), None)
-    if device is None:
+    if recorded:
+        device = recorded[0].running.device
+    else:
         default = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        device = next((g.history.device for g, _ in pending if g.history is not None), default)
-    amax = torch.stack([a.to(device) if a is not None else torch.full((3,), -1.0, device=device)
-                        for _, a in pending])
+        device = next((g.history.device for g in gemms if g.history is not None), default)
+    none = torch.full((3,), -1.0, device=device)
+    if num_microbatches is None:
+        amax = torch.stack([g.running if g.running is not None else none for g in gemms])          # [n, 3]
+    else:
+        amax = torch.stack([g.last_uses_amax(num_microbatches) if g.running is not None else none for g in gemms])
+    used = (amax >= 0).any(dim=1, keepdim=True)           # a kind without uses beside used ones counts 0
+    amax = torch.where(used, amax.clamp(min=0.0), -1.0)
+    for g in recorded:
+        if num_microbatches is not None and g.uses is not None and num_microbatches > g.uses.shape[1]:
+            g.allocate(device, ring=True, capacity=2 * num_microbatches)   # room for every micro-batch next time
+    _forget_uses(recorded)
     for group in groups:
         if group_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    for (gemm, _), row in zip(pending, amax.unbind(0)):
-        if gemm.history is not None:
-            gemm.end_step(row)              # on the device: a row of -1 (no use anywhere) changes nothing
-        elif bool((row >= 0).all()):        # no history yet (first steps): read on the host whether to start one
-            gemm.end_step(row)
+    _roll_histories(gemms, amax)
+
+
+def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:
+    """Roll row ``i`` of ``amax`` ``[n, 3]`` into the history ``[3, L]`` of ``gemms[i]`` in place, unless it holds
+    -1 (no use on any rank). The histories that exist are updated in one pass on the device; a GEMM without one (first
+    steps) starts it when its row is valid, which is read on the host once for all of them."""
+    have = [i for i, g in enumerate(gemms) if g.history is not None]
+    if have:
+        histories = [gemms[i].history for i in have]
+        old = torch.stack(histories)                                               # [k, 3, L]
+        rows = amax[have] if len(have) < len(gemms) else amax
+        rolled = torch.cat([rows.unsqueeze(2), old[:, :, :-1]], dim=2)
+        valid = (rows >= 0).all(dim=1).view(-1, 1, 1)
+        torch._foreach_copy_(histories, list(torch.where(valid, rolled, old).unbind(0)))
+    new = [i for i, g in enumerate(gemms) if g.history is None]
+    if new:
+        starts = (amax[new] >= 0).all(dim=1).tolist()
+        for i, start in zip(new, starts):
+            if start:
+                history = torch.zeros(3, gemms[i].config.amax_history_len, device=amax.device)
+                history[:, 0] = amax[i]
+                gemms[i].history = history
 
 
 def _expert_types() -> Tuple[type, ...]:

@@ -224,7 +224,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
-        fp8_applied.allocate(device)
+        fp8_applied.allocate(device, ring=pipeline is not None)
     main_params = MainParams(module, params_dtype) if params_dtype is not None else None
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(

@@ -141,7 +141,7 @@ def test_delayed_scaling_uses_the_amax_history():
             assert got == float(scale_from_amax(torch.tensor(expected), E4M3)), (algo, amaxes, got)
         assert [a / amaxes[2] for a in amaxes] == pytest.approx([2.0, 4.0, 1.0]), amaxes   # the steps' own amaxes
         gemm.tensor_scale(0, probe, E4M3, record=False)
-        assert float(gemm.use_count.sum()) == 0, "evaluation uses (record=False) must not join the history"
+        assert float(gemm.running.max()) == -1.0, "evaluation uses (record=False) must not join the history"
 
 
 def test_delayed_step_counts_only_the_last_microbatches():
@@ -439,12 +439,13 @@ def test_sequence_parallel_gather_option_is_validated():
         Float8Config(sequence_parallel_gather="yes")
 
 
-def test_delayed_recipe_records_inside_one_compiled_graph():
+@pytest.mark.parametrize("ring", [False, True], ids=["running-amax", "pipeline-ring"])
+def test_delayed_recipe_records_inside_one_compiled_graph(ring):
     """The delayed recipe's amax records are in-place writes to device buffers, so a transformer layer with FP8
     delayed GEMMs compiles into one graph (``fullgraph=True``; appending to a Python list inside the GEMM's autograd
     function broke each layer into 15 graphs, and the compiled step ran at half speed). 3 compiled steps (AOT
     autograd, the capture Inductor compiles) record the same amaxes and give the same histories and gradients as
-    eager."""
+    eager, with the running amax alone and with the pipeline schedules' ring of last uses beside it."""
     import torch._dynamo
 
     cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
@@ -455,7 +456,7 @@ def test_delayed_recipe_records_inside_one_compiled_graph():
         model = GPTModel(cfg)
         model.init_weights(seed=0)
         layers = apply_fp8(model, Float8Config(recipe="delayed", backend="torch", amax_history_len=2))
-        layers.allocate(torch.device("cpu"))
+        layers.allocate(torch.device("cpu"), ring=ring)
         layer = model.decoder.layers["0"]
         run = torch.compile(layer, backend="aot_eager", fullgraph=True) if mode == "compiled" else layer
         g = torch.Generator().manual_seed(1)
@@ -464,7 +465,7 @@ def test_delayed_recipe_records_inside_one_compiled_graph():
             x = (torch.randn(32, 2, 64, generator=g) * (step + 1)).requires_grad_()
             rotary = model.rotary(torch.arange(32).unsqueeze(1).expand(-1, 2), x)
             (run(x, rotary) * torch.randn(32, 2, 64, generator=g)).sum().backward()
-            layers.end_step()
+            layers.end_step(num_microbatches=1 if ring else None)
             grads.append(x.grad.clone())
         runs[mode] = (torch.stack([gemm.history for gemm in layers.gemms]), torch.stack(grads))
     assert torch.equal(runs["compiled"][0], runs["eager"][0])
@@ -490,3 +491,46 @@ def test_delayed_last_microbatches_beyond_the_ring():
         want = 1.0 if step == 0 else 2.0   # step 0: the ring's last 64 uses (the 2.0s fell out); then all m
         assert float(gemm.history[0, 0]) == want, (step, gemm.history)
     assert gemm.uses.shape[1] == 2 * m
+
+
+def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms():
+    """The per-step amax update runs on all GEMMs' records at once: the same number of tensor operations for 4 and for
+    40 GEMMs (one per GEMM and buffer made a step with 96 GEMMs launch 1,500 small kernels on the GPU, and the host
+    time to launch them made the delayed recipe slower than tensorwise), and the histories equal a GEMM-by-GEMM
+    update's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for n in (4, 40):
+        cfg = Float8Config(recipe="delayed", backend="torch", amax_history_len=3)
+        gemms = [Float8Gemm(cfg) for _ in range(n)]
+        layers = Float8Layers(config=cfg, gemms=gemms)
+        layers.allocate(torch.device("cpu"))
+        g = torch.Generator().manual_seed(n)
+        want = torch.zeros(n, 3)          # per GEMM the input amaxes it must hold, newest first
+        for step in range(3):
+            for i, gemm in enumerate(gemms):
+                if i % 3 or step:      # every third GEMM has no use in the first step: its history starts later
+                    x = (torch.randn(8, 32, generator=g) * (i + step + 1)).requires_grad_()
+                    gemm(x, torch.randn(16, 32, generator=g, requires_grad=True)).sum().backward()
+                    want[i] = torch.cat([x.detach().abs().amax().reshape(1), want[i, :2]])
+            if step == 2:
+                with CountOps() as mode:
+                    layers.end_step()
+                counts[n] = mode.ops
+            else:
+                layers.end_step()
+        histories = torch.stack([gemm.history for gemm in gemms])      # [n, 3 kinds, 3 steps]
+        assert torch.equal(histories[:, 0], want), (histories[:, 0], want)
+        assert torch.equal(histories[:, 2], (want > 0).float())   # output gradient of a sum: ones
+        assert (gemms[0].running == -1).all()          # the records start again
+    assert counts[4] == counts[40], counts
