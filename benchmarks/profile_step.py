@@ -206,8 +206,8 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        if args.out:   # after every arm: a run cut short keeps the arms it finished
+            Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| arm | tokens/s | step ms | peak GiB | kernels | device busy ms | idle ms | " +
           " | ".join(f for f, _ in FAMILIES) + " | other eager |")
     for r in rows:
