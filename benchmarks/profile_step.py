@@ -197,12 +197,16 @@ def main() -> None:
     for arm in args.arms.split(","):
         start = time.perf_counter()
         try:
+            arm_env = dict(env, TORCH_LOGS="perf_hints") if arm.endswith(CUDAGRAPH) else env   # why a graph is not
             out = subprocess.run([sys.executable, __file__, "--child", arm], capture_output=True, text=True,
-                                 timeout=args.arm_timeout_s, env=env, cwd=ROOT)
+                                 timeout=args.arm_timeout_s, env=arm_env, cwd=ROOT)
+            if arm.endswith(CUDAGRAPH):
+                print(out.stderr[-3000:], flush=True)
             found = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             row = json.loads(found[-1]) if found else dict(arm=arm, error=out.stderr[-800:])
-        except subprocess.TimeoutExpired:
-            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s")
+        except subprocess.TimeoutExpired as e:
+            tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s", stderr_tail=tail[-3000:])
         row["wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
