@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Adam's first moment (bf16: the precision-aware optimizer)")
     p.add_argument("--exp-avg-sq-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Adam's second moment (bf16: the precision-aware optimizer)")
+    p.add_argument("--params-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="parameters (bf16: MegatronPrecision(params_dtype=torch.bfloat16), fp32 main parameters and "
+                        "gradients; not with FSDP's sharding levels)")
+    p.add_argument("--accumulate-allreduce-grads-in-fp32", dest="params_dtype", action="store_const", const="bf16",
+                   help="Megatron's flag for bf16 parameters with fp32 main gradients: --params-dtype bf16")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
@@ -79,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,
                   args.precision, args.recompute, args.sharding, args.micro_batch_sizes, args.exp_avg_dtype,
-                  args.exp_avg_sq_dtype)
+                  args.exp_avg_sq_dtype, args.params_dtype)
     shown = []
     for spec in args.show:
         row = result.rank_of(**parse_show(spec))
@@ -93,9 +98,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
         print(f"{spec}: {where}{mfu}")
     if result.feasible:
         best = result.best
+        bf16_params = args.params_dtype == "bf16"
+        plugin = ", plugins=[MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16)]" if bf16_params else ""
         print(f"best: MegatronStrategy(**{best.strategy_kwargs()}) with micro-batch {best.micro_batch_size} and "
-              f"Trainer(accumulate_grad_batches={best.num_microbatches}); MegatronStrategy.from_plan(plan) builds it")
-        print("flags: " + " ".join(best.flags(args.global_batch_size)))
+              f"Trainer(accumulate_grad_batches={best.num_microbatches}{plugin}); MegatronStrategy.from_plan(plan) "
+              "builds it")
+        flags = best.flags(args.global_batch_size) + (["--bf16 --accumulate-allreduce-grads-in-fp32"] if bf16_params
+                                                      else [])
+        print("flags: " + " ".join(flags))
     return result
 
 

@@ -3,7 +3,11 @@ for each rank of tp2 x pp2 and of tp2+SP x dp2 with the distributed optimizer, a
 (``optim_grads``, ``optim_grads_params``), after training steps, the bytes of the rank's parameters, gradients and
 optimizer states (sum of numel x element size of the local shards: FSDP's DTensors count their local part, Adam's
 moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of that rank exactly; also with the
-precision-aware optimizer's bf16 moments (``moment_bytes=4``) under the distributed optimizer and FSDP."""
+precision-aware optimizer's bf16 moments (``moment_bytes=4``) under the distributed optimizer and FSDP, and with bf16
+parameters (``MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)``, ``params_dtype="bf16"``: the bf16
+copies and fp32 main parameters, the fp32 main gradients before the optimizer step, which then drops them) without
+sharding and under the distributed optimizer; FSDP with bf16 parameters is refused by the strategy and by the
+planner alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy
+from lightning_megatron import MegatronPrecision, MegatronStrategy
 from lightning_megatron.planner import Layout, state_bytes
 from tests._dist import run_distributed, run_each
 from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
@@ -38,8 +42,24 @@ CASES.update({f"{name}-bf16-moments": CASES[name]
               for name in ("tp2sp-dp2-distopt", "tp2sp-dp2-fsdp-optim_grads_params")})
 
 
+# bf16 parameters with fp32 main parameters and main gradients (6 + 4 bytes per parameter), whole and under the
+# distributed optimizer (which shards only the Adam states: the main parameters stay whole)
+BF16_PARAMS = {
+    "tp2xpp2-bf16-params": (dict(tp=2, pp=2), Layout(tp=2, pp=2), 2),
+    "tp2sp-dp2-bf16-params": (dict(tp=2, sequence_parallel=True), Layout(tp=2, dp=2, sequence_parallel=True), 2),
+    "tp2sp-dp2-distopt-bf16-params": CASES["tp2sp-dp2-distopt"],
+}
+CASES.update(BF16_PARAMS)
+#: FSDP's levels with bf16 parameters: the strategy refuses them (check_bf16_params_options), so does the planner
+REFUSED = {"tp2sp-dp2-fsdp-optim_grads-bf16-params": CASES["tp2sp-dp2-fsdp-optim_grads"]}
+
+
 def _moment_bytes(case: str) -> int:
     return 4 if case.endswith("-bf16-moments") else 8
+
+
+def _params_dtype(case: str) -> str:
+    return "bf16" if case.endswith("-bf16-params") else "fp32"
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -48,27 +68,45 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 class Allocated(pl.Callback):
-    """Bytes of this rank's parameters, gradients and optimizer states after the last training step."""
+    """Bytes of this rank's parameters, gradients and optimizer states after the last training step. With bf16
+    parameters the parameters are the bf16 copies (``pl_module``'s) and the fp32 main parameters, the gradients the
+    fp32 main gradients just before the optimizer step (``main_grads``), and ``left_grads`` what the step left of
+    them (the planner counts none between steps)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        main = trainer.strategy.parallelized.main_params
+        if main is not None:
+            self.main_grads = sum(_bytes(main.main_grad(p)) for p in main.params if main.main_grad(p) is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         params = [p for p in pl_module.parameters()]
         opt = trainer.optimizers[0]
         local = getattr(opt, "optim", opt)  # the shard's own optimizer under the distributed optimizer
+        main = trainer.strategy.parallelized.main_params
         self.result = {
             "params": sum(_bytes(p) for p in params),
             "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(_bytes(v) for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
         }
+        if main is not None:
+            assert {p.dtype for p in params} == {torch.bfloat16}, {p.dtype for p in params}
+            self.result["params"] += sum(_bytes(main.main_param(p)) for p in params)
+            self.result["left_grads"] = self.result["grads"] + sum(
+                _bytes(main.main_grad(p)) for p in main.params if main.main_grad(p) is not None)
+            self.result["grads"] = getattr(self, "main_grads", None)   # None before the first optimizer step
 
 
 def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: Dict[str, Any],
-         adamw: Any = None) -> Dict[str, int]:
+         adamw: Any = None, params_dtype: str = "fp32") -> Dict[str, int]:
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config(num_layers=4, **model)
     module = new_module(cfg, STEPS, adamw)
     allocated = Allocated()
+    # the planner's fp32 bytes, or bf16 parameters with fp32 main parameters
+    precision = (dict(plugins=[MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)])
+                 if params_dtype == "bf16" else dict(precision="32-true"))
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
-                          accumulate_grad_batches=accumulate, precision="32-true")   # the planner's fp32 bytes
+                          accumulate_grad_batches=accumulate, **precision)
     samples = make_samples(cfg, 16)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
     return allocated.result
@@ -77,7 +115,8 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: 
 @pytest.fixture(scope="module")
 def allocations():
     cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {},
-                     "bf16_moments" if _moment_bytes(name) == 4 else None)) for name, case in CASES.items()]
+                     "bf16_moments" if _moment_bytes(name) == 4 else None, _params_dtype(name)))
+             for name, case in {**CASES, **REFUSED}.items()]
     return run_distributed(run_each, 4, _run, cases)
 
 
@@ -92,14 +131,34 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         rest = rank // layout.tp
         cp_rank, dp_rank, pp_rank = rest % layout.cp, (rest // layout.cp) % layout.dp, rest // (layout.cp * layout.dp)
         want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank,
-                           moment_bytes=_moment_bytes(case))
+                           moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case))
         assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), (
             case, rank, got, want)
-        if layout.dp > 1:  # really sharded: less than the whole states of the rank's parameters
+        if want.main_grads:   # bf16 parameters: the optimizer step dropped the main gradients
+            assert got["left_grads"] == 0 and want.between_steps == want.params + want.optimizer, (case, rank, got)
+            fp32 = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank)
+            assert (want.params, want.grads) == (fp32.params * 6 // 4, fp32.grads), (want, fp32)
+        if layout.dp > 1 and layout.sharding != "no_shard":  # really sharded: less than the rank's whole states
             whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank,
-                                moment_bytes=_moment_bytes(case))
+                                moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case))
             assert 0 < got["optimizer"] < whole.optimizer, (case, rank, got, whole)
             if layout.sharding.startswith("optim_grads"):  # FSDP: gradients and parameters sharded too, unevenly
                 assert 0 < got["grads"] < whole.grads and 0 < got["params"] < whole.params, (case, rank, got, whole)
                 other = state_bytes(cfg, layout, pp_rank, dp_rank=1 - dp_rank)
                 assert got["params"] != other.params, (case, rank, got, other)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_fsdp_with_bf16_params_is_refused_by_the_strategy_and_the_planner(allocations, case):
+    """The strategy refuses FSDP with bf16 parameters on every rank (check_bf16_params_options); the planner's
+    state_bytes raises the same error, naming the level and MegatronPrecision(params_dtype=torch.bfloat16)."""
+    layout = CASES[case.replace("-bf16-params", "")][1]
+    cfg = tiny_config(num_layers=4, **UNEVEN)
+    with pytest.raises(ValueError) as refused:
+        state_bytes(cfg, layout, params_dtype="bf16")
+    message = str(refused.value)
+    assert message.startswith(f"data_parallel_sharding_strategy={layout.sharding!r} with "
+                              "MegatronPrecision(params_dtype=torch.bfloat16): FSDP"), message
+    for rank, result in enumerate(allocations):
+        got = result[case]
+        assert isinstance(got, str) and f"ValueError: {message}" in got, (rank, got)

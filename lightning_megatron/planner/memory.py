@@ -6,7 +6,9 @@ over tp, row-parallel ``linear_proj`` / ``linear_fc2`` their input columns, the 
 ``make_vocab_size_divisible_by * tp`` and split over tp, norms are whole, routed experts are split ``E/ep`` per
 rank and each expert's ffn over etp, a pipeline rank keeps only its stages' layers (the embedding on the first
 stage, the final norm and output layer on the last, a word-embedding copy there too when tied). Precision is
-the library's bf16-mixed: fp32 parameters and gradients, Adam's two fp32 moments (or bf16 ones: the
+the library's bf16-mixed: fp32 parameters and gradients (or, with bf16 parameters, ``MegatronPrecision(
+params_dtype=torch.bfloat16)``, a bf16 compute copy and an fp32 main parameter per element and fp32 main
+gradients: :mod:`lightning_megatron.parallel.main_grad`), Adam's two fp32 moments (or bf16 ones: the
 precision-aware optimizer) and a 4-byte step per parameter tensor. With the distributed optimizer
 (``sharding="optim"``) the states are split as torch's ``ZeroRedundancyOptimizer`` splits them (largest tensor
 first onto the least-loaded rank, per parameter group: weights with weight decay, then norms and biases); under
@@ -22,11 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig
 from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_per_stage, pad_vocab_size, stage_placement
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
-           "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS"]
+           "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS", "PARAMS_DTYPE_BYTES",
+           "check_params_dtype"]
 
 #: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names, the library's own list): what is split
 #: over dp x cp
@@ -36,6 +39,11 @@ GRAD_BYTES = 4         # fp32 gradients (grad_reduce_in_bf16 only changes the wi
 ADAM_BYTES = 8         # exp_avg + exp_avg_sq in fp32
 #: bytes per element of an Adam moment by its dtype (``ParallelGPTModule(exp_avg_dtype=..., exp_avg_sq_dtype=...)``)
 MOMENT_BYTES = {"fp32": 4, "bf16": 2}
+#: bytes per element of a parameter by the parameters' dtype (``MegatronPrecision(params_dtype=...)``): fp32
+#: parameters; bf16 ones keep a bf16 compute copy and an fp32 main parameter (2 + 4). The gradients are fp32 either
+#: way (``GRAD_BYTES``): with bf16 parameters the fp32 main gradients, which exist from a step's first backward until
+#: the optimizer step drops them
+PARAMS_DTYPE_BYTES = {"fp32": PARAM_BYTES, "bf16": 6}
 STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
 
 
@@ -146,16 +154,38 @@ def zero_partition(tensors: Sequence[ParamTensor], ranks: int) -> List[List[Para
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes one rank holds between steps: ``params``, ``grads``, ``optimizer`` (Adam moments and steps)."""
+    """Bytes of one rank's ``params``, ``grads`` and ``optimizer`` (Adam moments and steps); ``main_grads``: the
+    gradients are bf16 parameters' fp32 main gradients, dropped at the optimizer step."""
 
     params: int
     grads: int
     optimizer: int
+    main_grads: bool = False
 
     @property
     def total(self) -> int:
-        """All three together."""
+        """All three together (the end of a step's backward)."""
         return self.params + self.grads + self.optimizer
+
+    @property
+    def between_steps(self) -> int:
+        """What the rank holds between optimizer steps: all three, less main gradients (fp32 gradients stay until
+        the step path frees them before the next forward)."""
+        return self.params + self.optimizer + (0 if self.main_grads else self.grads)
+
+
+def check_params_dtype(sharding: str, params_dtype: str) -> None:
+    """Raise ValueError when ``params_dtype`` (``"fp32"`` / ``"bf16"``) is unknown or does not combine with the
+    sharding level: the library's own rule (:func:`~lightning_megatron.parallel.main_grad.check_bf16_params_options`:
+    bf16 parameters are refused under FSDP's levels, run with ``no_shard`` and the distributed optimizer). The rule
+    lives beside ``MainParams``, which needs torch: it is imported only for bf16 parameters, so planning fp32
+    parameters stays torch-free."""
+    if params_dtype not in PARAMS_DTYPE_BYTES:
+        raise ValueError(f"params_dtype={params_dtype!r} must be one of {', '.join(map(repr, PARAMS_DTYPE_BYTES))}")
+    if params_dtype == "bf16":
+        from lightning_megatron.parallel.main_grad import check_bf16_params_options
+
+        check_bf16_params_options(ParallelConfig(data_parallel_sharding_strategy=sharding), fitting=True)
 
 
 def _adam_bytes(tensors: Sequence[ParamTensor], moment_bytes: int = ADAM_BYTES) -> int:
@@ -163,11 +193,13 @@ def _adam_bytes(tensors: Sequence[ParamTensor], moment_bytes: int = ADAM_BYTES) 
 
 
 def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int] = 0,
-                edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES) -> StateBytes:
+                edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES, params_dtype: str = "fp32") -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of one rank (pipeline rank ``pp_rank``; ``dp_rank`` its
     index in the dp x cp group and ``edp_rank`` in expert data parallel, which only matter when sharded; None:
     the rank holding the most). ``moment_bytes``: bytes per parameter of Adam's two moments (8 in fp32; 4 with both
-    in bf16, the precision-aware optimizer's).
+    in bf16, the precision-aware optimizer's). ``params_dtype``: ``"fp32"`` (4 bytes per parameter) or ``"bf16"``
+    (``MegatronPrecision(params_dtype=torch.bfloat16)``: 6, the bf16 copy and the fp32 main parameter; the gradients
+    are the fp32 main gradients; ValueError, the library's, with an FSDP level).
 
     Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
     optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
@@ -176,6 +208,8 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     (:func:`fsdp_numel`: dense tensors over dp x cp, routed experts over edp, whole when edp = 1 as the library
     leaves them out of FSDP). Both FSDP levels hold the same bytes between steps; the whole bf16 weights they
     gather during forward and backward are counted by the planner's peak (:mod:`lightning_megatron.planner.model`).
+    The distributed optimizer shards only the Adam states, also with bf16 parameters (the fp32 main parameters are
+    whole on every rank).
     """
     tensors = rank_parameters(model, layout, pp_rank)
     dense = [t for t in tensors if not t.expert]
@@ -184,10 +218,12 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     level = layout.sharding
     if level not in SHARDING_LEVELS:
         raise ValueError(f"sharding={level!r} is not one of {SHARDING_LEVELS}")
+    check_params_dtype(level, params_dtype)
+    param_bytes, main = PARAMS_DTYPE_BYTES[params_dtype], params_dtype != "fp32"
     dp_cp = layout.dp * layout.cp
     edp = layout.edp
     if level == "no_shard":
-        return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, _adam_bytes(tensors, moment_bytes))
+        return StateBytes(param_bytes * n, GRAD_BYTES * n, _adam_bytes(tensors, moment_bytes), main)
     if level in FSDP_STRATEGIES:
         local = [fsdp_numel(t, dp_cp, dp_rank) for t in dense] + [fsdp_numel(t, edp, edp_rank) for t in expert]
         return StateBytes(PARAM_BYTES * sum(local), GRAD_BYTES * sum(local),
@@ -200,7 +236,7 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
         return max(per_rank) if rank is None else per_rank[rank]
 
     opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)
-    return StateBytes(PARAM_BYTES * n, GRAD_BYTES * n, opt)
+    return StateBytes(param_bytes * n, GRAD_BYTES * n, opt, main)
 
 
 def fsdp_numel(tensor: ParamTensor, ranks: int, rank: Optional[int] = 0) -> int:
@@ -213,12 +249,14 @@ def fsdp_numel(tensor: ParamTensor, ranks: int, rank: Optional[int] = 0) -> int:
     return mine * (tensor.numel // rows)
 
 
-def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False) -> Dict[str, float]:
+def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False,
+                           params_dtype: str = "fp32") -> Dict[str, float]:
     """Bytes one transformer layer keeps for backward, per token of the rank's micro-batch (tokens = micro-batch
     x seq / cp), split by the part a recompute option drops. bf16 tensors (2 bytes) under autocast, the residual
-    stream in fp32:
+    stream in fp32 (in bf16 with ``params_dtype="bf16"``: the embedding's output and every layer's are bf16):
 
-    - ``norm_inputs``: the two norms' fp32 inputs, ``8h`` (``/tp`` with sequence parallelism);
+    - ``norm_inputs``: the two norms' fp32 inputs, ``8h`` (bf16 residual stream: ``4h``; ``/tp`` with sequence
+      parallelism);
     - ``norm_outputs``: the bf16 casts of the norm outputs that ``linear_qkv`` and ``linear_fc1`` keep, ``4h``
       (whole on every tp rank: sequence parallelism keeps the gathered input);
     - ``attention``: ``linear_qkv``'s output, the rotated q and k, the attention output and ``linear_proj``'s
@@ -232,8 +270,9 @@ def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False) -> 
     h, q, kv = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     sp = layout.sequence_parallel and tp > 1
     etp = getattr(layout, "etp", None) or tp
+    residual = 2.0 if params_dtype == "bf16" else 4.0     # bytes per element of the residual stream
     parts = {
-        "norm_inputs": 8.0 * h / (tp if sp else 1),
+        "norm_inputs": 2 * residual * h / (tp if sp else 1),
         "norm_outputs": 4.0 * h,
         "attention": (8.0 * q + 6.0 * kv + (4.0 * kv if layout.cp > 1 else 0.0)) / tp,
     }

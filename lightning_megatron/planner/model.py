@@ -5,10 +5,16 @@ Memory (per GPU, the largest over pipeline ranks): parameters, gradients and opt
 on that pipeline rank (1F1B: ``pp - rank``; torch's interleaved 1F1B: ``(vp-1) pp + 2 (pp-1-rank) + 1`` chunks),
 the bf16 weight copies autocast keeps for each of them, and the logits / cross-entropy on the last stage. The
 gradients are absent at the forward peak only where the step path frees them (one micro-batch per step, no
-DDP bucket, no pipeline). Under FSDP (``optim_grads``, ``optim_grads_params``) the states are FSDP's shards, the
-gathered bf16 weights replace autocast's copies (all the rank's layers with ``optim_grads``, two layers with
-``optim_grads_params``, the root unit's throughout) and gradients accumulate unsharded in fp32 while a step has
-several micro-batches. The peak is the larger of the forward peak and the end of backward.
+DDP bucket, no pipeline). With bf16 parameters (``params_dtype="bf16"``, Megatron's bf16: a bf16 compute copy and
+an fp32 main parameter per element) autocast keeps no copies (the weights are bf16 already) and the fp32 main
+gradients, dropped at every optimizer step, are held at the forward peak only while a step has several
+micro-batches (also the pipeline's); there is no DDP, the finaliser reduces them after the backward. The residual
+stream is then bf16 too (the embedding's weights are), so the norms keep half the bytes of their inputs (FSDP's
+levels refuse bf16 parameters, as the library does). Under FSDP (``optim_grads``, ``optim_grads_params``) the
+states are FSDP's shards, the gathered bf16 weights replace autocast's copies (all the rank's layers with
+``optim_grads``, two layers with ``optim_grads_params``, the root unit's throughout) and gradients accumulate
+unsharded in fp32 while a step has several micro-batches. The peak is the larger of the forward peak and the end of
+backward.
 
 Time (per optimizer step): per micro-batch and pipeline rank, GEMMs at a measured efficiency of the dense peak
 (FLOPs from :func:`lightning_megatron.callbacks.flops.num_floating_point_operations`, the library's formula),
@@ -31,8 +37,8 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, layer_activation_bytes, logits_bytes_per_token, rank_parameters,
-    stage_layers, state_bytes,
+    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, layer_activation_bytes, logits_bytes_per_token,
+    rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -45,8 +51,10 @@ class Workload:
     """What is trained: ``model`` (a ``GPTConfig``), ``seq_length``, ``global_batch_size`` (sequences per
     optimizer step), ``precision`` (``"bf16"``: bf16-mixed; ``"fp8"``: FP8 GEMMs, same memory model),
     ``grads_kept_between_steps`` (True for code before the step path freed gradients before the forward; None:
-    the current code) and the Adam moments' dtypes ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``"fp32"`` or
-    ``"bf16"``: ``ParallelGPTModule``'s arguments of the same names)."""
+    the current code), the Adam moments' dtypes ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``"fp32"`` or
+    ``"bf16"``: ``ParallelGPTModule``'s arguments of the same names) and ``params_dtype`` (``"fp32"`` or ``"bf16"``:
+    ``MegatronPrecision(params_dtype=torch.bfloat16)``, bf16 parameters with fp32 main parameters and gradients;
+    Megatron's ``--accumulate-allreduce-grads-in-fp32``)."""
 
     model: Any
     seq_length: int
@@ -55,11 +63,15 @@ class Workload:
     grads_kept_between_steps: Optional[bool] = None
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
+    params_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, name) not in MOMENT_BYTES:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, MOMENT_BYTES))}")
+        if self.params_dtype not in PARAMS_DTYPE_BYTES:
+            raise ValueError(f"params_dtype={self.params_dtype!r} must be one of "
+                             f"{', '.join(map(repr, PARAMS_DTYPE_BYTES))}")
 
     @property
     def moment_bytes(self) -> int:
@@ -201,14 +213,16 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     tokens = mbs * s / cp                                   # tokens of one micro-batch on one rank
     moe = bool(getattr(c, "num_moe_experts", None))
     drop_norm, drop_mlp, whole = _recompute_parts(layout.recompute)
-    dense_act = layer_activation_bytes(c, layout, moe_layer=moe)
+    bf16_params = work.params_dtype == "bf16"
+    residual = 2.0 if bf16_params else 4.0                  # bytes per element of the residual stream
+    dense_act = layer_activation_bytes(c, layout, moe_layer=moe, params_dtype=work.params_dtype)
     lp_key = ("layer", id(c), layout.tp, layout.ep, layout.etp)
     lp = cache.get(lp_key) if cache is not None else None
     if lp is None:
         lp = _layer_params(c, layout)
         if cache is not None:
             cache[lp_key] = lp
-    layer_in = 4.0 * c.hidden_size / (tp if layout.sequence_parallel and tp > 1 else 1)
+    layer_in = residual * c.hidden_size / (tp if layout.sequence_parallel and tp > 1 else 1)
     kept = dict(dense_act)
     if drop_norm:
         kept["norm_outputs"] = 0.0
@@ -220,23 +234,27 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     copies_kept = 2.0 * (lp["attention"] + (0.0 if drop_mlp else lp["mlp"]))
     fsdp = layout.sharding in FSDP_STRATEGIES
     layer_bf16 = 2.0 * (lp["attention"] + lp["mlp"])    # one layer's weights in bf16 (this rank's tp / ep part)
-    if fsdp:   # FSDP gathers bf16 weights (its mixed-precision policy): autocast keeps no copies of its own
-        copies_full = copies_kept = 0.0
+    if fsdp or bf16_params:   # FSDP gathers bf16 weights (its mixed-precision policy), bf16 parameters are bf16
+        copies_full = copies_kept = 0.0     # already: autocast keeps no copies of its own
     layers_of = stage_layers(c.num_layers, layout)
     chunk_layers = len(layers_of[0]) // vp
-    kept_grads = (work.grads_kept_between_steps or layout.dp * cp > 1 or pp > 1 or m > 1)
+    if bf16_params:   # main gradients: from a step's first backward to its optimizer step (no DDP bucket)
+        kept_grads = pp > 1 or m > 1
+    else:
+        kept_grads = (work.grads_kept_between_steps or layout.dp * cp > 1 or pp > 1 or m > 1)
 
     # ---- memory: the largest pipeline rank
     best = None
     for r in range(pp):
         key = (id(c), layout.tp, layout.pp, layout.vp, layout.ep, layout.etp, layout.schedule, layout.dp * cp,
-               layout.edp, layout.sharding, r, work.moment_bytes)
+               layout.edp, layout.sharding, r, work.moment_bytes, work.params_dtype)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
             tensors = rank_parameters(c, layout, r)
             edge = sum(t.numel for t in tensors if "decoder.layers" not in t.name)
             numel = (sum(t.numel for t in tensors if not t.expert), sum(t.numel for t in tensors if t.expert))
-            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None, moment_bytes=work.moment_bytes), edge, numel)
+            hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None, moment_bytes=work.moment_bytes,
+                               params_dtype=work.params_dtype), edge, numel)
             if cache is not None:
                 cache[key] = hit
         sb, edge, numel = hit
@@ -255,7 +273,7 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
             # (several micro-batches), else one layer's bf16 gradients before its reduce-scatter
             unsharded_fwd = GRAD_BYTES * (numel[0] + numel[1]) if m > 1 else 0.0
             unsharded_bwd = unsharded_fwd or layer_bf16
-        else:
+        elif not bf16_params:
             act += 2.0 * edge * min(chunks, 2)      # bf16 copies of the embedding / output weights
         holds_last = (c.num_layers - 1) in layers_of[r]
         logits = logits_bytes_per_token(c, tp) * mbs * s / cp if holds_last else 0.0
@@ -332,7 +350,7 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     t_pipe = (m + (pp - 1) / vp) * t_mb
     t_p2p = 0.0
     if pp > 1:
-        msg = tokens * h * 4 / (tp if layout.sequence_parallel and tp > 1 else 1)
+        msg = tokens * h * residual / (tp if layout.sequence_parallel and tp > 1 else 1)
         t_p2p = m * vp * 2 * msg / _nccl_bw(hw, msg, tp * cp * layout.dp >= intra)
 
     # ---- data parallel, optimizer, fixed cost
@@ -344,7 +362,8 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
             t_ar += 2.0 * (ranks - 1) / ranks * 4.0 * n / _nccl_bw(hw, bucket, span)
             if layout.sharding != "no_shard":
                 t_gather += (ranks - 1) / ranks * PARAM_BYTES * n / _nccl_bw(hw, PARAM_BYTES * n / ranks, span)
-    t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 else t_ar   # the pipeline reduces after its last backward
+    # the pipeline reduces after its last backward, and so does the gradient finaliser with bf16 parameters (no DDP)
+    t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 and not bf16_params else t_ar
     if fsdp:
         t_dp, t_gather = _fsdp_time(layout, hw, t_mb, max(len(l) for l in layers_of),
                                     ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from lightning_megatron.planner.calibration import Hardware, load_hardware
 from lightning_megatron.planner.layout import SUPPORTED_SHARDING, Layout, enumerate_layouts
+from lightning_megatron.planner.memory import check_params_dtype
 from lightning_megatron.planner.model import Prediction, Workload, predict
 
 __all__ = ["PlanRow", "Plan", "plan", "format_table"]
@@ -69,13 +70,15 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
          hardware: str = "h200", gpu_memory_gib: Optional[float] = None, precision: str = "bf16",
          recompute: Sequence[str] = ("none", "selective", "full"), sharding: Sequence[str] = SUPPORTED_SHARDING,
          micro_batch_sizes: Sequence[int] = (1, 2, 4), exp_avg_dtype: str = "fp32",
-         exp_avg_sq_dtype: str = "fp32") -> Plan:
+         exp_avg_sq_dtype: str = "fp32", params_dtype: str = "fp32") -> Plan:
     """Enumerate, validate (the library's rules), predict and rank the layouts of ``model`` (a ``GPTConfig``) on
     ``gpus`` GPUs of ``hardware`` (``"h100"``/``"h200"``, memory overridden by ``gpu_memory_gib``) for
     ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding``: the
     levels considered (default all four: ``no_shard``, ``optim``, and FSDP's ``optim_grads`` /
     ``optim_grads_params``). ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: the Adam moments' dtypes (``"bf16"``: the
-    precision-aware optimizer, ``ParallelGPTModule``'s arguments of the same names)."""
+    precision-aware optimizer, ``ParallelGPTModule``'s arguments of the same names). ``params_dtype``: ``"fp32"`` or
+    ``"bf16"`` (``MegatronPrecision(params_dtype=torch.bfloat16)``: bf16 parameters with fp32 main parameters and
+    gradients; the library refuses them with FSDP's levels, and so does the plan)."""
     for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -86,12 +89,17 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
         model = model.replace(seq_length=seq, max_position_embeddings=max(seq, model.max_position_embeddings))
     hw = load_hardware(hardware, gpu_memory_gib)
     work = Workload(model, seq, global_batch_size, precision, exp_avg_dtype=exp_avg_dtype,
-                    exp_avg_sq_dtype=exp_avg_sq_dtype)
+                    exp_avg_sq_dtype=exp_avg_sq_dtype, params_dtype=params_dtype)
     out = Plan(work, gpus, hw)
     cache: Dict[Any, Any] = {}
     feasible, rejected = [], []
     for layout, reason in enumerate_layouts(model, gpus, global_batch_size, hw.gpus_per_node, recompute, sharding,
                                             micro_batch_sizes, precision):
+        if reason is None:
+            try:   # the library's rule for bf16 parameters (FSDP's levels refused)
+                check_params_dtype(layout.sharding, params_dtype)
+            except ValueError as e:
+                reason = str(e).split(": ")[0]
         if reason is not None:
             rejected.append(PlanRow(layout, None, reason))
             continue
@@ -144,6 +152,7 @@ def format_table(result: Plan, top: int = 10, rejected: int = 5, show: Sequence[
     lines.append("")
     lines.append(f"{len(feasible)} of {len(result.rows)} layouts fit on {result.gpus} x {result.hardware.name} "
                  f"({result.hardware.memory_gib:g} GiB); seq {work.seq_length}, global batch "
-                 f"{work.global_batch_size}, {work.precision}. Refused: "
+                 f"{work.global_batch_size}, {work.precision}"
+                 + (", bf16 parameters" if work.params_dtype == "bf16" else "") + ". Refused: "
                  + "; ".join(f"{n} x {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:6]))
     return "\n".join(lines)
