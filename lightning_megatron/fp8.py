@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -620,6 +620,20 @@ class Float8Layers:
     expert_gemms: List["Float8Gemm"] = field(default_factory=list)
     expert_gemm_names: List[str] = field(default_factory=list)
     expert_amax_groups: List[Any] = field(default_factory=list)
+    #: optimizer steps whose amaxes joined the delayed recipe's histories (a loaded checkpoint with histories counts)
+    steps: int = 0
+
+    @contextlib.contextmanager
+    def compile_stance(self) -> Iterator[None]:
+        """The context the forward passes run in: until the delayed recipe (torch backend) has had its first
+        update (:meth:`end_step`), compiled layers run eagerly (``torch.compiler.set_stance("force_eager")``), so
+        ``compile=True`` compiles each layer once, with histories, instead of a second time for the first step's
+        scaling from current amaxes. Nothing for other recipes and backends."""
+        if self.config.recipe != "delayed" or self.config.backend != "torch" or self.steps > 0:
+            yield
+            return
+        with torch.compiler.set_stance("force_eager"):
+            yield
 
     def retain(self, module: nn.Module) -> None:
         """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
@@ -670,6 +684,7 @@ class Float8Layers:
             where = gemm.history.device if gemm.history is not None else device
             gemm.history = history.to(where) if where is not None else history.clone()
             gemm.forget_uses()
+            self.steps = max(self.steps, 1)
 
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
@@ -681,6 +696,7 @@ class Float8Layers:
             return
         for gemms, groups in ((self.gemms, self.amax_groups), (self.expert_gemms, self.expert_amax_groups)):
             _end_step(gemms, groups, num_microbatches)
+        self.steps += 1
 
 
 def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbatches: Optional[int]) -> None:

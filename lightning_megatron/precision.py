@@ -224,8 +224,10 @@ class MegatronPrecision(MixedPrecision):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast (bf16 / fp16; none for fp32), and Transformer Engine's autocast with its backend."""
-        with self.autocast_context_manager(), self._fp8_context():
+        """Autocast (bf16 / fp16; none for fp32), Transformer Engine's autocast with its backend, and with the torch
+        backend's delayed recipe eager compiled layers until its first update (:meth:`Float8Layers.compile_stance`)."""
+        stance = self._fp8_layers.compile_stance() if self._fp8_layers is not None else contextlib.nullcontext()
+        with self.autocast_context_manager(), self._fp8_context(), stance:
             yield
 
     # ------------------------------------------------------------------ backward / step

@@ -300,11 +300,11 @@ def learnable_samples(cfg: GPTConfig, n: int, seed: int = 3) -> List[Dict[str, t
     return out
 
 
-def _train(cfg: GPTConfig, samples, steps: int, **precision: Any) -> List[float]:
+def _train(cfg: GPTConfig, samples, steps: int, compile: bool = False, **precision: Any) -> List[float]:
     pl.seed_everything(SEED, verbose=False)
     module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0)
     recorder = StepLossRecorder(1)
-    trainer = trainer_for(1, MegatronStrategy(), steps, callbacks=[recorder],
+    trainer = trainer_for(1, MegatronStrategy(compile=compile), steps, callbacks=[recorder],
                           plugins=[MegatronPrecision(**precision)])
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=8, collate_fn=collate))
     return recorder.losses
@@ -322,6 +322,31 @@ def test_fp8_trains_like_bf16():
         losses = _train(cfg, samples, 20, precision="bf16-mixed", **fp8)
         worst = max(abs(a - b) / b for a, b in zip(losses, bf16))
         assert worst < 5e-3, (fp8, worst, losses, bf16)
+
+
+def test_delayed_recipe_compiles_each_layer_once(monkeypatch):
+    """``compile=True`` with the delayed recipe: its first step (no amax history yet: scales from the current amaxes)
+    runs the layers eagerly, so each compiled function is compiled once, with histories, and the run compiles as many
+    graphs as tensorwise (compiling the first step's variant as well made one more per layer graph: 4 against 3
+    here). The losses equal the eager run's. The compiles use AOT autograd without Inductor (the graph count is
+    dynamo's)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    plain = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: plain(fn, **{**kw, "backend": "aot_eager"}))
+    cfg = tiny_config(hidden_size=64, ffn_hidden_size=128, seq_length=32)
+    samples = learnable_samples(cfg, 32)
+    graphs, losses = {}, {}
+    for recipe in ("tensorwise", "delayed"):
+        torch._dynamo.reset()
+        counters.clear()
+        losses[recipe] = _train(cfg, samples, 4, compile=True, precision="bf16-mixed", fp8="hybrid",
+                                fp8_recipe=recipe)
+        graphs[recipe] = counters["stats"]["unique_graphs"]
+    assert graphs["delayed"] == graphs["tensorwise"] == 3, graphs      # the layers, the head, the loss
+    eager = _train(cfg, samples, 4, precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed")
+    assert max(abs(a - b) / b for a, b in zip(losses["delayed"], eager)) < 1e-5, (losses["delayed"], eager)
 
 
 # ---------------------------------------------------------------------------------------------- layouts
