@@ -37,7 +37,7 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, layer_activation_bytes, logits_bytes_per_token,
+    ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, layer_activation_bytes, logits_bytes_per_token,
     rank_parameters, stage_layers, state_bytes,
 )
 
@@ -369,8 +369,10 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
                                     ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),
                                      (layout.edp, expert_numel, layout.world // layout.edp > intra
                                       or layout.edp > intra)))
-    opt_params = sb.optimizer / 8.0
-    t_opt = opt_params * hw.optimizer_bytes_per_param / hbm
+    # one pass over the parameters the rank steps: the calibrated bytes are fp32 AdamW's, whose two moments are read
+    # and written once (16 bytes); bf16 moments move half of that
+    opt_params = sb.optimizer / work.moment_bytes
+    t_opt = opt_params * (hw.optimizer_bytes_per_param - 2.0 * (ADAM_BYTES - work.moment_bytes)) / hbm
     step = t_pipe + t_p2p + t_dp + t_gather + t_opt + hw.step_overhead_ms / 1e3
     tokens_step = work.global_batch_size * s
     world = layout.world
