@@ -18,8 +18,14 @@ Arms (each in a child process of its own):
                              exp_avg_sq_dtype="bf16")``)
   ours-fp8-delayed-compile / ours-fp8-delayed-bf16m-compile   the delayed recipe (amax histories), without / with
                              bf16 moments
+  ours-fp8-bf16p-bf16m-compile   FP8 tensorwise with bf16 parameters and fp32 main parameters and gradients
+                             (``params_dtype=torch.bfloat16``) and bf16 moments
   <ours arm>-cudagraph       the transformer layers compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs)
-                             instead of the default mode: an experiment on the step's host time, not a library option
+                             instead of the default mode, ``torch.compiler.cudagraph_mark_step_begin()`` at every
+                             batch (one micro-batch per step): an experiment on the step's host time, not a library
+                             option. Gradients are only safe from the graphs' memory pool with bf16 parameters (their
+                             hook copies each gradient into the fp32 main gradient at once): use it on
+                             ``ours-fp8-bf16p-bf16m-compile`` (docs/performance.md, "Fewer launches")
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"],
         "ours-fp8-bf16m-compile": BASE_ARMS["fp8-tensorwise-bf16-moments"],
         "ours-fp8-delayed-compile": BASE_ARMS["fp8-delayed"],
-        "ours-fp8-delayed-bf16m-compile": dict(BASE_ARMS["fp8-delayed"], exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")}
+        "ours-fp8-delayed-bf16m-compile": dict(BASE_ARMS["fp8-delayed"], exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16")}
 CUDAGRAPH = "-cudagraph"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
@@ -160,13 +167,17 @@ def run_ours(name: str) -> dict:
                 self.prof.__exit__(None, None, None)
                 result["profile"] = breakdown(self.prof)
 
+    class MarkStep(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.compiler.cudagraph_mark_step_begin()
+
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
     strategy = MegatronStrategy(compile=True, check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[timer, ProfileOne()])
+                         callbacks=[timer, ProfileOne()] + ([MarkStep()] if cudagraph else []))
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     dt = timer.times[1] - timer.times[0]
     from torch._dynamo.utils import counters
