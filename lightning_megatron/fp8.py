@@ -735,21 +735,22 @@ def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:
     """Roll row ``i`` of ``amax`` ``[n, 3]`` into the history ``[3, L]`` of ``gemms[i]`` in place, unless it holds
     -1 (no use on any rank). The histories that exist are updated in one pass on the device; a GEMM without one (first
     steps) starts it when its row is valid, which is read on the host once for all of them."""
+    rows = amax.unbind(0)     # views: picking rows by a host-side list launches no index copy to the device
     have = [i for i, g in enumerate(gemms) if g.history is not None]
     if have:
         histories = [gemms[i].history for i in have]
         old = torch.stack(histories)                                               # [k, 3, L]
-        rows = amax[have] if len(have) < len(gemms) else amax
-        rolled = torch.cat([rows.unsqueeze(2), old[:, :, :-1]], dim=2)
-        valid = (rows >= 0).all(dim=1).view(-1, 1, 1)
+        mine = torch.stack([rows[i] for i in have]) if len(have) < len(gemms) else amax
+        rolled = torch.cat([mine.unsqueeze(2), old[:, :, :-1]], dim=2)
+        valid = (mine >= 0).all(dim=1).view(-1, 1, 1)
         torch._foreach_copy_(histories, list(torch.where(valid, rolled, old).unbind(0)))
     new = [i for i, g in enumerate(gemms) if g.history is None]
     if new:
-        starts = (amax[new] >= 0).all(dim=1).tolist()
+        starts = (torch.stack([rows[i] for i in new]) >= 0).all(dim=1).tolist()
         for i, start in zip(new, starts):
             if start:
                 history = torch.zeros(3, gemms[i].config.amax_history_len, device=amax.device)
-                history[:, 0] = amax[i]
+                history[:, 0] = rows[i]
                 gemms[i].history = history
 
 
