@@ -718,7 +718,7 @@ def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbat
     if num_microbatches is None:
         amax = torch.stack([g.running if g.running is not None else none for g in gemms])          # [n, 3]
     else:
-        amax = torch.stack([g.last_uses_amax(num_microbatches) if g.running is not None else none for g in gemms])
+        amax = _last_uses_amax(gemms, num_microbatches, none)
     used = (amax >= 0).any(dim=1, keepdim=True)           # a kind without uses beside used ones counts 0
     amax = torch.where(used, amax.clamp(min=0.0), -1.0)
     for g in recorded:
@@ -729,6 +729,24 @@ def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbat
         if group_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     _roll_histories(gemms, amax)
+
+
+def _last_uses_amax(gemms: Sequence["Float8Gemm"], last: int, none: Tensor) -> Tensor:
+    """``[n, 3]``: per GEMM and kind the largest amax of its last ``last`` recorded uses (``none`` for a GEMM that
+    never recorded): rings of one capacity are read all at once, others one by one."""
+    recorded = [g for g in gemms if g.running is not None]
+    for g in recorded:
+        if g.uses is None:
+            g.last_uses_amax(last)     # raises: the records were allocated without the ring
+    if len({g.uses.shape for g in recorded}) > 1:
+        return torch.stack([g.last_uses_amax(last) if g.running is not None else none for g in gemms])
+    uses = torch.stack([g.uses for g in recorded])                                   # [k, 3, capacity]
+    counts = torch.stack([g.use_count for g in recorded]).unsqueeze(2)               # [k, 3, 1]
+    j = torch.arange(min(last, uses.shape[2]), device=uses.device)
+    slots = (counts - 1 - j) % uses.shape[2]                                         # [k, 3, last]: newest first
+    mine = torch.where(j < counts, uses.gather(2, slots), -1.0).amax(dim=2).unbind(0)
+    picked = iter(mine)
+    return torch.stack([next(picked) if g.running is not None else none for g in gemms])
 
 
 def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:

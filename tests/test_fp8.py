@@ -518,7 +518,8 @@ def test_delayed_last_microbatches_beyond_the_ring():
     assert gemm.uses.shape[1] == 2 * m
 
 
-def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms():
+@pytest.mark.parametrize("pipeline", [False, True], ids=["running-amax", "pipeline-last-uses"])
+def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms(pipeline):
     """The per-step amax update runs on all GEMMs' records at once: the same number of tensor operations for 4 and for
     40 GEMMs (one per GEMM and buffer made a step with 96 GEMMs launch 1,500 small kernels on the GPU, and the host
     time to launch them made the delayed recipe slower than tensorwise), and the histories equal a GEMM-by-GEMM
@@ -539,21 +540,24 @@ def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms():
         cfg = Float8Config(recipe="delayed", backend="torch", amax_history_len=3)
         gemms = [Float8Gemm(cfg) for _ in range(n)]
         layers = Float8Layers(config=cfg, gemms=gemms)
-        layers.allocate(torch.device("cpu"))
+        layers.allocate(torch.device("cpu"), ring=pipeline)
         g = torch.Generator().manual_seed(n)
         want = torch.zeros(n, 3)          # per GEMM the input amaxes it must hold, newest first
         for step in range(3):
             for i, gemm in enumerate(gemms):
                 if i % 3 or step:      # every third GEMM has no use in the first step: its history starts later
+                    if pipeline:       # a placeholder use first (a schedule's metadata pass): not among the last
+                        gemm(torch.full((8, 32), 1e4, requires_grad=True), torch.ones(16, 32)).sum().backward()
                     x = (torch.randn(8, 32, generator=g) * (i + step + 1)).requires_grad_()
                     gemm(x, torch.randn(16, 32, generator=g, requires_grad=True)).sum().backward()
                     want[i] = torch.cat([x.detach().abs().amax().reshape(1), want[i, :2]])
+            last = 1 if pipeline else None     # one micro-batch per step: its uses are the last ones
             if step == 2:
                 with CountOps() as mode:
-                    layers.end_step()
+                    layers.end_step(num_microbatches=last)
                 counts[n] = mode.ops
             else:
-                layers.end_step()
+                layers.end_step(num_microbatches=last)
         histories = torch.stack([gemm.history for gemm in gemms])      # [n, 3 kinds, 3 steps]
         assert torch.equal(histories[:, 0], want), (histories[:, 0], want)
         assert torch.equal(histories[:, 2], (want > 0).float())   # output gradient of a sum: ones
