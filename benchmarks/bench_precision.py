@@ -12,8 +12,8 @@ skipped. The compiled arms come after the eager ones. Arms:
   bf16-params            + params_dtype=torch.bfloat16: bf16 parameters, fp32 main parameters and gradients
   fp8-tensorwise / fp8-rowwise / fp8-delayed   torch-native FP8 (torch._scaled_mm), hybrid format
   fp8-te-delayed         Transformer Engine backend, hybrid delayed scaling (needs transformer_engine importable)
-  <arm>-bf16-moments     bf16-params / fp8-tensorwise with the precision-aware AdamW: both moments stored in bf16
-                         (ParallelGPTModule(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"))
+  <arm>-bf16-moments     bf16-params / fp8-tensorwise / fp8-delayed with the precision-aware AdamW: both moments
+                         stored in bf16 (ParallelGPTModule(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"))
   <arm>-compile          the same with MegatronStrategy(compile=True)
   peer-compile           the shared plain-PyTorch peer (``peer_baseline.py compile``)
   peer-fp8               the same with torchao float8, tensorwise (``peer_baseline.py fp8``; torchao importable)
@@ -47,13 +47,15 @@ BASE_ARMS = {
                                      exp_avg_sq_dtype="bf16"),
     "fp8-tensorwise-bf16-moments": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="tensorwise",
                                         fp8_backend="torch", exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+    "fp8-delayed-bf16-moments": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_backend="torch",
+                                     exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
 }
 #: arm keys that are ParallelGPTModule arguments (the precision-aware optimizer), not MegatronPrecision ones
 MODULE_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 #: eager arms, the peer, then the compiled arms (the most asked-for first: arms past the budget are skipped)
 ARMS = list(BASE_ARMS) + ["peer-compile"] + [f"{a}-compile" for a in (
     "bf16-params", "bf16-params-bf16-moments", "bf16-autocast", "fp8-te-delayed", "fp8-tensorwise",
-    "fp8-tensorwise-bf16-moments", "fp8-delayed", "fp8-rowwise")] + [
+    "fp8-tensorwise-bf16-moments", "fp8-delayed-bf16-moments", "fp8-delayed", "fp8-rowwise")] + [
     "peer-fp8"] + [f"peer-megatron-{full}{mode}" for full in ("", "full-")
                    for mode in ("bf16", "fp8-delayed", "fp8-tensorwise")]
 
