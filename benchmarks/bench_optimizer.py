@@ -1,6 +1,7 @@
 """The optimizer step alone on one GPU, over the parameters of ``GPTConfig.llama_1b_bench()`` (1.26B, fp32 as the
 optimizer sees them: the main parameters): torch's fused AdamW (fp32 moments) against
-:class:`~lightning_megatron.PrecisionAwareAdamW` with bf16 and with fp32 moments. Prints one JSON line per optimizer:
+:class:`~lightning_megatron.PrecisionAwareAdamW` with bf16 and with fp32 moments (and, as an experiment, with bf16
+moments compiled for the parameter group's fixed shapes). Prints one JSON line per optimizer:
 device ms per step (CUDA events), host ms per step (the time ``step()`` takes to return, without waiting for the
 GPU) and the optimizer states' GiB.
 
@@ -52,17 +53,30 @@ def measure(name: str, make, params, steps: int, warmup: int) -> dict:
 
 def main() -> None:
     from lightning_megatron import PrecisionAwareAdamW
+    from lightning_megatron.optim import adamw_multi_update_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     params = parameters("cuda")
+
+    class StaticShapes(PrecisionAwareAdamW):
+        """An experiment: the update compiled for the group's fixed shapes (``dynamic=False``) instead of once for
+        all shapes (the library's), to see what the generic kernels cost on the device."""
+
+        def _update_fn(self, device):
+            if self._compiled is None:
+                self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
+            return self._compiled
+
     arms = {
         "torch AdamW fused, fp32 moments": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
         "PrecisionAwareAdamW, bf16 moments": lambda ps: PrecisionAwareAdamW(
             ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
         "PrecisionAwareAdamW, fp32 moments": lambda ps: PrecisionAwareAdamW(ps, lr=1e-4, weight_decay=0.1),
+        "PrecisionAwareAdamW, bf16 moments, compiled for fixed shapes (experiment)": lambda ps: StaticShapes(
+            ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
     }
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup)), flush=True)
