@@ -257,6 +257,9 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
+_NO_RING = ("end_step(num_microbatches=...) counts the last uses of each FP8 GEMM, which needs their record ring: "
+            "allocate the records with Float8Layers.allocate(device, ring=True) (parallelize does under pipeline "
+            "parallelism)")
 #: training uses per step a GEMM's delayed-scaling records keep at first (the last ones; the amax of older ones
 #: still counts when all uses do; ``end_step(num_microbatches)`` with more micro-batches grows the ring to twice that)
 AMAX_RING = 64
@@ -376,9 +379,7 @@ class Float8Gemm:
         """``[3]``: per kind the largest amax of the last ``last`` recorded uses (-1 for a kind without any), on the
         device; ``last`` larger than the ring counts the ring's uses. Needs the ring (``allocate(ring=True)``)."""
         if self.uses is None or self.use_count is None:
-            raise RuntimeError("end_step(num_microbatches=...) counts the last uses of each FP8 GEMM, which needs their "
-                               "record ring: allocate the records with Float8Layers.allocate(device, ring=True) "
-                               "(parallelize does under pipeline parallelism)")
+            raise RuntimeError(_NO_RING)
         j = torch.arange(min(last, self.uses.shape[1]), device=self.uses.device)
         slots = (self.use_count.unsqueeze(1) - 1 - j) % self.uses.shape[1]          # [3, k]: newest first
         recent = torch.where(j < self.use_count.unsqueeze(1), self.uses.gather(1, slots), -1.0)
@@ -735,9 +736,8 @@ def _last_uses_amax(gemms: Sequence["Float8Gemm"], last: int, none: Tensor) -> T
     """``[n, 3]``: per GEMM and kind the largest amax of its last ``last`` recorded uses (``none`` for a GEMM that
     never recorded): rings of one capacity are read all at once, others one by one."""
     recorded = [g for g in gemms if g.running is not None]
-    for g in recorded:
-        if g.uses is None:
-            g.last_uses_amax(last)     # raises: the records were allocated without the ring
+    if any(g.uses is None for g in recorded):
+        raise RuntimeError(_NO_RING)
     if len({g.uses.shape for g in recorded}) > 1:
         return torch.stack([g.last_uses_amax(last) if g.running is not None else none for g in gemms])
     uses = torch.stack([g.uses for g in recorded])                                   # [k, 3, capacity]

@@ -29,7 +29,7 @@ from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_p
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS", "PARAMS_DTYPE_BYTES",
-           "check_params_dtype"]
+           "RESIDUAL_BYTES", "check_params_dtype"]
 
 #: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names, the library's own list): what is split
 #: over dp x cp
@@ -44,6 +44,9 @@ MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: way (``GRAD_BYTES``): with bf16 parameters the fp32 main gradients, which exist from a step's first backward until
 #: the optimizer step drops them
 PARAMS_DTYPE_BYTES = {"fp32": PARAM_BYTES, "bf16": 6}
+#: bytes per element of the residual stream by the parameters' dtype (bf16 parameters: the embedding's output and
+#: every layer's are bf16; else fp32)
+RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0}
 STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
 
 
@@ -270,7 +273,7 @@ def layer_activation_bytes(model: Any, layout: Any, moe_layer: bool = False,
     h, q, kv = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     sp = layout.sequence_parallel and tp > 1
     etp = getattr(layout, "etp", None) or tp
-    residual = 2.0 if params_dtype == "bf16" else 4.0     # bytes per element of the residual stream
+    residual = RESIDUAL_BYTES[params_dtype]
     parts = {
         "norm_inputs": 2 * residual * h / (tp if sp else 1),
         "norm_outputs": 4.0 * h,

@@ -37,8 +37,8 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, layer_activation_bytes, logits_bytes_per_token,
-    rank_parameters, stage_layers, state_bytes,
+    ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, RESIDUAL_BYTES, layer_activation_bytes,
+    logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -214,7 +214,7 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     moe = bool(getattr(c, "num_moe_experts", None))
     drop_norm, drop_mlp, whole = _recompute_parts(layout.recompute)
     bf16_params = work.params_dtype == "bf16"
-    residual = 2.0 if bf16_params else 4.0                  # bytes per element of the residual stream
+    residual = RESIDUAL_BYTES[work.params_dtype]            # bytes per element of the residual stream
     dense_act = layer_activation_bytes(c, layout, moe_layer=moe, params_dtype=work.params_dtype)
     lp_key = ("layer", id(c), layout.tp, layout.ep, layout.etp)
     lp = cache.get(lp_key) if cache is not None else None
