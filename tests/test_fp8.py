@@ -539,8 +539,9 @@ def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms(pipe
     for n in (4, 40):
         cfg = Float8Config(recipe="delayed", backend="torch", amax_history_len=3)
         gemms = [Float8Gemm(cfg) for _ in range(n)]
-        layers = Float8Layers(config=cfg, gemms=gemms)
+        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(n)])
         layers.allocate(torch.device("cpu"), ring=pipeline)
+        assert all((gemm.uses is not None) == pipeline for gemm in gemms)   # the ring only for pipeline schedules
         g = torch.Generator().manual_seed(n)
         want = torch.zeros(n, 3)          # per GEMM the input amaxes it must hold, newest first
         for step in range(3):
@@ -562,4 +563,7 @@ def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms(pipe
         assert torch.equal(histories[:, 0], want), (histories[:, 0], want)
         assert torch.equal(histories[:, 2], (want > 0).float())   # output gradient of a sum: ones
         assert (gemms[0].running == -1).all()          # the records start again
+        if not pipeline:   # the last uses need the ring, which only pipeline schedules allocate
+            with pytest.raises(RuntimeError, match="needs their record ring"):
+                layers.end_step(num_microbatches=1)
     assert counts[4] == counts[40], counts
