@@ -20,12 +20,8 @@ Arms (each in a child process of its own):
                              bf16 moments
   ours-fp8-bf16p-bf16m-compile   FP8 tensorwise with bf16 parameters and fp32 main parameters and gradients
                              (``params_dtype=torch.bfloat16``) and bf16 moments
-  <ours arm>-cudagraph       the transformer layers compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs)
-                             instead of the default mode, ``torch.compiler.cudagraph_mark_step_begin()`` at every
-                             batch (one micro-batch per step): an experiment on the step's host time, not a library
-                             option. Gradients are only safe from the graphs' memory pool with bf16 parameters (their
-                             hook copies each gradient into the fp32 main gradient at once): use it on
-                             ``ours-fp8-bf16p-bf16m-compile`` (docs/performance.md, "Fewer launches")
+  <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
+                             backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
 """
 from __future__ import annotations
 
@@ -88,7 +84,19 @@ def breakdown(prof) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
     return dict(window_ms=round(window, 2), busy_ms=round(busy, 2), idle_ms=round(window - busy, 2), kernels=len(kern),
                 families_ms={k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-                top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top])
+                top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top], host=host_time(prof),
+                all_kernels=sorted([[n, v[1], round(v[0], 3)] for n, v in per_kernel.items()], key=lambda r: -r[1]))
+
+
+def host_time(prof) -> dict:
+    """Where the host spends the profiled step: the host events with the most time of their own (ms, calls), and the
+    total of the CUDA runtime's launch calls."""
+    events = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    launches = [e for e in events if e[0].startswith(("cudaLaunch", "cuLaunch"))]
+    top = sorted(events, key=lambda e: -e[1])[:20]
+    return dict(self_ms_total=round(sum(e[1] for e in events), 2),
+                launch_ms=round(sum(e[1] for e in launches), 2), launches=sum(e[2] for e in launches),
+                top_self=[[k[:80], round(ms, 3), n] for k, ms, n in top])
 
 
 def run_peer(fp8: bool) -> dict:
@@ -144,9 +152,6 @@ def run_ours(name: str) -> dict:
     cudagraph = name.endswith(CUDAGRAPH)
     kwargs = dict(OURS[name[:-len(CUDAGRAPH)] if cudagraph else name])
     module_kwargs = {k: kwargs.pop(k) for k in MODULE_KEYS if k in kwargs}
-    if cudagraph:   # the layers' `layer.compile()` (apply_compile) gets Inductor's CUDA-graph mode
-        plain_compile = torch.nn.Module.compile
-        torch.nn.Module.compile = lambda self, *a, **kw: plain_compile(self, *a, **{"mode": "reduce-overhead", **kw})
     if "params_dtype" in kwargs:
         kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
     cfg = GPTConfig.llama_1b_bench()
@@ -167,17 +172,14 @@ def run_ours(name: str) -> dict:
                 self.prof.__exit__(None, None, None)
                 result["profile"] = breakdown(self.prof)
 
-    class MarkStep(pl.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            torch.compiler.cudagraph_mark_step_begin()
-
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
-    strategy = MegatronStrategy(compile=True, check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
+    strategy = MegatronStrategy(compile=True, enable_cuda_graph=cudagraph,
+                                check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[timer, ProfileOne()] + ([MarkStep()] if cudagraph else []))
+                         callbacks=[timer, ProfileOne()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     dt = timer.times[1] - timer.times[0]
     from torch._dynamo.utils import counters

@@ -340,11 +340,15 @@ class Float8Gemm:
             amax = current
         return scale_from_amax(amax, dtype, cfg.margin)
 
-    def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING) -> None:
+    def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING,
+                 static: bool = False) -> None:
         """The delayed recipe's record buffers on ``device`` (the strategy allocates them after materialisation,
         before any compiled forward; a direct eager use allocates them, with a ring, at its first record): the
         running amax per kind, and with ``ring`` a ring of the last ``capacity`` uses per kind (pipeline schedules,
-        :meth:`Float8Layers.end_step` with ``num_microbatches``). Empty records."""
+        :meth:`Float8Layers.end_step` with ``num_microbatches``). Empty records. ``static``: mark them static
+        addresses (unguarded, as parameters are), so layers replayed as CUDA graphs (``enable_cuda_graph``) write
+        them in place; an ID guard per tensor would instead compile every layer once more, past dynamo's
+        recompile limit."""
         if self.config.recipe != "delayed":
             return
         self.running = torch.full((3,), -1.0, device=device)
@@ -354,6 +358,12 @@ class Float8Gemm:
             self.dropped = torch.full((3,), -1.0, device=device)
         else:
             self.uses = self.use_count = self.dropped = None
+        if static:   # written in place inside the layers' CUDA graphs
+            from torch._dynamo import mark_static_address
+
+            for t in (self.running, self.uses, self.use_count, self.dropped):
+                if t is not None:
+                    mark_static_address(t, guard=False)
 
     def _record(self, kind: int, current: Tensor) -> None:
         """Record a training use's amax (0-dim fp32) of ``kind``: in-place writes only (no host synchronisation, no
@@ -647,13 +657,14 @@ class Float8Layers:
         self.expert_gemms = [self.expert_gemms[i] for i in experts]
         self.expert_gemm_names = [self.expert_gemm_names[i] for i in experts]
 
-    def allocate(self, device: torch.device, ring: bool = False) -> None:
+    def allocate(self, device: torch.device, ring: bool = False, static: bool = False) -> None:
         """The delayed recipe's record buffers of every torch-backend GEMM on ``device`` (after materialisation, before
         the first, possibly compiled, forward: :meth:`Float8Gemm.allocate`); ``ring``: also the rings of the last uses
-        that :meth:`end_step` with ``num_microbatches`` reads (pipeline schedules)."""
+        that :meth:`end_step` with ``num_microbatches`` reads (pipeline schedules); ``static``: as static inputs of
+        the layers' CUDA graphs (``enable_cuda_graph``)."""
         for _, gemm in self._named_gemms():
             if isinstance(gemm, Float8Gemm):
-                gemm.allocate(device, ring=ring)
+                gemm.allocate(device, ring=ring, static=static)
 
     def _named_gemms(self) -> List[Tuple[str, Any]]:
         return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))

@@ -103,7 +103,9 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
     (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
     ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
-    materialisation. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number
+    materialisation. With ``config.enable_cuda_graph`` the layers are compiled with ``mode="reduce-overhead"``
+    (each layer's forward and backward replayed as CUDA graphs); the head and the loss, whose outputs the step keeps
+    beyond the next replay, are not. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number
     of layers compiled."""
     if not config.compile:
         return 0
@@ -112,8 +114,8 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     if not layers:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
-    for layer in layers:
-        layer.compile()
+    for layer in layers:   # with enable_cuda_graph: Inductor's CUDA graph trees (the step path marks each step)
+        layer.compile(**({"mode": "reduce-overhead"} if config.enable_cuda_graph else {}))
     for model in gpt:
         # instance attributes shadow the methods; the pipeline stages call them through the model too
         model.head = torch.compile(model.head)
@@ -224,7 +226,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
-        fp8_applied.allocate(device, ring=pipeline is not None)
+        fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
     main_params = MainParams(module, params_dtype) if params_dtype is not None else None
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(

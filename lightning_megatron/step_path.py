@@ -10,6 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_megatron.parallel import forward_backward as step
+from lightning_megatron.parallel.cuda_graph import mark_step
 from lightning_megatron.parallel.pipeline import PipelineRunner
 
 if TYPE_CHECKING:
@@ -37,7 +38,11 @@ class StepPath:
         strategy, lm, pipeline = self.strategy, self.strategy.lightning_module, self.pipeline
         precision = strategy.precision_plugin
 
+        cuda_graphs = strategy.parallel_config.enable_cuda_graph
+
         def forward(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+            if cuda_graphs:   # one graph generation per micro-batch (lightning_megatron.parallel.cuda_graph)
+                mark_step()
             with context():
                 if isinstance(strategy.model, DistributedDataParallel) and lm.trainer.training:
                     # through DDP's forward, so its reducer expects this backward

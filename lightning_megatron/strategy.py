@@ -34,6 +34,7 @@ from lightning_megatron.checkpoint_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule, TiedWeightsModel
 from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed, guard_processes, kill_launched
 from lightning_megatron.parallel.config import check_fsdp_fp8
+from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
 from lightning_megatron.parallel.context_parallel.layout import split_batch
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
@@ -152,6 +153,9 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
+        if self.parallel_config.enable_cuda_graph:   # before the model exists: nothing to undo
+            check_cuda_graph_run(self.lightning_module, self.root_device,
+                                 getattr(self.precision_plugin, "params_dtype", None))
         if self.parallel_config.ckpt_format == "torch_dist":
             from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
 

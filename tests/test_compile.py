@@ -53,3 +53,79 @@ def test_model_layers_hold_plain_ints():
     assert all(type(getattr(model.config, f)) is int for f in ("kv_channels", "ffn_hidden_size", "num_query_groups"))
     assert config.is_derived("kv_channels"), "the user's config keeps its derived markers"
 
+
+
+@pytest.mark.parametrize("kwargs,rule", [
+    (dict(enable_cuda_graph=True), "set compile=True"),
+    (dict(compile=True, enable_cuda_graph=True, pp=2), "pp=2: a pipeline schedule keeps several micro-batches"),
+    (dict(compile=True, enable_cuda_graph=True, data_parallel_sharding_strategy="optim_grads"),
+     "FSDP gathers and frees parameters"),
+    (dict(compile=True, enable_cuda_graph=True, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), "recompute_granularity='full'"),
+    (dict(compile=True, enable_cuda_graph="yes"), "enable_cuda_graph='yes' must be True or False"),
+], ids=["no-compile", "pp2", "fsdp", "recompute", "not-bool"])
+def test_enable_cuda_graph_refuses_layouts_whose_replays_would_overwrite_live_memory(kwargs, rule):
+    from lightning_megatron import ParallelConfig
+
+    with pytest.raises(ValueError, match=rule):
+        ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=rule):
+        MegatronStrategy(**kwargs)
+
+
+def test_enable_cuda_graph_refuses_runs_the_graphs_cannot_serve():
+    """The run's checks: a CUDA device, a module the step path runs (it starts a graph generation per micro-batch),
+    gradient accumulation only with bf16 parameters; and a CPU Trainer stops before training with the first."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
+    from tests.parity import ListDataset, make_samples, new_module
+
+    cfg = tiny_config(num_layers=2)
+    module = new_module(cfg, 2)
+    cuda = torch.device("cuda", 0)
+    check_cuda_graph_run(module, cuda, None)
+    with pytest.raises(ValueError, match="needs a CUDA device .* this run is on cpu"):
+        check_cuda_graph_run(module, torch.device("cpu"), None)
+    with pytest.raises(ValueError, match="Linear does not implement lightning_megatron.contract.ParallelLightningModule"):
+        check_cuda_graph_run(torch.nn.Linear(2, 2), cuda, None)
+    module._trainer = SimpleNamespace(accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2: .*params_dtype=torch\.bfloat16\)"):
+        check_cuda_graph_run(module, cuda, torch.float32)
+    check_cuda_graph_run(module, cuda, torch.bfloat16)
+    module._trainer = None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=MegatronStrategy(compile=True, enable_cuda_graph=True))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=2))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["compile", "cuda-graph"])
+def test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode(graphs, monkeypatch):
+    """Each transformer layer is compiled with Inductor's CUDA-graph mode exactly when asked; the head and the loss
+    never are (the step keeps their outputs)."""
+    import torch
+    from torch import nn
+
+    from lightning_megatron import ParallelConfig
+    from lightning_megatron.models.gpt import GPTModel
+    from lightning_megatron.parallelize import apply_compile
+
+    modes = []
+    plain_compile = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda self, *a, **kw: (modes.append(kw.get("mode")),
+                                                                      plain_compile(self, *a, **kw))[1])
+    heads = []
+    plain_torch_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **kw: (heads.append(kw.get("mode")),
+                                                                plain_torch_compile(fn, *a, **kw))[1])
+    model = GPTModel(tiny_config(num_layers=3))
+    assert apply_compile([model], ParallelConfig(compile=True, enable_cuda_graph=graphs)) == 3
+    layer_mode = "reduce-overhead" if graphs else None
+    assert modes == [layer_mode] * 3
+    # torch.compile calls: the three layers' (through nn.Module.compile), then the head's and the loss's
+    assert heads == [layer_mode] * 3 + [None, None]

@@ -534,6 +534,7 @@ CASES = [
     (["--use-distributed-optimizer"], ["--overlap-param-gather"], {"MegatronStrategy.overlap_param_gather": True}),
     ([], ["--tp-comm-overlap"], {"MegatronStrategy.tp_comm_overlap": True}),
     ([], ["--compile"], {"MegatronStrategy.compile": True}),
+    (["--compile"], ["--enable-cuda-graph"], {"MegatronStrategy.enable_cuda_graph": True}),
     ([], ["--no-check-for-nan-in-loss-and-grad"], {"MegatronStrategy.check_for_nan_in_loss_and_grad": False}),
     ([], ["--ckpt-format", "torch_dist"], {"MegatronStrategy.ckpt_format": "torch_dist"}),
     (["--ckpt-format", "torch_dist"], ["--async-save"], {"MegatronStrategy.async_save": True}),

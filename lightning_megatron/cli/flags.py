@@ -177,6 +177,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--compile", "MegatronStrategy.compile", action="store_true",
              help="torch.compile each transformer layer and the head + loss (not a Megatron-LM flag: Megatron fuses "
                   "with its own kernels)")
+    add_flag(g, "--enable-cuda-graph", "MegatronStrategy.enable_cuda_graph", action="store_true",
+             help="with --compile: replay each transformer layer's forward and backward as CUDA graphs (Inductor's "
+                  "CUDA graph trees); pp=1, no FSDP or recompute, accumulation only with bf16 parameters")
     add_flag(g, "--check-for-nan-in-loss-and-grad", "MegatronStrategy.check_for_nan_in_loss_and_grad",
              action=argparse.BooleanOptionalAction, default=None,
              help="stop at a NaN/inf loss or gradient norm, naming the step and parameter (default on)")

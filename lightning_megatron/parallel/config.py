@@ -83,6 +83,12 @@ class ParallelConfig:
             (default): ``"optim"`` with ``use_distributed_optimizer``, else ``"no_shard"``.
         compile: ``torch.compile`` each transformer layer (the ``apply_compile`` step of ``parallelize``; models
             implementing the GPT layout), compiled lazily at its first call.
+        enable_cuda_graph: replay each compiled transformer layer's forward and backward as CUDA graphs
+            (Inductor's CUDA graph trees, ``mode="reduce-overhead"``; Megatron's ``--enable-cuda-graph``): one launch
+            per layer and direction instead of one per kernel, for steps whose host time exceeds the GPU's. Needs
+            ``compile=True``, a CUDA device and pp = 1 (one micro-batch in flight); not with FSDP levels or activation
+            recompute; with gradient accumulation only with bf16 parameters (``params_dtype=torch.bfloat16``,
+            whose gradients leave the graphs' memory at once). docs/performance.md, "Fewer launches".
         delay_wgrad_compute: ``--delay-wgrad-compute`` for the a2a context-parallel layers; None = wherever it
             applies (cp > 1, an a2a comm type, tp = 1), resolved against the model by ``parallelize``.
         cp_attention_kernel: kernel of the context-parallel attention blocks on CUDA fp16/bf16, one of
@@ -142,6 +148,7 @@ class ParallelConfig:
     data_parallel_sharding_strategy: Optional[str] = None
     delay_wgrad_compute: Optional[bool] = None
     compile: bool = False
+    enable_cuda_graph: bool = False
     cp_attention_kernel: str = "auto"
     cp_compile_merge: bool = True
     cp_sm_carveout: Optional[int] = None
@@ -169,7 +176,7 @@ class ParallelConfig:
         if not _is_int(self.etp) or self.etp < 1:
             raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
         for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile",
-                     "overlap_param_gather", "tp_comm_overlap"):
+                     "enable_cuda_graph", "overlap_param_gather", "tp_comm_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False (a string such as 'no' "
                                  "would count as True)")
@@ -226,6 +233,7 @@ class ParallelConfig:
 
         self.recompute_modules = check_recompute_options(self.recompute_granularity, self.recompute_method,
                                                          self.recompute_num_layers, self.recompute_modules)
+        self._check_cuda_graph()
         self._resolved = False
 
     def _check_sharding(self) -> None:
@@ -278,6 +286,25 @@ class ParallelConfig:
                 f"tp_comm_overlap=True overlaps the sequence-parallel all-gather / reduce-scatter with the GEMMs: it "
                 f"needs tp > 1 and sequence_parallel=True, got tp={self.tp}, sequence_parallel="
                 f"{self.sequence_parallel}")
+
+    def _check_cuda_graph(self) -> None:
+        """Refuse ``enable_cuda_graph`` where a layer's graph would replay over memory still in use."""
+        if not self.enable_cuda_graph:
+            return
+        why = None
+        if not self.compile:
+            why = "it replays the compiled transformer layers (Inductor's CUDA graphs): set compile=True"
+        elif self.pp > 1:
+            why = (f"pp={self.pp}: a pipeline schedule keeps several micro-batches' activations in flight, a layer's "
+                   "CUDA graph holds one; use pp=1")
+        elif self.fsdp:
+            why = (f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}: FSDP gathers and frees "
+                   "parameters around each layer, outside its graph; use 'no_shard' or 'optim'")
+        elif self.recompute_granularity is not None:
+            why = (f"recompute_granularity={self.recompute_granularity!r}: a recomputed forward would replay the "
+                   "layer's graph inside its own backward; drop activation recompute")
+        if why:
+            raise ValueError(f"enable_cuda_graph=True: {why}, or enable_cuda_graph=False")
 
     def _check_checkpoint_options(self) -> None:
         if self.ckpt_format not in CKPT_FORMATS:
