@@ -129,3 +129,47 @@ def test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode(graphs, m
     assert modes == [layer_mode] * 3
     # torch.compile calls: the three layers' (through nn.Module.compile), then the head's and the loss's
     assert heads == [layer_mode] * 3 + [None, None]
+
+
+def test_cuda_graph_step_path_starts_a_generation_before_every_forward(monkeypatch):
+    """The step path starts a new graph generation before every micro-batch's forward and every validation batch's,
+    and the layers compiled in CUDA-graph mode train as the plain compiled ones. On the CPU Inductor runs the
+    ``reduce-overhead`` layers without graphs, so only the CUDA-device check is lifted here (a real Trainer run
+    otherwise); tests/gpu/test_cuda_graph.py runs the graphs themselves."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    import lightning_megatron.step_path as step_path
+    import lightning_megatron.strategy as strategy_module
+    from lightning_megatron import MegatronPrecision
+    from tests.parity import ListDataset, StepLossRecorder, make_samples, new_module
+
+    cfg = tiny_config(num_layers=2)
+    steps, accumulate, val_batches = 3, 2, 2
+
+    def fit(graphs: bool):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        marks = []
+        monkeypatch.setattr(step_path, "mark_step", lambda: marks.append(1))
+        monkeypatch.setattr(strategy_module, "check_cuda_graph_run", lambda *args: None)
+        pl.seed_everything(7, verbose=False)
+        recorder = StepLossRecorder(accumulate)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
+                             val_check_interval=2 * accumulate, limit_val_batches=val_batches, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[recorder],
+                             plugins=[MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)],
+                             strategy=MegatronStrategy(compile=True, enable_cuda_graph=graphs))
+        train = DataLoader(ListDataset(make_samples(cfg, 2 * steps * accumulate)), batch_size=2)
+        val = DataLoader(ListDataset(make_samples(cfg, 2 * val_batches, seed=8)), batch_size=2)
+        trainer.fit(new_module(cfg, steps), train, val)
+        return recorder.losses, len(marks)
+
+    plain, plain_marks = fit(False)
+    graphed, graphed_marks = fit(True)
+    assert plain_marks == 0
+    # every micro-batch of the 3 steps, and the 2 validation batches after the second step
+    assert graphed_marks == steps * accumulate + val_batches, graphed_marks
+    assert len(graphed) == steps and graphed == pytest.approx(plain, rel=1e-6)
