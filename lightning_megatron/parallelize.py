@@ -105,8 +105,8 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
     materialisation. With ``config.enable_cuda_graph`` the layers are compiled with ``mode="reduce-overhead"``
     (each layer's forward and backward replayed as CUDA graphs); the head and the loss, whose outputs the step keeps
-    beyond the next replay, are not. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number
-    of layers compiled."""
+    beyond the next replay, are not. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them.
+    Returns the number of layers compiled."""
     if not config.compile:
         return 0
     gpt = [m for m in models if isinstance(m, PipelineModel)]
@@ -114,7 +114,7 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     if not layers:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
-    for layer in layers:   # with enable_cuda_graph: Inductor's CUDA graph trees (the step path marks each step)
+    for layer in layers:   # with enable_cuda_graph: Inductor's CUDA graph trees (the step path marks each micro-batch)
         layer.compile(**({"mode": "reduce-overhead"} if config.enable_cuda_graph else {}))
     for model in gpt:
         # instance attributes shadow the methods; the pipeline stages call them through the model too
