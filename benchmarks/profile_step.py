@@ -43,7 +43,7 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"],
         "ours-fp8-bf16m-compile": BASE_ARMS["fp8-tensorwise-bf16-moments"],
         "ours-fp8-delayed-compile": BASE_ARMS["fp8-delayed"],
-        "ours-fp8-delayed-bf16m-compile": dict(BASE_ARMS["fp8-delayed"], exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        "ours-fp8-delayed-bf16m-compile": BASE_ARMS["fp8-delayed-bf16-moments"],
         "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16")}
 CUDAGRAPH = "-cudagraph"
 #: kernel family -> substrings of kernel names (first match wins, in this order)

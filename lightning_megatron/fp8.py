@@ -390,10 +390,17 @@ class Float8Gemm:
         device; ``last`` larger than the ring counts the ring's uses. Needs the ring (``allocate(ring=True)``)."""
         if self.uses is None or self.use_count is None:
             raise RuntimeError(_NO_RING)
-        j = torch.arange(min(last, self.uses.shape[1]), device=self.uses.device)
-        slots = (self.use_count.unsqueeze(1) - 1 - j) % self.uses.shape[1]          # [3, k]: newest first
-        recent = torch.where(j < self.use_count.unsqueeze(1), self.uses.gather(1, slots), -1.0)
-        return recent.max(dim=1).values
+        return _ring_last_amax(self.uses, self.use_count, last)
+
+
+def _ring_last_amax(uses: Tensor, use_count: Tensor, last: int) -> Tensor:
+    """Record rings ``uses`` ``[..., 3, capacity]`` with their use counts ``[..., 3]`` -> ``[..., 3]``: per ring the
+    largest amax of its last ``last`` uses (-1 where it has none); ``last`` larger than the ring counts the ring's."""
+    capacity = uses.shape[-1]
+    counts = use_count.unsqueeze(-1)
+    j = torch.arange(min(last, capacity), device=uses.device)
+    slots = (counts - 1 - j) % capacity                                              # [..., 3, k]: newest first
+    return torch.where(j < counts, uses.gather(-1, slots), -1.0).amax(dim=-1)
 
 
 def _forget_uses(gemms: Sequence[Float8Gemm]) -> None:
@@ -751,11 +758,8 @@ def _last_uses_amax(gemms: Sequence["Float8Gemm"], last: int, none: Tensor) -> T
         raise RuntimeError(_NO_RING)
     if len({g.uses.shape for g in recorded}) > 1:
         return torch.stack([g.last_uses_amax(last) if g.running is not None else none for g in gemms])
-    uses = torch.stack([g.uses for g in recorded])                                   # [k, 3, capacity]
-    counts = torch.stack([g.use_count for g in recorded]).unsqueeze(2)               # [k, 3, 1]
-    j = torch.arange(min(last, uses.shape[2]), device=uses.device)
-    slots = (counts - 1 - j) % uses.shape[2]                                         # [k, 3, last]: newest first
-    mine = torch.where(j < counts, uses.gather(2, slots), -1.0).amax(dim=2).unbind(0)
+    mine = _ring_last_amax(torch.stack([g.uses for g in recorded]),                 # [k, 3, capacity]
+                           torch.stack([g.use_count for g in recorded]), last).unbind(0)
     picked = iter(mine)
     return torch.stack([next(picked) if g.running is not None else none for g in gemms])
 

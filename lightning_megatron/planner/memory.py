@@ -29,7 +29,7 @@ from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_p
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS", "PARAMS_DTYPE_BYTES",
-           "RESIDUAL_BYTES", "check_params_dtype"]
+           "RESIDUAL_BYTES", "check_params_dtype", "check_dtype_name"]
 
 #: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names, the library's own list): what is split
 #: over dp x cp
@@ -177,14 +177,20 @@ class StateBytes:
         return self.params + self.optimizer + (0 if self.main_grads else self.grads)
 
 
+def check_dtype_name(name: str, value: str, table: Dict[str, Any]) -> None:
+    """Raise ValueError unless ``value`` (the option ``name``) is a key of ``table`` (:data:`MOMENT_BYTES`,
+    :data:`PARAMS_DTYPE_BYTES`)."""
+    if value not in table:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, table))}")
+
+
 def check_params_dtype(sharding: str, params_dtype: str) -> None:
     """Raise ValueError when ``params_dtype`` (``"fp32"`` / ``"bf16"``) is unknown or does not combine with the
     sharding level: the library's own rule (:func:`~lightning_megatron.parallel.main_grad.check_bf16_params_options`:
     bf16 parameters are refused under FSDP's levels, run with ``no_shard`` and the distributed optimizer). The rule
     lives beside ``MainParams``, which needs torch: it is imported only for bf16 parameters, so planning fp32
     parameters stays torch-free."""
-    if params_dtype not in PARAMS_DTYPE_BYTES:
-        raise ValueError(f"params_dtype={params_dtype!r} must be one of {', '.join(map(repr, PARAMS_DTYPE_BYTES))}")
+    check_dtype_name("params_dtype", params_dtype, PARAMS_DTYPE_BYTES)
     if params_dtype == "bf16":
         from lightning_megatron.parallel.main_grad import check_bf16_params_options
 

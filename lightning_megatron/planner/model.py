@@ -37,8 +37,8 @@ from lightning_megatron.callbacks.flops import num_floating_point_operations
 from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
-    ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, RESIDUAL_BYTES, layer_activation_bytes,
-    logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
+    ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, RESIDUAL_BYTES, check_dtype_name,
+    layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -66,12 +66,9 @@ class Workload:
     params_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-            if getattr(self, name) not in MOMENT_BYTES:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, MOMENT_BYTES))}")
-        if self.params_dtype not in PARAMS_DTYPE_BYTES:
-            raise ValueError(f"params_dtype={self.params_dtype!r} must be one of "
-                             f"{', '.join(map(repr, PARAMS_DTYPE_BYTES))}")
+        for name, table in (("exp_avg_dtype", MOMENT_BYTES), ("exp_avg_sq_dtype", MOMENT_BYTES),
+                            ("params_dtype", PARAMS_DTYPE_BYTES)):
+            check_dtype_name(name, getattr(self, name), table)
 
     @property
     def moment_bytes(self) -> int:
