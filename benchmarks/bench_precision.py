@@ -96,6 +96,7 @@ def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gp
     return dict(arm=name, tokens_per_s=round(tokens), tflops=round(tokens * flops_per_token(cfg) / 1e12, 1),
                 mfu_bf16=round(tokens * flops_per_token(cfg) / PEAK, 4),
                 peak_mem_gib=round(timer.peak_mem / 2**30, 2), base_mem_gib=round(timer.base_mem / 2**30, 2),
+                peak_reserved_gib=round(timer.peak_reserved / 2**30, 2),
                 loss=round(timer.losses[-1], 4) if timer.losses else None,
                 note=(f"backend={fp8.config.backend} fp8 layers={len(fp8.converted)}" if fp8 is not None else ""))
 

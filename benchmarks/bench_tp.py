@@ -100,13 +100,13 @@ def _sync() -> None:
 
 class StepTimer(pl.Callback):
     """Wall time of batches [start, stop) with CUDA synchronisation, and the losses seen. On CUDA also the
-    memory allocated when the timed window starts (parameters, gradients and optimizer states) and the peak
-    inside the window."""
+    memory allocated when the timed window starts (parameters, gradients and optimizer states) and the peaks of
+    allocated and of reserved memory inside the window (reserved counts CUDA graph pools, allocated does not)."""
 
     def __init__(self, start: int = 4, stop: int = 14, every_step: bool = False) -> None:
         self.start, self.stop, self.times, self.losses = start, stop, [], []
         self.every_step = every_step  # reading the loss each step synchronises the GPU: only for checks
-        self.base_mem = self.peak_mem = 0
+        self.base_mem = self.peak_mem = self.peak_reserved = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
@@ -127,6 +127,7 @@ class StepTimer(pl.Callback):
             self.times.append(time.perf_counter())
             if torch.cuda.is_available():
                 self.peak_mem = torch.cuda.max_memory_allocated()
+                self.peak_reserved = torch.cuda.max_memory_reserved()
 
 
 class ProfileSteps(pl.Callback):
@@ -281,6 +282,8 @@ def run_ours(args) -> None:
                               tokens_per_s_per_gpu=round(tok_per_gpu), tflops_per_gpu=round(tflops / 1e12, 1),
                               mfu=round(tflops / PEAK, 4), step_ms=round(dt / steps * acc * 1e3, 1),
                               peak_mem_gib=round(timer.peak_mem / 2**30, 2) if torch.cuda.is_available() else None,
+                              peak_reserved_gib=(round(timer.peak_reserved / 2**30, 2)
+                                                 if torch.cuda.is_available() else None),
                               # peak in the timed window above what is held between steps (params, grads, optimizer
                               # states: Lightning frees the grads only inside the next step's closure)
                               activation_mem_gib=round((timer.peak_mem - timer.base_mem) / 2**30, 2)

@@ -1,6 +1,8 @@
 """Where one training step's time goes, ours against the plain-PyTorch peer, on one GPU: for each arm 10 timed steps
-(tokens/s, peak memory), then one profiled step whose device time is split into kernel families (GEMM, attention,
-fused elementwise / Triton, optimizer, FP8 casts and amax, copies, NCCL) and device idle time.
+(tokens/s, peak allocated and peak reserved memory: reserved counts CUDA graph pools; printed at once as a ``TIMED``
+line, so an arm cut short while profiling keeps them), then one profiled step whose device time is split into kernel
+families (GEMM, attention, fused elementwise / Triton, optimizer, FP8 casts and amax, copies, NCCL) and device idle
+time.
 
     python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json]
 
@@ -99,6 +101,14 @@ def host_time(prof) -> dict:
                 top_self=[[k[:80], round(ms, 3), n] for k, ms, n in top])
 
 
+def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
+    """The timed steps' figures, printed at once as a ``TIMED`` line (an arm cut short while profiling keeps them)."""
+    row = dict(tokens_per_s=round(tokens / seconds), step_ms=round(seconds / TIMED * 1e3, 2),
+               peak_mem_gib=round(peak / 2**30, 2), peak_reserved_gib=round(reserved / 2**30, 2))
+    print("TIMED " + json.dumps(row), flush=True)
+    return row
+
+
 def run_peer(fp8: bool) -> dict:
     import torch
     import peer_baseline as peer
@@ -130,15 +140,15 @@ def run_peer(fp8: bool) -> dict:
         step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
-    peak = torch.cuda.max_memory_allocated()
+    c = peer.CFG
+    timed = report_timed(c["mbs"] * c["seq"] * TIMED, dt, torch.cuda.max_memory_allocated(),
+                         torch.cuda.max_memory_reserved())
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    c = peer.CFG
-    return dict(tokens_per_s=round(c["mbs"] * c["seq"] * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
-                peak_mem_gib=round(peak / 2**30, 2), profile=breakdown(prof))
+    return dict(timed, profile=breakdown(prof))
 
 
 def run_ours(name: str) -> dict:
@@ -161,6 +171,8 @@ def run_ours(name: str) -> dict:
     class ProfileOne(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == WARMUP + TIMED:
+                result.update(report_timed(4 * cfg.seq_length * TIMED, timer.times[1] - timer.times[0],
+                                           timer.peak_mem, timer.peak_reserved))
                 from torch.profiler import ProfilerActivity, profile
 
                 self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -181,13 +193,10 @@ def run_ours(name: str) -> dict:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer, ProfileOne()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
-    dt = timer.times[1] - timer.times[0]
     from torch._dynamo.utils import counters
 
     graphs = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
-    return dict(tokens_per_s=round(4 * cfg.seq_length * TIMED / dt), step_ms=round(dt / TIMED * 1e3, 2),
-                peak_mem_gib=round(timer.peak_mem / 2**30, 2), loss=timer.losses[-1] if timer.losses else None,
-                cudagraph_counters=graphs, **result)
+    return dict(loss=timer.losses[-1] if timer.losses else None, cudagraph_counters=graphs, **result)
 
 
 def child(name: str) -> None:
@@ -219,21 +228,27 @@ def main() -> None:
             found = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             row = json.loads(found[-1]) if found else dict(arm=arm, error=out.stderr[-800:])
         except subprocess.TimeoutExpired as e:
-            tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s", stderr_tail=tail[-3000:])
+            tail, stdout = (t.decode(errors="replace") if isinstance(t, bytes) else (t or "")
+                            for t in (e.stderr, e.stdout))
+            timed = [line[6:] for line in stdout.splitlines() if line.startswith("TIMED ")]
+            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s" +
+                       (" (while profiling: the timed steps are kept)" if timed else ""),
+                       stderr_tail=tail[-3000:], **(json.loads(timed[-1]) if timed else {}))
         row["wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
         if args.out:   # after every arm: a run cut short keeps the arms it finished
             Path(args.out).write_text(json.dumps(rows, indent=1))
-    print("\n| arm | tokens/s | step ms | peak GiB | kernels | device busy ms | idle ms | " +
+    print("\n| arm | tokens/s | step ms | peak GiB allocated / reserved | kernels | device busy ms | idle ms | " +
           " | ".join(f for f, _ in FAMILIES) + " | other eager |")
     for r in rows:
+        memory = f"{r.get('peak_mem_gib')} / {r.get('peak_reserved_gib')}"
         if "profile" not in r:
-            print(f"| {r['arm']} | {r.get('error', '')[:200]} |")
+            print(f"| {r['arm']} | {r.get('tokens_per_s', '')} | {r.get('step_ms', '')} | {memory} | "
+                  f"{r.get('error', '')[:200]} |")
             continue
         f = r["profile"]["families_ms"]
-        print(f"| {r['arm']} | {r['tokens_per_s']} | {r['step_ms']} | {r['peak_mem_gib']} | "
+        print(f"| {r['arm']} | {r['tokens_per_s']} | {r['step_ms']} | {memory} | "
               f"{r['profile'].get('kernels', '')} | {r['profile']['busy_ms']} | "
               f"{r['profile']['idle_ms']} | " + " | ".join(str(f.get(k, 0)) for k, _ in FAMILIES) +
               f" | {f.get('other eager', 0)} |")

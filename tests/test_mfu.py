@@ -19,6 +19,7 @@ from lightning_megatron.callbacks import (
     flops_per_token,
     num_floating_point_operations,
     peak_memory_gib,
+    peak_memory_reserved_gib,
     precision_kind,
 )
 from tests._dist import run_distributed
@@ -261,7 +262,8 @@ def test_single_process_without_peak_logs_all_but_mfu():
         trainer.fit(new_module(cfg, 2), DataLoader(ListDataset(samples), batch_size=MICRO_BATCH))
     metrics = trainer.callback_metrics
     assert "mfu" not in metrics and "mfu" not in monitor.last_metrics
-    assert "peak_memory_gib" not in metrics and "peak_memory_gib" not in monitor.last_metrics  # CUDA only
+    for key in MFUMonitor.MEMORY_KEYS:  # CUDA only
+        assert key not in metrics and key not in monitor.last_metrics
     assert monitor.peak_flops is None
     last = monitor.last_metrics
     step_tokens = MICRO_BATCH * cfg.seq_length * ACCUMULATE
@@ -306,4 +308,22 @@ def test_peak_memory_is_cuda_max_allocated_in_gib(monkeypatch):
     assert peak_memory_gib(torch.device("cuda", 1)) == 3.5
     assert asked == [torch.device("cuda", 1)]
     assert peak_memory_gib("cpu") is None and peak_memory_gib(torch.device("meta")) is None
+    assert len(asked) == 1
+
+
+def test_peak_memory_reserved_is_cuda_max_reserved_in_gib(monkeypatch):
+    """``peak_memory_reserved_gib``: ``torch.cuda.max_memory_reserved`` of the device in GiB (the figure that counts
+    CUDA graph pools); None off CUDA."""
+    asked = []
+
+    def fake_max_reserved(device):
+        asked.append(device)
+        return 5 * 2**30 + 2**28
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", fake_max_reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 0)
+    assert peak_memory_reserved_gib(torch.device("cuda", 0)) == 5.25
+    assert peak_memory_gib(torch.device("cuda", 0)) == 0.0
+    assert asked == [torch.device("cuda", 0)]
+    assert peak_memory_reserved_gib("cpu") is None and peak_memory_reserved_gib(torch.device("meta")) is None
     assert len(asked) == 1

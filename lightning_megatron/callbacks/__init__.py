@@ -11,6 +11,7 @@ _EXPORTS = {
     "MFUMonitor": "lightning_megatron.callbacks.mfu",
     "device_peak_flops": "lightning_megatron.callbacks.mfu",
     "peak_memory_gib": "lightning_megatron.callbacks.mfu",
+    "peak_memory_reserved_gib": "lightning_megatron.callbacks.mfu",
     "precision_kind": "lightning_megatron.callbacks.mfu",
     "SampleContinuation": "lightning_megatron.callbacks.sample",
 }

@@ -24,11 +24,15 @@ It is updated only at logging steps, so ``window_size=2`` (the default) gives th
 
 Memory: on CUDA, ``peak_memory_gib`` is the peak memory allocated by tensors on one GPU since training started
 (``torch.cuda.max_memory_allocated``; the statistics are reset at ``on_train_start``, so setup does not count),
-the largest over the ranks. Nothing is logged for it on other devices.
+and ``peak_memory_reserved_gib`` the peak the caching allocator held (``torch.cuda.max_memory_reserved``), each the
+largest over the ranks. Nothing is logged for them on other devices. Compare runs with CUDA graphs
+(``MegatronStrategy(enable_cuda_graph=True)``) by the reserved figure: tensors a replayed graph writes (its
+activations, and the gradients of fp32 parameters) live in the graph's memory pool, which the allocated figure does
+not count.
 
 Timing: ``time.perf_counter`` at logging steps only, after ``torch.cuda.synchronize`` when the device is
 CUDA (never a synchronisation on the other steps). The interval is reduced with MAX over all ranks (the step
-is as slow as its slowest rank), together with the counts and the peak memory, in one all-reduce of five numbers
+is as slow as its slowest rank), together with the counts and the peak memories, in one all-reduce of six numbers
 per logging step, so every logged value is identical on every rank. Validation time inside an interval is left out.
 """
 from __future__ import annotations
@@ -44,7 +48,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_megatron.callbacks.flops import num_floating_point_operations
 
-__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "precision_kind", "fp8_mfu_peak"]
+__all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "peak_memory_reserved_gib",
+           "precision_kind", "fp8_mfu_peak"]
 
 # Dense (no structured sparsity) peak tensor FLOP/s of one GPU, from NVIDIA's datasheets (datasheet values
 # "with sparsity" halved). fp16 is the same as bf16. fp32 is the plain (non-tensor-core) rate. The SXM
@@ -134,6 +139,16 @@ def peak_memory_gib(device: Union[str, torch.device]) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def peak_memory_reserved_gib(device: Union[str, torch.device]) -> Optional[float]:
+    """Peak memory the caching allocator held on CUDA ``device`` since its statistics were last reset
+    (``torch.cuda.max_memory_reserved``: tensors, the allocator's free blocks and CUDA graph memory pools), in GiB;
+    None on any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
 def fp8_mfu_peak(plugin: Any, device_name: str, precision: Optional[str] = None) -> Optional[float]:
     """The FP8 peak of ``device_name`` when ``plugin`` runs FP8 GEMMs (its ``fp8`` is set, as
     ``MegatronPrecision(fp8="hybrid")``) while ``mfu`` counts against another peak (``precision`` or
@@ -159,8 +174,9 @@ def _data_parallel_size(trainer: "pl.Trainer") -> int:
 
 class MFUMonitor(Callback):
     """Logs ``step_time`` (s per optimizer step), ``tokens_per_sec`` (global), ``tokens_per_sec_per_gpu``,
-    ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage), and on CUDA ``peak_memory_gib``
-    (the largest per-GPU peak of allocated memory since training started), every ``log_every_n_steps`` optimizer
+    ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage), and on CUDA ``peak_memory_gib`` and
+    ``peak_memory_reserved_gib`` (the largest per-GPU peaks of allocated and of reserved memory since training
+    started; with CUDA graphs compare the reserved one, see the module docstring), every ``log_every_n_steps`` optimizer
     steps through ``pl_module.log`` (the same value on every rank). With FP8 GEMMs (``MegatronPrecision(fp8=...)``)
     ``mfu`` stays against the bf16 peak and ``mfu_fp8`` against the FP8 peak is logged too (on GPUs whose FP8 peak
     the table knows).
@@ -182,7 +198,7 @@ class MFUMonitor(Callback):
 
     KEYS = ("step_time", "tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu")
     #: logged on CUDA devices only
-    MEMORY_KEYS = ("peak_memory_gib",)
+    MEMORY_KEYS = ("peak_memory_gib", "peak_memory_reserved_gib")
 
     def __init__(self, config: Any = None, peak_flops: Optional[float] = None,
                  log_every_n_steps: Optional[int] = None, causal: bool = True, precision: Optional[str] = None,
@@ -328,15 +344,15 @@ class MFUMonitor(Callback):
     def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         now = self._now()
         interval = now - self._t_last - self._paused
-        # one all-reduce (MAX) of five numbers: the slowest rank's interval, counts any rank has seen, the largest
-        # peak memory
+        # one all-reduce (MAX) of six numbers: the slowest rank's interval, counts any rank has seen, the largest
+        # peak memories
         dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        memory = peak_memory_gib(self._device)
-        packed = torch.tensor([interval, self._tokens, self._sequences, self._model_flops, memory or 0.0],
-                              dtype=dtype, device=self._device)
+        memory, reserved = peak_memory_gib(self._device), peak_memory_reserved_gib(self._device)
+        packed = torch.tensor([interval, self._tokens, self._sequences, self._model_flops, memory or 0.0,
+                               reserved or 0.0], dtype=dtype, device=self._device)
         if self._world_size > 1:
             packed = trainer.strategy.reduce(packed, reduce_op="max")
-        interval, tokens, sequences, model_flops, max_memory = packed.tolist()
+        interval, tokens, sequences, model_flops, max_memory, max_reserved = packed.tolist()
         if tokens <= 0:
             if not self._warned_no_shape:
                 self._warned_no_shape = True
@@ -370,6 +386,7 @@ class MFUMonitor(Callback):
             metrics["mfu"] = metrics["tflops_per_gpu"] * 1e12 / self.peak_flops
         if memory is not None:
             metrics["peak_memory_gib"] = max_memory
+            metrics["peak_memory_reserved_gib"] = max_reserved
         if self.peak_flops_fp8:
             metrics["mfu_fp8"] = metrics["tflops_per_gpu"] * 1e12 / self.peak_flops_fp8
         self.last_metrics = metrics

@@ -4,7 +4,8 @@
   (allocated after forward minus before) drops with every recompute mode (full uniform 1 keeps only the layers'
   inputs), and the loss and gradients stay those of the run without recompute (dropout off: the fused attention
   kernels' backward is not bit-reproducible, so within 1e-5 relative);
-- ``MFUMonitor`` logs ``peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of the run at its last step.
+- ``MFUMonitor`` logs ``peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of the run at its last step, and
+  ``peak_memory_reserved_gib`` (``torch.cuda.max_memory_reserved``), never below it.
 
 The measured activation memories are printed at the end of the run (tests/gpu/conftest.py).
 """
@@ -79,3 +80,6 @@ def test_mfu_monitor_logs_peak_memory_on_gpu():
     logged = monitor.last_metrics["peak_memory_gib"]
     assert 0 < logged <= peak and logged == pytest.approx(peak, rel=0.05)
     assert float(trainer.callback_metrics["peak_memory_gib"]) == pytest.approx(logged, rel=1e-6)
+    reserved = monitor.last_metrics["peak_memory_reserved_gib"]
+    assert logged <= reserved <= torch.cuda.max_memory_reserved(trainer.strategy.root_device) / 2**30
+    assert float(trainer.callback_metrics["peak_memory_reserved_gib"]) == pytest.approx(reserved, rel=1e-6)
