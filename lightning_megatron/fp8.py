@@ -289,6 +289,7 @@ class Float8Gemm:
         self.uses: Optional[Tensor] = None           # [3, capacity] (pipeline only)
         self.use_count: Optional[Tensor] = None      # [3] int64 (pipeline only)
         self.dropped: Optional[Tensor] = None        # [3] (pipeline only)
+        self.static = False                          # records marked static graph inputs (allocate(static=True))
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
 
@@ -351,6 +352,7 @@ class Float8Gemm:
         recompile limit."""
         if self.config.recipe != "delayed":
             return
+        self.static = static
         self.running = torch.full((3,), -1.0, device=device)
         if ring:
             self.uses = torch.full((3, capacity), -1.0, device=device)
@@ -742,7 +744,8 @@ def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbat
     amax = torch.where(used, amax.clamp(min=0.0), -1.0)
     for g in recorded:
         if num_microbatches is not None and g.uses is not None and num_microbatches > g.uses.shape[1]:
-            g.allocate(device, ring=True, capacity=2 * num_microbatches)   # room for every micro-batch next time
+            # room for every micro-batch next time, marked as before
+            g.allocate(device, ring=True, capacity=2 * num_microbatches, static=g.static)
     _forget_uses(recorded)
     for group in groups:
         if group_size(group) > 1:

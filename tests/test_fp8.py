@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, GPTModel, MegatronPrecision, MegatronStrategy, ParallelGPTModule
 from lightning_megatron.fp8 import (
+    AMAX_RING,
     E4M3,
     E5M2,
     FP8_MAX,
@@ -29,6 +30,7 @@ from lightning_megatron.fp8 import (
     Float8Gemm,
     Float8Layers,
     Float8Linear,
+    _end_step,
     apply_fp8,
     import_transformer_engine,
     scale_from_amax,
@@ -501,7 +503,6 @@ def test_delayed_recipe_records_inside_one_compiled_graph(ring):
 def test_delayed_last_microbatches_beyond_the_ring():
     """More micro-batches per step than the record ring holds (a long pipeline step): the first step counts the
     ring's last uses, the ring then grows, and the next step counts exactly its last ``num_microbatches`` uses."""
-    from lightning_megatron.fp8 import AMAX_RING
 
     cfg = Float8Config(recipe="delayed", backend="torch")
     gemm = Float8Gemm(cfg)
@@ -581,3 +582,10 @@ def test_delayed_records_are_static_graph_inputs_only_for_cuda_graphs():
         assert len(records) == (4 if ring else 1)
         marks = {getattr(t, "_dynamo_static_input_type", None) for t in records}
         assert marks == ({"unguarded"} if static else {None}), (static, ring, marks)
+        if ring:   # a pipeline schedule's step with more uses than the ring holds grows it: the mark carries over
+            for _ in range(3):
+                gemm._record(0, torch.tensor(1.0))
+            _end_step([gemm], [], num_microbatches=2 * AMAX_RING)
+            assert gemm.uses.shape == (3, 4 * AMAX_RING)
+            grown = [gemm.running, gemm.uses, gemm.use_count, gemm.dropped]
+            assert {getattr(t, "_dynamo_static_input_type", None) for t in grown} == {"unguarded"}
