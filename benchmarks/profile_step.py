@@ -4,7 +4,10 @@ line, so an arm cut short while profiling keeps them), then one profiled step wh
 families (GEMM, attention, fused elementwise / Triton, optimizer, FP8 casts and amax, copies, NCCL) and device idle
 time.
 
-    python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json]
+    python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json] [--together]
+
+With ``--together`` the arms compile and warm up side by side and then take turns for their measured steps
+(``arm_turns.py``): several arms fit into one call's time on a fresh machine, so their ratios come from one call.
 
 Arms (each in a child process of its own):
   peer-compile        the shared peer's model (``peer_baseline.py``'s ``GPT``) under ``torch.compile``, autocast bf16,
@@ -32,11 +35,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from arm_turns import Turns, run_together  # noqa: E402
 from bench_precision import BASE_ARMS, MODULE_KEYS  # noqa: E402
 
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
@@ -109,7 +115,7 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
     return row
 
 
-def run_peer(fp8: bool) -> dict:
+def run_peer(fp8: bool, turns: Optional[Turns] = None) -> dict:
     import torch
     import peer_baseline as peer
 
@@ -134,6 +140,8 @@ def run_peer(fp8: bool) -> dict:
     for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
+    if turns is not None:
+        turns.wait_for_my_turn()
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(TIMED):
@@ -148,10 +156,12 @@ def run_peer(fp8: bool) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    if turns is not None:
+        turns.done()
     return dict(timed, profile=breakdown(prof))
 
 
-def run_ours(name: str) -> dict:
+def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -168,6 +178,12 @@ def run_ours(name: str) -> dict:
     timer = StepTimer(start=WARMUP, stop=WARMUP + TIMED)
     result: dict = {}
 
+    class WaitForTurn(pl.Callback):   # before the timer's start: the timed steps run with the GPU to themselves
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == WARMUP and turns is not None:
+                torch.cuda.synchronize()
+                turns.wait_for_my_turn()
+
     class ProfileOne(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == WARMUP + TIMED:
@@ -182,6 +198,8 @@ def run_ours(name: str) -> dict:
             if batch_idx == WARMUP + TIMED:
                 torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
+                if turns is not None:
+                    turns.done()
                 result["profile"] = breakdown(self.prof)
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
@@ -191,7 +209,7 @@ def run_ours(name: str) -> dict:
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[timer, ProfileOne()])
+                         callbacks=[WaitForTurn(), timer, ProfileOne()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     from torch._dynamo.utils import counters
 
@@ -199,9 +217,22 @@ def run_ours(name: str) -> dict:
     return dict(loss=timer.losses[-1] if timer.losses else None, cudagraph_counters=graphs, **result)
 
 
-def child(name: str) -> None:
-    row = run_peer(name == "peer-fp8") if name.startswith("peer") else run_ours(name)
+def child(name: str, turns: Optional[Turns]) -> None:
+    row = run_peer(name == "peer-fp8", turns) if name.startswith("peer") else run_ours(name, turns)
     print("RESULT " + json.dumps(dict(arm=name, **row)), flush=True)
+
+
+def arm_row(arm: str, stdout: str, stderr: str, timed_out: bool, timeout_s: float) -> dict:
+    """An arm's row from its process's output: its ``RESULT`` line; cut short, its ``TIMED`` line if it got there."""
+    found = [line[7:] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if found:
+        return json.loads(found[-1])
+    if not timed_out:
+        return dict(arm=arm, error=stderr[-800:])
+    timed = [line[6:] for line in stdout.splitlines() if line.startswith("TIMED ")]
+    return dict(arm=arm, error=f"timeout after {timeout_s} s" +
+                (" (while profiling: the timed steps are kept)" if timed else ""),
+                stderr_tail=stderr[-3000:], **(json.loads(timed[-1]) if timed else {}))
 
 
 def main() -> None:
@@ -210,14 +241,32 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--arm-timeout-s", type=float, default=240.0,
                    help="seconds per arm: compiling the 1.3B model on a fresh machine takes 120-175 s")
+    p.add_argument("--together", action="store_true",
+                   help="start every arm at once: they compile and warm up side by side, then take turns for the "
+                        "timed and profiled steps (benchmarks/arm_turns.py); --arm-timeout-s is then the limit for "
+                        "all of them")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--turns", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, Turns.parse(args.turns))
         return
     rows = []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
-    for arm in args.arms.split(","):
+    arms = args.arms.split(",")
+    if args.together:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as folder:
+            runs = run_together([[sys.executable, __file__, "--child", arm] for arm in arms], Path(folder),
+                                args.arm_timeout_s, env=env, cwd=ROOT)
+        for arm, run in zip(arms, runs):
+            row = arm_row(arm, run.stdout, run.stderr, run.rc is None, args.arm_timeout_s)
+            row["wall_s"] = round(time.perf_counter() - start, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+    for arm in [] if args.together else arms:
         start = time.perf_counter()
         try:
             arm_env = dict(env, TORCH_LOGS="perf_hints") if arm.endswith(CUDAGRAPH) else env   # why a graph is not
@@ -225,15 +274,11 @@ def main() -> None:
                                  timeout=args.arm_timeout_s, env=arm_env, cwd=ROOT)
             if arm.endswith(CUDAGRAPH):
                 print(out.stderr[-3000:], flush=True)
-            found = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-            row = json.loads(found[-1]) if found else dict(arm=arm, error=out.stderr[-800:])
+            row = arm_row(arm, out.stdout, out.stderr, False, args.arm_timeout_s)
         except subprocess.TimeoutExpired as e:
-            tail, stdout = (t.decode(errors="replace") if isinstance(t, bytes) else (t or "")
-                            for t in (e.stderr, e.stdout))
-            timed = [line[6:] for line in stdout.splitlines() if line.startswith("TIMED ")]
-            row = dict(arm=arm, error=f"timeout after {args.arm_timeout_s} s" +
-                       (" (while profiling: the timed steps are kept)" if timed else ""),
-                       stderr_tail=tail[-3000:], **(json.loads(timed[-1]) if timed else {}))
+            stdout, stderr = (t.decode(errors="replace") if isinstance(t, bytes) else (t or "")
+                              for t in (e.stdout, e.stderr))
+            row = arm_row(arm, stdout, stderr, True, args.arm_timeout_s)
         row["wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
