@@ -137,6 +137,12 @@ class Layout:
         return out
 
 
+def refusal_reason(error: ValueError) -> str:
+    """What a plan row shows for a layout the library refuses: the first clause of its ValueError (the text up to the
+    first ``": "``, which names the rule; the rest holds the numbers and the fix)."""
+    return str(error).split(": ")[0]
+
+
 def check_layout(layout: Layout, model: Any, global_batch_size: int, precision: str = "bf16") -> Optional[str]:
     """The reason ``layout`` cannot run ``model`` in ``precision`` (``"bf16"`` / ``"fp8"``: FP8 layers), the
     library's ValueError text, or None when it can."""
@@ -144,7 +150,7 @@ def check_layout(layout: Layout, model: Any, global_batch_size: int, precision: 
         config = layout.parallel_config(model)
         check_fsdp_fp8(config, precision == "fp8")
     except ValueError as e:
-        return str(e).split(": ")[0]
+        return refusal_reason(e)
     per_step = layout.micro_batch_size * layout.num_microbatches * layout.dp
     if per_step != global_batch_size:
         return f"global batch {global_batch_size} != micro-batch x micro-batches x dp = {per_step}"

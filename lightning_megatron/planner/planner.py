@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from lightning_megatron.planner.calibration import Hardware, load_hardware
-from lightning_megatron.planner.layout import SUPPORTED_SHARDING, Layout, enumerate_layouts
+from lightning_megatron.planner.layout import SUPPORTED_SHARDING, Layout, enumerate_layouts, refusal_reason
 from lightning_megatron.planner.memory import check_params_dtype
 from lightning_megatron.planner.model import Prediction, Workload, predict
 
@@ -99,7 +99,7 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
             try:   # the library's rule for bf16 parameters (FSDP's levels refused)
                 check_params_dtype(layout.sharding, params_dtype)
             except ValueError as e:
-                reason = str(e).split(": ")[0]
+                reason = refusal_reason(e)
         if reason is not None:
             rejected.append(PlanRow(layout, None, reason))
             continue
