@@ -9,8 +9,8 @@ instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32 main pa
 ``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
 
 On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
-compiled once for all shapes and hyper-parameter values: one fused kernel per tensor); on the CPU the same function
-runs eagerly. Like torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the
+compiled once for all shapes and hyper-parameter values: one fused kernel per tensor), after the group's step counts
+are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly. Like torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the
 non-finite guard's device flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so
 it never waits for the GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or
 FSDP, where it updates the local part of each ``DTensor``).
@@ -76,13 +76,22 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     exp_avg_sq.copy_(v)
 
 
+def count_steps_(steps: List[Tensor], found_inf: Optional[Tensor] = None) -> None:
+    """Add one to every step count of ``steps`` (0-d fp32 tensors on one device), or nothing where ``found_inf`` is
+    > 0: one multi-tensor operation (on CUDA one fused launch per list chunk, not one kernel per parameter)."""
+    if steps:
+        torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - (found_inf > 0).float())
+
+
 def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                         steps: List[Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
-    """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), each after
-    adding one to its ``steps`` entry (nothing where ``found_inf`` is > 0)."""
+                        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+                        count_steps: bool = True) -> None:
+    """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), after adding
+    one to each ``steps`` entry (:func:`count_steps_`) unless ``count_steps`` is False (the caller counted them)."""
+    if count_steps:
+        count_steps_(steps, found_inf)
     for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        step.add_(1 if found_inf is None else 1 - (found_inf > 0).float())
         adamw_update_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
                       found_inf)
 
@@ -190,11 +199,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     out.append(t.view(-1))
                 per_device[4].append(state["step"])
             for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+                scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
+                inf = found_inf.to(device).reshape(()) if found_inf is not None else None
+                count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
                 self._update_fn(device)(
                     params, grads, exp_avgs, exp_avg_sqs, steps, float(group["lr"]), float(beta1), float(beta2),
-                    float(group["eps"]), float(group["weight_decay"]),
-                    grad_scale.to(device).reshape(()) if grad_scale is not None else None,
-                    found_inf.to(device).reshape(()) if found_inf is not None else None)
+                    float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -126,6 +126,39 @@ def test_found_inf_skips_the_update_and_grad_scale_divides():
         assert float(opt.state[a]["step"]) == 2
 
 
+def test_step_counts_advance_in_one_multi_tensor_op():
+    """A parameter group's step counts advance by one multi-tensor add (on CUDA one fused launch), never by an add
+    per parameter (a kernel launch each inside the compiled update: 147 for the benchmark model), also when
+    ``found_inf`` decides on the device whether they advance."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((str(func), args))
+            return func(*args, **(kwargs or {}))
+
+    params, grads = _problem(1)
+    ours = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = PrecisionAwareAdamW([{"params": ours[:2]}, {"params": ours[2:], "weight_decay": 0.0}], lr=1e-2,
+                              exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    for found_inf, want in ((None, 1.0), (torch.zeros(()), 2.0), (torch.ones(()), 2.0)):
+        opt.found_inf = found_inf
+        for p, g in zip(ours, grads[0]):
+            p.grad = g.clone()
+        with Ops() as ops:
+            opt.step()
+        steps = {id(opt.state[p]["step"]) for p in ours}
+        counted = [name for name, args in ops.seen if "_foreach_add_" in name]
+        one_by_one = [name for name, args in ops.seen
+                      if name.startswith("aten.add_") and any(id(a) in steps for a in args if torch.is_tensor(a))]
+        assert len(counted) == 2 and one_by_one == [], (counted, one_by_one)   # one per parameter group
+        assert [float(opt.state[p]["step"]) for p in ours] == [want] * len(ours)
+
+
 def test_state_dict_keeps_bf16_moments_resumes_exactly_and_loads_to_and_from_torch_adamw():
     params, grads = _problem(6)
 
