@@ -226,19 +226,19 @@ def _col_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
-def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``(a / scale_a) @ (b / scale_b)``: ``a`` row-major, ``b`` column-major, scales are the quantisation scales.
-    Scales of one per row / column (rowwise) give bf16 out (what cuBLAS supports), cast to ``out_dtype``."""
-    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+def _scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(a * inv_a) @ (b * inv_b)``: ``a`` row-major, ``b`` column-major, ``inv_*`` the reciprocals of their
+    quantisation scales (what ``torch._scaled_mm`` multiplies by). One per row / column (rowwise) gives bf16 out
+    (what cuBLAS supports), cast to ``out_dtype``."""
+    rowwise = inv_a.numel() > 1 or inv_b.numel() > 1
     mm_dtype = torch.bfloat16 if rowwise else out_dtype
-    out = torch._scaled_mm(a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=mm_dtype)
-    return out.to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=mm_dtype).to(out_dtype)
 
 
 def _pad_tokens(a_t: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Zero-pad the token dimension (the reduction dimension of the weight-gradient GEMM ``a_t [out, N] @ b [N, in]``)
     to a multiple of :data:`GEMM_ALIGNMENT` (cuBLAS FP8 needs it; the zeros add nothing). Rowwise scales along N
-    (``scale_b [1, in]`` from N) are unchanged; ``b`` stays column-major."""
+    (``scale_b [1, in]`` from N; scales or their reciprocals) are unchanged; ``b`` stays column-major."""
     n = a_t.shape[1]
     pad = -n % GEMM_ALIGNMENT
     if pad == 0:
@@ -290,6 +290,9 @@ class Float8Gemm:
         self.use_count: Optional[Tensor] = None      # [3] int64 (pipeline only)
         self.dropped: Optional[Tensor] = None        # [3] (pipeline only)
         self.static = False                          # records marked static graph inputs (allocate(static=True))
+        # [2, 3]: per kind the scale the history gives and its reciprocal, computed for all GEMMs at once when the
+        # histories change (end_step, load_state_dict), so a layer reads them instead of computing them per use
+        self.scales: Optional[Tensor] = None
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
 
@@ -340,6 +343,23 @@ class Float8Gemm:
         else:          # evaluation before any training step: this rank's current amax
             amax = current
         return scale_from_amax(amax, dtype, cfg.margin)
+
+    def scale_and_inverse(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool,
+                          shard_group: Optional[Any] = None) -> Tuple[Tensor, Tensor]:
+        """:meth:`tensor_scale` and its reciprocal (what ``torch._scaled_mm`` takes). With the delayed recipe's
+        history both are the ones computed at the last :meth:`Float8Layers.end_step` (:func:`_refresh_scales`): two
+        views, no kernel; a training use still records its amax."""
+        if self.scales is not None and self.history is not None and dtype == self._kind_dtype(kind):
+            if record:
+                self._record(kind, t.detach().abs().amax().float())
+            return self.scales[0, kind], self.scales[1, kind]
+        scale = self.tensor_scale(kind, t, dtype, record, shard_group)
+        return scale, scale.reciprocal()
+
+    def _kind_dtype(self, kind: int) -> torch.dtype:
+        """The FP8 dtype tensors of ``kind`` are cast to: the forward format for inputs and weights, the gradient
+        format for output gradients."""
+        return self.config.grad_dtype if kind == _GRAD else self.config.forward_dtype
 
     def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING,
                  static: bool = False) -> None:
@@ -425,15 +445,17 @@ def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tens
 def _per_tensor_backward(ctx: Any, g2: Tensor, need_x: bool,
                          need_w: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The two backward GEMMs with one scale per tensor (tensorwise, delayed) from the FP8 operands the forward
-    saved (``xq, wq, sx, sw``): ``dx = dy @ W`` ``[N, in]`` and ``dW = dy^T @ x`` ``[out, in]`` in ``ctx.out_dtype``
-    (None where not needed); ``g2`` is the output gradient ``[N, out]``, quantised here."""
+    saved (``xq, wq`` and the reciprocals of their scales): ``dx = dy @ W`` ``[N, in]`` and ``dW = dy^T @ x``
+    ``[out, in]`` in ``ctx.out_dtype`` (None where not needed); ``g2`` is the output gradient ``[N, out]``, quantised
+    here."""
     gemm: Float8Gemm = ctx.gemm
     bwd = gemm.config.grad_dtype
-    xq, wq, sx, sw = ctx.saved_tensors
-    sg = gemm.tensor_scale(_GRAD, g2, bwd, ctx.record)
+    xq, wq, inv_x, inv_w = ctx.saved_tensors
+    sg, inv_g = gemm.scale_and_inverse(_GRAD, g2, bwd, ctx.record)
     gq = quantize(g2, sg, bwd)
-    grad_x = _scaled_mm(gq, _col_major(wq), sg, sw, ctx.out_dtype) if need_x else None
-    grad_w = _scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), sg, sx), ctx.out_dtype) if need_w else None
+    grad_x = _scaled_mm(gq, _col_major(wq), inv_g, inv_w, ctx.out_dtype) if need_x else None
+    grad_w = (_scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), inv_g, inv_x), ctx.out_dtype)
+              if need_w else None)
     return grad_x, grad_w
 
 
@@ -450,14 +472,15 @@ class _Float8LinearFn(torch.autograd.Function):
         if cfg.recipe == "rowwise":
             sx = _rowwise_scale(x2, 1, fwd, cfg.margin)                  # [N, 1]
             sw = _rowwise_scale(weight, 1, fwd, cfg.margin)              # [out, 1]
-            y = _scaled_mm(quantize(x2, sx, fwd), quantize(weight, sw, fwd).t(), sx, sw.t().contiguous(), out_dtype)
+            y = _scaled_mm(quantize(x2, sx, fwd), quantize(weight, sw, fwd).t(), sx.reciprocal(),
+                           sw.t().contiguous().reciprocal(), out_dtype)
             ctx.save_for_backward(x2, weight)
         else:
-            sx = gemm.tensor_scale(_INPUT, x2, fwd, record)
-            sw = gemm.tensor_scale(_WEIGHT, weight, fwd, record)
+            sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record)
+            sw, inv_w = gemm.scale_and_inverse(_WEIGHT, weight, fwd, record)
             xq, wq = quantize(x2, sx, fwd), quantize(weight, sw, fwd)
-            y = _scaled_mm(xq, wq.t(), sx, sw, out_dtype)
-            ctx.save_for_backward(xq, wq, sx, sw)
+            y = _scaled_mm(xq, wq.t(), inv_x, inv_w, out_dtype)
+            ctx.save_for_backward(xq, wq, inv_x, inv_w)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -473,13 +496,14 @@ class _Float8LinearFn(torch.autograd.Function):
             if need_x:   # dx [N, in] = dy [N, out] @ W [out, in]: reduction over out
                 sg = _rowwise_scale(g2, 1, bwd, cfg.margin)                  # [N, 1]
                 sw = _rowwise_scale(weight, 0, fwd, cfg.margin)              # [1, in]
-                grad_x = _scaled_mm(quantize(g2, sg, bwd), _col_major(quantize(weight, sw, fwd)), sg, sw, out_dtype)
+                grad_x = _scaled_mm(quantize(g2, sg, bwd), _col_major(quantize(weight, sw, fwd)), sg.reciprocal(),
+                                    sw.reciprocal(), out_dtype)
             if need_w:   # dW [out, in] = dy^T [out, N] @ x [N, in]: reduction over N
                 gt = g2.t()
                 sg = _rowwise_scale(gt, 1, bwd, cfg.margin)                  # [out, 1]
                 sx = _rowwise_scale(x2, 0, fwd, cfg.margin)                  # [1, in]
-                grad_w = _scaled_mm(*_pad_tokens(quantize(gt, sg, bwd).contiguous(),
-                                                 _col_major(quantize(x2, sx, fwd)), sg, sx), out_dtype)
+                grad_w = _scaled_mm(*_pad_tokens(quantize(gt, sg, bwd).contiguous(), _col_major(quantize(x2, sx, fwd)),
+                                                 sg.reciprocal(), sx.reciprocal()), out_dtype)
         else:
             grad_x, grad_w = _per_tensor_backward(ctx, g2, need_x, need_w)
         if grad_x is not None:
@@ -501,15 +525,15 @@ class _Float8SequenceParallelLinearFn(torch.autograd.Function):
         fwd = gemm.config.forward_dtype
         size = group_size(group)
         x2 = x.reshape(-1, x.shape[-1])
-        sx = gemm.tensor_scale(_INPUT, x2, fwd, record, shard_group=group)
+        sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record, shard_group=group)
         xq = all_gather_dim0(quantize(x2, sx, fwd).view(torch.uint8), group).view(fwd)   # [s * b, in]
-        sw = gemm.tensor_scale(_WEIGHT, weight, fwd, record)
+        sw, inv_w = gemm.scale_and_inverse(_WEIGHT, weight, fwd, record)
         wq = quantize(weight, sw, fwd)
-        y = _scaled_mm(xq, wq.t(), sx, sw, out_dtype)
+        y = _scaled_mm(xq, wq.t(), inv_x, inv_w, out_dtype)
         ctx.gemm, ctx.out_dtype, ctx.record, ctx.group = gemm, out_dtype, record, group
         ctx.x_shape = (x.shape[0] * size,) + tuple(x.shape[1:])
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.save_for_backward(xq, wq, inv_x, inv_w)
         return y.view(*ctx.x_shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -706,6 +730,7 @@ class Float8Layers:
             gemm.history = history.to(where) if where is not None else history.clone()
             gemm.forget_uses()
             self.steps = max(self.steps, 1)
+        _refresh_scales([gemm for _, gemm in self._named_gemms() if isinstance(gemm, Float8Gemm)])
 
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
@@ -751,6 +776,7 @@ def _end_step(gemms: Sequence["Float8Gemm"], groups: Sequence[Any], num_microbat
         if group_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     _roll_histories(gemms, amax)
+    _refresh_scales(gemms)
 
 
 def _last_uses_amax(gemms: Sequence["Float8Gemm"], last: int, none: Tensor) -> Tensor:
@@ -788,6 +814,36 @@ def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:
                 history = torch.zeros(3, gemms[i].config.amax_history_len, device=amax.device)
                 history[:, 0] = rows[i]
                 gemms[i].history = history
+
+
+def _refresh_scales(gemms: Sequence["Float8Gemm"]) -> None:
+    """Each history's scales and their reciprocals (``Float8Gemm.scales`` ``[2, 3]``), for all GEMMs with a history
+    at once: the values :meth:`Float8Gemm.tensor_scale` computes from the history, updated in place (a fixed number of
+    operations for any number of GEMMs) so compiled layers and their CUDA graphs keep reading the same tensors. A
+    GEMM's first scales are new tensors, marked as its records are (``static``)."""
+    by_scaling: Dict[Tuple[Any, ...], List["Float8Gemm"]] = {}
+    for g in gemms:
+        if g.history is not None:
+            c = g.config
+            by_scaling.setdefault((c.forward_dtype, c.grad_dtype, c.margin, c.amax_compute_algo,
+                                   g.history.device), []).append(g)
+    for (fwd, bwd, margin, algo, _), group in by_scaling.items():
+        histories = torch.stack([g.history for g in group])                                # [n, 3, L]
+        amax = histories[:, :, 0] if algo == "most_recent" else histories.amax(dim=2)       # [n, 3]
+        scale = torch.cat([scale_from_amax(amax[:, :_GRAD], fwd, margin),
+                           scale_from_amax(amax[:, _GRAD:], bwd, margin)], dim=1)
+        pairs = torch.stack([scale, scale.reciprocal()], dim=1)                             # [n, 2, 3]
+        rows = pairs.unbind(0)
+        have = [i for i, g in enumerate(group) if g.scales is not None]
+        if have:
+            torch._foreach_copy_([group[i].scales for i in have], [rows[i] for i in have])
+        for i, g in enumerate(group):
+            if g.scales is None:
+                g.scales = rows[i].clone()
+                if g.static:
+                    from torch._dynamo import mark_static_address
+
+                    mark_static_address(g.scales, guard=False)
 
 
 def _expert_types() -> Tuple[type, ...]:

@@ -120,8 +120,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "fp8-sp-gather-local-scale", "the FP8 all-gather of the sequence-parallel input casts each shard with its own "
         "tensorwise scale (the amax is not all-reduced over tp)",
-        (Edit("lightning_megatron/fp8.py", "sx = gemm.tensor_scale(_INPUT, x2, fwd, record, shard_group=group)",
-              "sx = gemm.tensor_scale(_INPUT, x2, fwd, record)"),),
+        (Edit("lightning_megatron/fp8.py", "sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record, shard_group=group)",
+              "sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record)"),),
         ("tests/test_fp8.py::test_fp8_all_gather_of_the_sequence_parallel_input_equals_the_bf16_gather",)),
     Mutation(
         "fp8-delayed-history-frozen", "the FP8 delayed recipe's batched per-step update leaves existing amax histories "

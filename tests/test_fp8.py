@@ -146,6 +146,51 @@ def test_delayed_scaling_uses_the_amax_history():
         assert float(gemm.running.max()) == -1.0, "evaluation uses (record=False) must not join the history"
 
 
+def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
+    """With a history, a layer reads its scales and their reciprocals, computed for all GEMMs at the end of the step
+    and when a checkpoint's histories load: equal to computing them from the history at each use, and a use runs
+    nothing but views for them (computing them per use was 12 small kernels per layer and micro-batch on the GPU).
+    For CUDA graphs they are marked static graph inputs, as the records are."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    probe = torch.full((4,), 1.5)
+    for fmt, algo, margin, static in (("hybrid", "max", 0, False), ("e4m3", "most_recent", 1, True)):
+        cfg = Float8Config(fp8_format=fmt, recipe="delayed", backend="torch", margin=margin, amax_history_len=3,
+                           amax_compute_algo=algo)
+        gemms = [Float8Gemm(cfg) for _ in range(3)]
+        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(3)])
+        layers.allocate(torch.device("cpu"), static=static)
+        for step in range(4):
+            for i, gemm in enumerate(gemms):
+                x = (torch.randn(8, 32) * (i + 1) * 4.0 ** (step % 3 - 1)).requires_grad_()
+                gemm(x, torch.randn(16, 32, requires_grad=True)).sum().backward()
+            layers.end_step()
+            for gemm in gemms:
+                for kind, dtype in ((0, cfg.forward_dtype), (1, cfg.forward_dtype), (2, cfg.grad_dtype)):
+                    with Ops() as ops:
+                        scale, inverse = gemm.scale_and_inverse(kind, probe, dtype, record=False)
+                    assert all(f.is_view for f in ops.seen), ops.seen        # read, not computed
+                    want = gemm.tensor_scale(kind, probe, dtype, record=False)  # from the history, at this use
+                    assert torch.equal(scale, want) and torch.equal(inverse, want.reciprocal()), (step, kind)
+                assert getattr(gemm.scales, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
+        # a checkpoint's histories: their scales at once
+        saved = layers.state_dict()
+        fresh = [Float8Gemm(cfg) for _ in range(3)]
+        loaded = Float8Layers(config=cfg, gemms=fresh, converted=[f"layer{i}" for i in range(3)])
+        loaded.load_state_dict(saved)
+        for old, new in zip(gemms, fresh):
+            assert torch.equal(new.scales, old.scales)
+
+
 def test_delayed_step_counts_only_the_last_microbatches():
     """A pipeline schedule's metadata inference runs an extra forward on placeholder tensors before the step's
     micro-batches: ``end_step(num_microbatches)`` keeps only the last uses."""
