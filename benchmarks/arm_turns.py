@@ -74,8 +74,9 @@ class ArmRun:
 def run_together(commands: Sequence[List[str]], folder: Path, timeout_s: float, env: Optional[Dict[str, str]] = None,
                  cwd: Optional[Path] = None) -> List[ArmRun]:
     """Start every command at once, each with ``--turns <folder>:<i>:<n>`` appended, and wait for all of them; an arm
-    that exits is marked ready and done for the others. Past ``timeout_s`` seconds in all, the remaining arms are
-    killed with their process groups (``rc`` None, their output so far kept)."""
+    that exits is marked ready and done for the others. Past ``timeout_s`` seconds in all, or when this process gets
+    SIGTERM (then it exits after), the remaining arms are killed with their process groups (``rc`` None, their output
+    so far kept)."""
     folder.mkdir(parents=True, exist_ok=True)
     n = len(commands)
     procs = [subprocess.Popen([*cmd, "--turns", f"{folder}:{i}:{n}"], stdout=subprocess.PIPE,
@@ -84,23 +85,31 @@ def run_together(commands: Sequence[List[str]], folder: Path, timeout_s: float, 
     outputs: List[Optional[ArmRun]] = [None] * n
     readers = [_Reader(p) for p in procs]
     deadline = time.perf_counter() + timeout_s
-    while any(o is None for o in outputs):
-        for i, p in enumerate(procs):
-            if outputs[i] is None and p.poll() is not None:
-                out, err = readers[i].finish()
-                outputs[i] = ArmRun(p.returncode, out, err)
-                mark(folder, "ready", i)
-                mark(folder, "done", i)
-        if time.perf_counter() > deadline:
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # so the finally below runs when we are stopped
+    try:
+        while any(o is None for o in outputs) and time.perf_counter() <= deadline:
             for i, p in enumerate(procs):
-                if outputs[i] is None:   # the arm and its compile workers
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+                if outputs[i] is None and p.poll() is not None:
                     out, err = readers[i].finish()
-                    outputs[i] = ArmRun(None, out, err)
-            break
-        time.sleep(0.2)
+                    outputs[i] = ArmRun(p.returncode, out, err)
+                    mark(folder, "ready", i)
+                    mark(folder, "done", i)
+            time.sleep(0.2)
+    finally:   # past the limit, or stopped ourselves: no arm outlives this call, nor its compile workers
+        signal.signal(signal.SIGTERM, previous)
+        for i, p in enumerate(procs):
+            if outputs[i] is None:
+                killed = p.poll() is None
+                if killed:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                out, err = readers[i].finish()
+                outputs[i] = ArmRun(None if killed else p.returncode, out, err)
     return [o for o in outputs if o is not None]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 class _Reader:
