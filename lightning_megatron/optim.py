@@ -10,10 +10,11 @@ instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32 main pa
 
 On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
 compiled once for all shapes and hyper-parameter values: one fused kernel per tensor), after the group's step counts
-are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly. Like torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the
-non-finite guard's device flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so
-it never waits for the GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or
-FSDP, where it updates the local part of each ``DTensor``).
+are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly. Like
+torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the non-finite guard's device
+flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so it never waits for the
+GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or FSDP, where it updates
+the local part of each ``DTensor``).
 """
 from __future__ import annotations
 

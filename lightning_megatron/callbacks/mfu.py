@@ -176,8 +176,8 @@ class MFUMonitor(Callback):
     """Logs ``step_time`` (s per optimizer step), ``tokens_per_sec`` (global), ``tokens_per_sec_per_gpu``,
     ``tflops_per_gpu`` and ``mfu`` (a fraction of the peak, not a percentage), and on CUDA ``peak_memory_gib`` and
     ``peak_memory_reserved_gib`` (the largest per-GPU peaks of allocated and of reserved memory since training
-    started; with CUDA graphs compare the reserved one, see the module docstring), every ``log_every_n_steps`` optimizer
-    steps through ``pl_module.log`` (the same value on every rank). With FP8 GEMMs (``MegatronPrecision(fp8=...)``)
+    started; with CUDA graphs compare the reserved one, see the module docstring), every ``log_every_n_steps``
+    optimizer steps through ``pl_module.log`` (the same value on every rank). With FP8 GEMMs (``MegatronPrecision(fp8=...)``)
     ``mfu`` stays against the bf16 peak and ``mfu_fp8`` against the FP8 peak is logged too (on GPUs whose FP8 peak
     the table knows).
 
