@@ -380,10 +380,10 @@ class Float8Gemm:
             self.dropped = torch.full((3,), -1.0, device=device)
         else:
             self.uses = self.use_count = self.dropped = None
-        if static:   # written in place inside the layers' CUDA graphs
+        if static:   # written in place inside the layers' CUDA graphs (and the scales, read there)
             from torch._dynamo import mark_static_address
 
-            for t in (self.running, self.uses, self.use_count, self.dropped):
+            for t in (self.running, self.uses, self.use_count, self.dropped, self.scales):
                 if t is not None:
                     mark_static_address(t, guard=False)
 

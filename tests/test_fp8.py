@@ -182,13 +182,15 @@ def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
                     want = gemm.tensor_scale(kind, probe, dtype, record=False)  # from the history, at this use
                     assert torch.equal(scale, want) and torch.equal(inverse, want.reciprocal()), (step, kind)
                 assert getattr(gemm.scales, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
-        # a checkpoint's histories: their scales at once
+        # a checkpoint's histories: their scales at once (and records allocated after that mark them too)
         saved = layers.state_dict()
         fresh = [Float8Gemm(cfg) for _ in range(3)]
         loaded = Float8Layers(config=cfg, gemms=fresh, converted=[f"layer{i}" for i in range(3)])
         loaded.load_state_dict(saved)
+        loaded.allocate(torch.device("cpu"), static=static)
         for old, new in zip(gemms, fresh):
             assert torch.equal(new.scales, old.scales)
+            assert getattr(new.scales, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
 
 
 def test_delayed_step_counts_only_the_last_microbatches():
