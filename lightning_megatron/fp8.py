@@ -290,8 +290,9 @@ class Float8Gemm:
         self.use_count: Optional[Tensor] = None      # [3] int64 (pipeline only)
         self.dropped: Optional[Tensor] = None        # [3] (pipeline only)
         self.static = False                          # records marked static graph inputs (allocate(static=True))
-        # [2, 3]: per kind the scale the history gives and its reciprocal, computed for all GEMMs at once when the
-        # histories change (end_step, load_state_dict), so a layer reads them instead of computing them per use
+        # [2, 3]: per kind the scale the history gives and its reciprocal, computed for all GEMMs at once whenever
+        # the histories change (end_step, load_state_dict), so a layer reads them instead of computing them per use;
+        # set exactly when ``history`` is
         self.scales: Optional[Tensor] = None
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
@@ -320,46 +321,36 @@ class Float8Gemm:
 
     def tensor_scale(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool,
                      shard_group: Optional[Any] = None) -> Tensor:
-        """Scale (0-dim fp32) for quantising tensor ``t`` of ``kind`` (0 input, 1 weight, 2 output gradient);
-        ``record``: a training use (its amax joins the step's record). ``shard_group``: ``t`` is this rank's part of
-        a tensor split over that group, and the scale is the whole tensor's, the same on every rank of it (where the
-        scale comes from the current amax, that amax is all-reduced (max) over the group: one collective)."""
-        cfg = self.config
-        current = t.detach().abs().amax().float()
-        from_current = cfg.recipe != "delayed" or self.history is None
-        if shard_group is not None and group_size(shard_group) > 1 and from_current:
-            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=shard_group)
-        if cfg.recipe != "delayed":
-            return scale_from_amax(current, dtype, cfg.margin)
-        if record:
-            self._record(kind, current)
-        if self.history is not None:
-            hist = self.history[kind]
-            amax = hist[0] if cfg.amax_compute_algo == "most_recent" else hist.max()
-        elif record:   # no history yet: the current amax, the same on every rank of the amax group
-            amax = current.clone()
-            for g in self.amax_groups:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
-        else:          # evaluation before any training step: this rank's current amax
-            amax = current
-        return scale_from_amax(amax, dtype, cfg.margin)
+        """Scale (0-dim fp32) for quantising tensor ``t`` of ``kind`` to ``dtype``: :meth:`scale_and_inverse`'s
+        scale."""
+        return self.scale_and_inverse(kind, t, dtype, record, shard_group)[0]
 
     def scale_and_inverse(self, kind: int, t: Tensor, dtype: torch.dtype, record: bool,
                           shard_group: Optional[Any] = None) -> Tuple[Tensor, Tensor]:
-        """:meth:`tensor_scale` and its reciprocal (what ``torch._scaled_mm`` takes). With the delayed recipe's
-        history both are the ones computed at the last :meth:`Float8Layers.end_step` (:func:`_refresh_scales`): two
-        views, no kernel; a training use still records its amax."""
-        if self.scales is not None and self.history is not None and dtype == self._kind_dtype(kind):
+        """Scale (0-dim fp32) for quantising tensor ``t`` of ``kind`` (0 input, 1 weight, 2 output gradient) to
+        ``dtype``, and its reciprocal (what ``torch._scaled_mm`` takes). ``record``: a training use (its amax joins
+        the step's record). ``shard_group``: ``t`` is this rank's part of a tensor split over that group, and the
+        scale is the whole tensor's, the same on every rank of it (where the scale comes from the current amax, that
+        amax is all-reduced (max) over the group: one collective).
+
+        With the delayed recipe's history both are the ones its per-step update computed from the history
+        (:func:`_refresh_scales`, in the kind's format): two views, no kernel."""
+        cfg = self.config
+        if self.scales is not None:   # delayed, with a history
             if record:
                 self._record(kind, t.detach().abs().amax().float())
             return self.scales[0, kind], self.scales[1, kind]
-        scale = self.tensor_scale(kind, t, dtype, record, shard_group)
+        current = t.detach().abs().amax().float()
+        if shard_group is not None and group_size(shard_group) > 1:
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=shard_group)
+        amax = current
+        if cfg.recipe == "delayed" and record:   # no history yet: the current amax, the same on every rank of the
+            self._record(kind, current)          # amax group (evaluation before any training step: this rank's)
+            amax = current.clone()
+            for g in self.amax_groups:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
+        scale = scale_from_amax(amax, dtype, cfg.margin)
         return scale, scale.reciprocal()
-
-    def _kind_dtype(self, kind: int) -> torch.dtype:
-        """The FP8 dtype tensors of ``kind`` are cast to: the forward format for inputs and weights, the gradient
-        format for output gradients."""
-        return self.config.grad_dtype if kind == _GRAD else self.config.forward_dtype
 
     def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING,
                  static: bool = False) -> None:
@@ -818,9 +809,11 @@ def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:
 
 def _refresh_scales(gemms: Sequence["Float8Gemm"]) -> None:
     """Each history's scales and their reciprocals (``Float8Gemm.scales`` ``[2, 3]``), for all GEMMs with a history
-    at once: the values :meth:`Float8Gemm.tensor_scale` computes from the history, updated in place (a fixed number of
-    operations for any number of GEMMs) so compiled layers and their CUDA graphs keep reading the same tensors. A
-    GEMM's first scales are new tensors, marked as its records are (``static``)."""
+    at once: per kind the scale of the history's amax (its newest entry, or its largest with ``amax_compute_algo=
+    "max"``) in the kind's format (the forward format for inputs and weights, the gradient format for output
+    gradients), updated in place (a fixed number of operations for any number of GEMMs) so compiled layers and their
+    CUDA graphs keep reading the same tensors. A GEMM's first scales are new tensors, marked as its records are
+    (``static``)."""
     by_scaling: Dict[Tuple[Any, ...], List["Float8Gemm"]] = {}
     for g in gemms:
         if g.history is not None:

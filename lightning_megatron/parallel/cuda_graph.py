@@ -13,8 +13,9 @@ What keeps the replays correct (the layout rules are in :meth:`ParallelConfig._c
   next micro-batch. With one micro-batch per step the optimizer consumes them before the next forward; with
   several, only bf16 parameters qualify (their gradient hook copies each gradient into its fp32 main gradient at
   once: ``params_dtype=torch.bfloat16``);
-* tensors a layer writes in place (the FP8 delayed recipe's amax records) are static graph inputs
-  (:meth:`lightning_megatron.fp8.Float8Gemm.allocate` marks them on CUDA).
+* tensors a layer writes in place or reads that change between steps (the FP8 delayed recipe's amax records and
+  scales) are static graph inputs, unguarded (:meth:`lightning_megatron.fp8.Float8Gemm.allocate` with
+  ``static=True`` marks them).
 """
 from __future__ import annotations
 
