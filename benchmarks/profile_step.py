@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -170,6 +169,8 @@ def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
 
     cudagraph = name.endswith(CUDAGRAPH)
+    if cudagraph:   # Inductor says on stderr why it skips a layer's CUDA graph
+        torch._logging.set_logs(perf_hints=True)
     kwargs = dict(OURS[name[:-len(CUDAGRAPH)] if cudagraph else name])
     module_kwargs = {k: kwargs.pop(k) for k in MODULE_KEYS if k in kwargs}
     if "params_dtype" in kwargs:
@@ -254,35 +255,20 @@ def main() -> None:
     rows = []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
     arms = args.arms.split(",")
-    if args.together:
+    # one process group per arm, killed at the limit with its compile workers (which would hold its output pipes)
+    for batch in [arms] if args.together else [[arm] for arm in arms]:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
-            runs = run_together([[sys.executable, __file__, "--child", arm] for arm in arms], Path(folder),
+            runs = run_together([[sys.executable, __file__, "--child", arm] for arm in batch], Path(folder),
                                 args.arm_timeout_s, env=env, cwd=ROOT)
-        for arm, run in zip(arms, runs):
+        for arm, run in zip(batch, runs):
+            if arm.endswith(CUDAGRAPH):
+                print(run.stderr[-3000:], flush=True)
             row = arm_row(arm, run.stdout, run.stderr, run.rc is None, args.arm_timeout_s)
             row["wall_s"] = round(time.perf_counter() - start, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        if args.out:
-            Path(args.out).write_text(json.dumps(rows, indent=1))
-    for arm in [] if args.together else arms:
-        start = time.perf_counter()
-        try:
-            arm_env = dict(env, TORCH_LOGS="perf_hints") if arm.endswith(CUDAGRAPH) else env   # why a graph is not
-            out = subprocess.run([sys.executable, __file__, "--child", arm], capture_output=True, text=True,
-                                 timeout=args.arm_timeout_s, env=arm_env, cwd=ROOT)
-            if arm.endswith(CUDAGRAPH):
-                print(out.stderr[-3000:], flush=True)
-            row = arm_row(arm, out.stdout, out.stderr, False, args.arm_timeout_s)
-        except subprocess.TimeoutExpired as e:
-            stdout, stderr = (t.decode(errors="replace") if isinstance(t, bytes) else (t or "")
-                              for t in (e.stdout, e.stderr))
-            row = arm_row(arm, stdout, stderr, True, args.arm_timeout_s)
-        row["wall_s"] = round(time.perf_counter() - start, 1)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        if args.out:   # after every arm: a run cut short keeps the arms it finished
+        if args.out:   # after every arm (or all of them together): a run cut short keeps the arms it finished
             Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| arm | tokens/s | step ms | peak GiB allocated / reserved | kernels | device busy ms | idle ms | " +
           " | ".join(f for f, _ in FAMILIES) + " | other eager |")
