@@ -290,10 +290,12 @@ class Float8Gemm:
         self.use_count: Optional[Tensor] = None      # [3] int64 (pipeline only)
         self.dropped: Optional[Tensor] = None        # [3] (pipeline only)
         self.static = False                          # records marked static graph inputs (allocate(static=True))
-        # [2, 3]: per kind the scale the history gives and its reciprocal, computed for all GEMMs at once whenever
-        # the histories change (end_step, load_state_dict), so a layer reads them instead of computing them per use;
-        # set exactly when ``history`` is
-        self.scales: Optional[Tensor] = None
+        # six 0-d fp32 tensors: per kind the scale the history gives, then the three reciprocals, computed for all
+        # GEMMs at once whenever the histories change (end_step, load_state_dict), so a layer reads them instead of
+        # computing them per use; set exactly when ``history`` is. Each is a tensor of its own, not a view into a
+        # shared one: Inductor's CUDA lowering of ``torch._scaled_mm`` (its Triton templates) fails on a scale that is
+        # a view at a storage offset of a graph input
+        self.scales: Optional[Tuple[Tensor, ...]] = None
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
 
@@ -334,12 +336,12 @@ class Float8Gemm:
         amax is all-reduced (max) over the group: one collective).
 
         With the delayed recipe's history both are the ones its per-step update computed from the history
-        (:func:`_refresh_scales`, in the kind's format): two views, no kernel."""
+        (:func:`_refresh_scales`, in the kind's format): two tensors read, no kernel."""
         cfg = self.config
         if self.scales is not None:   # delayed, with a history
             if record:
                 self._record(kind, t.detach().abs().amax().float())
-            return self.scales[0, kind], self.scales[1, kind]
+            return self.scales[kind], self.scales[3 + kind]
         current = t.detach().abs().amax().float()
         if shard_group is not None and group_size(shard_group) > 1:
             dist.all_reduce(current, op=dist.ReduceOp.MAX, group=shard_group)
@@ -374,7 +376,7 @@ class Float8Gemm:
         if static:   # written in place inside the layers' CUDA graphs (and the scales, read there)
             from torch._dynamo import mark_static_address
 
-            for t in (self.running, self.uses, self.use_count, self.dropped, self.scales):
+            for t in (self.running, self.uses, self.use_count, self.dropped, *(self.scales or ())):
                 if t is not None:
                     mark_static_address(t, guard=False)
 
@@ -808,7 +810,7 @@ def _roll_histories(gemms: Sequence["Float8Gemm"], amax: Tensor) -> None:
 
 
 def _refresh_scales(gemms: Sequence["Float8Gemm"]) -> None:
-    """Each history's scales and their reciprocals (``Float8Gemm.scales`` ``[2, 3]``), for all GEMMs with a history
+    """Each history's scales and their reciprocals (``Float8Gemm.scales``, six 0-d tensors), for all GEMMs with a history
     at once: per kind the scale of the history's amax (its newest entry, or its largest with ``amax_compute_algo=
     "max"``) in the kind's format (the forward format for inputs and weights, the gradient format for output
     gradients), updated in place (a fixed number of operations for any number of GEMMs) so compiled layers and their
@@ -825,18 +827,19 @@ def _refresh_scales(gemms: Sequence["Float8Gemm"]) -> None:
         amax = histories[:, :, 0] if algo == "most_recent" else histories.amax(dim=2)       # [n, 3]
         scale = torch.cat([scale_from_amax(amax[:, :_GRAD], fwd, margin),
                            scale_from_amax(amax[:, _GRAD:], bwd, margin)], dim=1)
-        pairs = torch.stack([scale, scale.reciprocal()], dim=1)                             # [n, 2, 3]
-        rows = pairs.unbind(0)
+        values = torch.cat([scale, scale.reciprocal()], dim=1).reshape(-1).unbind(0)          # 6n 0-d views
         have = [i for i, g in enumerate(group) if g.scales is not None]
         if have:
-            torch._foreach_copy_([group[i].scales for i in have], [rows[i] for i in have])
+            torch._foreach_copy_([t for i in have for t in group[i].scales],
+                                 [values[6 * i + j] for i in have for j in range(6)])
         for i, g in enumerate(group):
             if g.scales is None:
-                g.scales = rows[i].clone()
+                g.scales = tuple(v.clone() for v in values[6 * i:6 * i + 6])   # six tensors of their own
                 if g.static:
                     from torch._dynamo import mark_static_address
 
-                    mark_static_address(g.scales, guard=False)
+                    for t in g.scales:
+                        mark_static_address(t, guard=False)
 
 
 def _expert_types() -> Tuple[type, ...]:

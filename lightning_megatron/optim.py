@@ -80,8 +80,14 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
 def count_steps_(steps: List[Tensor], found_inf: Optional[Tensor] = None) -> None:
     """Add one to every step count of ``steps`` (0-d fp32 tensors on one device), or nothing where ``found_inf`` is
     > 0: one multi-tensor operation (on CUDA one fused launch per list chunk, not one kernel per parameter)."""
-    if steps:
-        torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - (found_inf > 0).float())
+    if not steps:
+        return
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        # ``alpha`` selects the Tensor overload: without it Python's argument parsing turns the 0-d tensor into a
+        # Scalar with ``.item()``, a host read that waits for the GPU
+        torch._foreach_add_(steps, 1.0 - (found_inf > 0).float(), alpha=1.0)
 
 
 def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],

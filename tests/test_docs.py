@@ -199,3 +199,16 @@ def test_bench_scripts_call_existing_scripts_and_flags(script: Path):
                 if flag not in bench_flags:
                     problems.append(f"bench_tp.py has no flag {flag}: {line.strip()}")
     assert not problems, f"{script.name}:\n" + "\n".join(problems)
+
+
+def test_documented_gpu_setups_are_found_and_parse():
+    """The GPU tier runs every documented one-GPU setup (``tests/gpu/test_documented_setups.py``): the fastest bf16
+    and FP8 setups of docs/performance.md are among them, and each block is valid Python that names a precision."""
+    from tests.doc_snippets import gpu_setups
+
+    setups = gpu_setups()
+    assert len([s for s in setups if s.path.name == "performance.md"]) >= 3, [s.name for s in setups]
+    assert any('fp8="hybrid"' in s.code for s in setups) and any("params_dtype=torch.bfloat16" in s.code for s in setups)
+    for s in setups:
+        ast.parse(s.code)
+        assert "MegatronPrecision(" in s.code or "precision=" in s.code, s.name

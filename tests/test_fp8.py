@@ -149,8 +149,10 @@ def test_delayed_scaling_uses_the_amax_history():
 def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
     """With a history, a layer reads its scales and their reciprocals, computed for all GEMMs at the end of the step
     and when a checkpoint's histories load: equal to computing them from the history at each use, and a use runs
-    nothing but views for them (computing them per use was 12 small kernels per layer and micro-batch on the GPU).
-    For CUDA graphs they are marked static graph inputs, as the records are."""
+    no operation for them (computing them per use was 12 small kernels per layer and micro-batch on the GPU). Each is
+    a 0-d tensor of its own, not a view into a shared one: Inductor's CUDA lowering of ``torch._scaled_mm`` failed on
+    a scale read as a view at a storage offset (``scales[0, kind]`` of a ``[2, 3]`` tensor), which the CPU lowering
+    accepts. For CUDA graphs they are marked static graph inputs, as the records are."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -178,11 +180,14 @@ def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
                 for kind, dtype in ((0, cfg.forward_dtype), (1, cfg.forward_dtype), (2, cfg.grad_dtype)):
                     with Ops() as ops:
                         scale, inverse = gemm.scale_and_inverse(kind, probe, dtype, record=False)
-                    assert all(f.is_view for f in ops.seen), ops.seen        # read, not computed
+                    assert ops.seen == [], ops.seen                           # read, not computed
+                    for t in (scale, inverse):                                # what Inductor's CUDA lowering takes
+                        assert t.dim() == 0 and t._base is None and t.storage_offset() == 0
                     history = gemm.history[kind]                                # what each use computed before
                     want = scale_from_amax(history[0] if algo == "most_recent" else history.max(), dtype, margin)
                     assert torch.equal(scale, want) and torch.equal(inverse, want.reciprocal()), (step, kind)
-                assert getattr(gemm.scales, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
+                assert all(getattr(t, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
+                           for t in gemm.scales)
         # a checkpoint's histories: their scales at once (and records allocated after that mark them too)
         saved = layers.state_dict()
         fresh = [Float8Gemm(cfg) for _ in range(3)]
@@ -190,8 +195,9 @@ def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
         loaded.load_state_dict(saved)
         loaded.allocate(torch.device("cpu"), static=static)
         for old, new in zip(gemms, fresh):
-            assert torch.equal(new.scales, old.scales)
-            assert getattr(new.scales, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
+            assert all(torch.equal(a, b) for a, b in zip(new.scales, old.scales))
+            assert all(getattr(t, "_dynamo_static_input_type", None) == ("unguarded" if static else None)
+                       for t in new.scales)
 
 
 def test_delayed_step_counts_only_the_last_microbatches():

@@ -129,7 +129,10 @@ def test_found_inf_skips_the_update_and_grad_scale_divides():
 def test_step_counts_advance_in_one_multi_tensor_op():
     """A parameter group's step counts advance by one multi-tensor add (on CUDA one fused launch), never by an add
     per parameter (a kernel launch each inside the compiled update: 147 for the benchmark model), also when
-    ``found_inf`` decides on the device whether they advance."""
+    ``found_inf`` decides on the device whether they advance; and the step reads nothing on the host
+    (``aten._local_scalar_dense``, what ``.item()`` and a 0-d tensor turned into a Python number dispatch): on CUDA
+    such a read waits for the GPU (the GPU tier's ``test_step_with_found_inf_makes_no_synchronising_call_and_skips``
+    sees it as a synchronising call)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -156,6 +159,8 @@ def test_step_counts_advance_in_one_multi_tensor_op():
         one_by_one = [name for name, args in ops.seen
                       if name.startswith("aten.add_") and any(id(a) in steps for a in args if torch.is_tensor(a))]
         assert len(counted) == 2 and one_by_one == [], (counted, one_by_one)   # one per parameter group
+        host_reads = [name for name, _ in ops.seen if "_local_scalar_dense" in name]
+        assert host_reads == [], host_reads
         assert [float(opt.state[p]["step"]) for p in ours] == [want] * len(ours)
 
 

@@ -2,8 +2,13 @@
 
 - A 8-layer bf16-mixed model (hidden 512, seq 1024): the activation memory autograd keeps after forward
   (allocated after forward minus before) drops with every recompute mode (full uniform 1 keeps only the layers'
-  inputs), and the loss and gradients stay those of the run without recompute (dropout off: the fused attention
-  kernels' backward is not bit-reproducible, so within 1e-5 relative);
+  inputs);
+- recompute reruns the same kernels on the same inputs (dropout off), so with deterministic kernels its loss and
+  gradients are those of the run without recompute, bit for bit: compared under SDPA's math backend. The fused
+  attention kernels the memory is measured with are not deterministic in their backward (the flash / cuDNN
+  backward accumulates ``dq`` over key blocks in a run-dependent order), so two runs *without* recompute already
+  differ there by bf16 roundings, and an element-wise tolerance on such gradients fails on elements near zero
+  (the earlier form of this test: 113 of 524,288 elements over ``rtol=1e-2, atol=1e-5``);
 - ``MFUMonitor`` logs ``peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of the run at its last step, and
   ``peak_memory_reserved_gib`` (``torch.cuda.max_memory_reserved``), never below it.
 
@@ -61,11 +66,24 @@ def test_recompute_keeps_less_activation_memory(measured):
     assert kept["uniform1"] < 0.35 * kept["none"], kept
     assert kept["uniform1"] < kept["block4"] < kept["none"], kept
     assert kept["selective-all"] < kept["selective"] <= kept["none"], kept
+
+
+def test_recompute_reproduces_loss_and_gradients_bit_for_bit(measured):
+    """Deterministic kernels (SDPA's math backend): every recompute mode gives the loss and gradients of the run
+    without recompute exactly. With the fused kernels, run-to-run differences of the attention backward are
+    printed for the record (``none_vs_none``), not asserted: they are the kernels', not recompute's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [_step(None), _step(None)]
+    spread = max(float((a - b).norm() / b.norm()) for a, b in zip(fused[0]["grads"], fused[1]["grads"]))
+    measured(none_vs_none_fused_worst_rel=spread)
+    with sdpa_kernel([SDPBackend.MATH]):
+        results = {name: _step(mode) for name, mode in MODES.items()}
     want = results["none"]
     for name, r in results.items():
-        torch.testing.assert_close(r["loss"], want["loss"], rtol=1e-5, atol=0)
-        for a, b in zip(r["grads"], want["grads"]):
-            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)   # bf16 gradients, fused-kernel backward
+        assert torch.equal(r["loss"], want["loss"]), (name, float(r["loss"]), float(want["loss"]))
+        differing = sum(int((a != b).sum()) for a, b in zip(r["grads"], want["grads"]))
+        assert differing == 0, f"{name}: {differing} gradient elements differ from the run without recompute"
 
 
 def test_mfu_monitor_logs_peak_memory_on_gpu():
