@@ -25,6 +25,7 @@ Arms (each in a child process of its own):
                              bf16 moments
   ours-fp8-bf16p-bf16m-compile   FP8 tensorwise with bf16 parameters and fp32 main parameters and gradients
                              (``params_dtype=torch.bfloat16``) and bf16 moments
+  ours-bf16p-bf16m-compile   bf16 (no FP8) with bf16 parameters (fp32 main parameters and gradients) and bf16 moments
   <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
 """
@@ -51,7 +52,8 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-bf16m-compile": BASE_ARMS["fp8-tensorwise-bf16-moments"],
         "ours-fp8-delayed-compile": BASE_ARMS["fp8-delayed"],
         "ours-fp8-delayed-bf16m-compile": BASE_ARMS["fp8-delayed-bf16-moments"],
-        "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16")}
+        "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16"),
+        "ours-bf16p-bf16m-compile": BASE_ARMS["bf16-params-bf16-moments"]}
 CUDAGRAPH = "-cudagraph"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
