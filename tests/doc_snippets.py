@@ -1,7 +1,7 @@
 """The documented one-GPU setups: every fenced Python block of README.md and docs/*.md that builds a Trainer with
-``accelerator="gpu", devices=1``. The GPU tier runs each of them on a small model (``tests/gpu/test_documented_setups.py``);
-the CPU suite checks that they are found and parse (``tests/test_docs.py``), so a documented setup cannot drop out
-of the tier unnoticed."""
+``accelerator="gpu", devices=1``. The GPU tier runs each of them on a small model
+(``tests/gpu/test_documented_setups.py``); the CPU suite checks that they are found and parse
+(``tests/test_docs.py``), so a documented setup cannot drop out of the tier unnoticed."""
 from __future__ import annotations
 
 import re
@@ -29,7 +29,8 @@ class Snippet:
 
 def gpu_setups() -> List[Snippet]:
     """The Python blocks of the documents that build a Trainer on one GPU (``Trainer(`` with ``accelerator="gpu"``
-    and ``devices=1``). Blocks for several GPUs (the README's 8-GPU example) are not among them: the tier runs on one."""
+    and ``devices=1``). Blocks for several GPUs (the README's 8-GPU example) are not among them: the tier runs on
+    one GPU."""
     out = []
     for path in DOCUMENTS:
         text = path.read_text(encoding="utf-8")
