@@ -14,7 +14,7 @@ import torch
 
 
 def main() -> None:
-    from lightning_megatron.fp8 import Float8Config, Float8Gemm, Float8Layers
+    from lightning_megatron.precision.fp8 import Float8Config, Float8Gemm, Float8Layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemms", type=int, default=96)

@@ -53,7 +53,7 @@ def measure(name: str, make, params, steps: int, warmup: int) -> dict:
 
 def main() -> None:
     from lightning_megatron import PrecisionAwareAdamW
-    from lightning_megatron.optim import adamw_multi_update_
+    from lightning_megatron.optimizer import adamw_multi_update_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)

@@ -1,16 +1,16 @@
 """lightning-megatron: Megatron-style 5D parallel training as a PyTorch Lightning strategy.
 
 The public names below are imported on first use (PEP 562), so ``import lightning_megatron`` and the layout
-planner's command line (``python -m lightning_megatron.plan``) do not pay for importing Lightning. The strategy
+planner's command line (``python -m lightning_megatron.planner``) do not pay for importing Lightning. The strategy
 names ``"megatron"`` and ``"megatron_spawn"`` are registered in Lightning's ``StrategyRegistry`` as soon as
-Lightning is loaded (:mod:`lightning_megatron._registry`), whichever of the two packages is imported first.
+Lightning is loaded (:mod:`lightning_megatron.strategy.registry`), whichever of the two packages is imported first.
 """
 from __future__ import annotations
 
 from typing import Dict, List
 
-from lightning_megatron._lazy import lazy_exports
-from lightning_megatron._registry import register_when_lightning_loads
+from lightning_megatron.utils.lazy import lazy_exports
+from lightning_megatron.strategy.registry import register_when_lightning_loads
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,7 @@ _EXPORTS: Dict[str, str] = {
     "ParallelizedModel": "lightning_megatron.parallelize",
     "MegatronStrategy": "lightning_megatron.strategy",
     "MegatronPrecision": "lightning_megatron.precision",
-    "PrecisionAwareAdamW": "lightning_megatron.optim",
+    "PrecisionAwareAdamW": "lightning_megatron.optimizer",
     "MFUMonitor": "lightning_megatron.callbacks",
     "LossCurve": "lightning_megatron.callbacks",
     "num_floating_point_operations": "lightning_megatron.callbacks",
@@ -54,7 +54,7 @@ _EXPORTS: Dict[str, str] = {
     "load_hf_weights": "lightning_megatron.hf",
     "export_hf": "lightning_megatron.hf",
     "HFCheckpointLoader": "lightning_megatron.hf",
-    "ShardedCheckpointIO": "lightning_megatron.dist_checkpoint",
+    "ShardedCheckpointIO": "lightning_megatron.checkpoint.distributed",
 }
 
 __all__: List[str] = list(_EXPORTS)

@@ -219,3 +219,32 @@ class ParallelLightningModule(Protocol):
 
     def accumulate_eval_totals(self, totals: Tensor) -> None:
         """Add ``[loss_sum, token_count]`` of one evaluation batch."""
+
+
+#: the attribute of a parallelised module holding what :func:`~lightning_megatron.parallelize.parallelize` did
+#: (its ``ParallelizedModel``): a plain attribute, not a submodule, so state dicts are unchanged
+PARALLELIZED_RECORD = "_lightning_megatron_parallelized"
+
+
+def keep_parallelized_record(module: nn.Module, record: Any) -> None:
+    """Attach ``record`` (a ``ParallelizedModel``) to ``module``: :func:`parallelized_record` reads it back."""
+    module.__dict__[PARALLELIZED_RECORD] = record
+
+
+def parallelized_record(module: nn.Module) -> Any:
+    """What :func:`~lightning_megatron.parallelize.parallelize` did to ``module`` (its ``ParallelizedModel``: the
+    models, the pipeline stages, the FP8 layers, ...), or None if it was not parallelised. Declared here, in the
+    contract, so that a model reads its record without importing the layer that writes it."""
+    return module.__dict__.get(PARALLELIZED_RECORD)
+
+
+class RoutedExperts(nn.Module):
+    """Base of the modules holding a mixture-of-experts layer's routed experts
+    (:class:`~lightning_megatron.moe.experts.GroupedMLPExperts`, ``SequentialMLPExperts``): their parameters differ
+    between data-parallel ranks (each expert-parallel rank holds its own experts) and are reduced over expert data
+    parallel instead of dp x cp. The parallel layer finds them by this type without importing the MoE layer."""
+
+
+class TokenRouter(nn.Module):
+    """Base of mixture-of-experts routers (:class:`~lightning_megatron.moe.router.TopKRouter`): their buffers are
+    per-rank token counts, which data parallelism must leave alone."""

@@ -31,9 +31,9 @@ from typing import Callable, ContextManager, List, Optional, Set
 import torch
 from torch import nn
 
-from lightning_megatron import fp8 as fp8_layers
-from lightning_megatron.contract import InitialisableModel, PipelineModel, TensorParallelModel
-from lightning_megatron.fp8 import Float8Config, Float8Layers
+from lightning_megatron.contract import (InitialisableModel, PipelineModel, TensorParallelModel,
+                                         keep_parallelized_record, parallelized_record)
+from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, apply_fp8 as convert_to_fp8
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
@@ -42,8 +42,7 @@ from lightning_megatron.parallel.main_grad import MainParams
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
 from lightning_megatron.parallel.recompute import apply_recompute
-from lightning_megatron.parallel.tensor_parallel.comm_overlap import apply_tp_comm_overlap
-from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
+from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, apply_tp_comm_overlap
 from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 
@@ -89,14 +88,14 @@ class ParallelizedModel:
 
 def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
               mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
-    """FP8 local GEMMs for the linear layers and routed experts (:func:`lightning_megatron.fp8.apply_fp8`) when
+    """FP8 local GEMMs for the linear layers and routed experts (:func:`lightning_megatron.precision.fp8.apply_fp8`) when
     ``fp8`` is given (its backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups
     of ``mesh`` (experts: etp and edp)."""
     if fp8 is None:
         return None
     groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
     expert_groups = [mesh.group("etp"), mesh.group("edp")] if mesh is not None else []
-    return fp8_layers.apply_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
+    return convert_to_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
 
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
@@ -173,7 +172,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             each pipeline stage's forward (the precision plugin's autocast).
         tp_rng: the per-TP-rank stream itself (its ``fork`` is the default ``tp_fork``); activation recompute
             replays it in recomputed forwards.
-        fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.fp8.Float8Config`, backend resolved;
+        fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.precision.fp8.Float8Config`, backend resolved;
             :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
         params_dtype: ``torch.bfloat16``: after materialisation store the parameters in bf16 with fp32 main
             parameters and gradients (:class:`~lightning_megatron.parallel.main_grad.MainParams`); None keeps fp32.
@@ -186,7 +185,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             module was already parallelised under another layout; activation recompute with a ``tp_fork`` but no
             ``tp_rng`` to replay.
     """
-    done = module.__dict__.get(_RECORD)
+    done = parallelized_record(module)
     if isinstance(done, ParallelizedModel):
         if done.layout != _layout(config):
             raise ValueError(
@@ -236,17 +235,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         main_params=main_params,
         sequence_parallel_owners=list(sp_owners),
     )
-    module.__dict__[_RECORD] = record   # a plain attribute, not a submodule: state dicts are unchanged
+    keep_parallelized_record(module, record)
     return record
-
-
-_RECORD = "_lightning_megatron_parallelized"
-
-
-def parallelized_record(module: nn.Module) -> Optional[ParallelizedModel]:
-    """What :func:`parallelize` did to ``module`` (None if it was not parallelised)."""
-    record = module.__dict__.get(_RECORD)
-    return record if isinstance(record, ParallelizedModel) else None
 
 
 def _layout(config: ParallelConfig) -> str:

@@ -112,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         fp32_tests=("tests/test_parity_pp.py::test_pipeline_matches_single_process[pp2-1f1b]",)),
     Mutation(
         "adam-no-bias-correction1", "PrecisionAwareAdamW steps with lr instead of lr / (1 - beta1 ** step)",
-        (Edit("lightning_megatron/optim.py",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
               "p = p_old * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)",
               "p = p_old * (1 - lr * weight_decay) - lr * (m / denom)"),),
         ("tests/test_precision_aware_optimizer.py::"
@@ -120,19 +120,19 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "fp8-sp-gather-local-scale", "the FP8 all-gather of the sequence-parallel input casts each shard with its own "
         "tensorwise scale (the amax is not all-reduced over tp)",
-        (Edit("lightning_megatron/fp8.py", "sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record, shard_group=group)",
+        (Edit("lightning_megatron/precision/fp8/gemm.py", "sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record, shard_group=group)",
               "sx, inv_x = gemm.scale_and_inverse(_INPUT, x2, fwd, record)"),),
         ("tests/test_fp8.py::test_fp8_all_gather_of_the_sequence_parallel_input_equals_the_bf16_gather",)),
     Mutation(
         "fp8-delayed-history-frozen", "the FP8 delayed recipe's batched per-step update leaves existing amax histories "
         "as they were (only the first step's entry is ever written)",
-        (Edit("lightning_megatron/fp8.py", "torch.where(valid, rolled, old).unbind(0)", "torch.where(valid, old, old).unbind(0)"),),
+        (Edit("lightning_megatron/precision/fp8/delayed.py", "torch.where(valid, rolled, old).unbind(0)", "torch.where(valid, old, old).unbind(0)"),),
         ("tests/test_fp8.py::test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms",
          "tests/test_fp8.py::test_delayed_scaling_uses_the_amax_history")),
     Mutation(
         "cuda-graph-no-generation", "with enable_cuda_graph the step path no longer starts a graph generation before "
         "each forward (a replay could overwrite the previous micro-batch's memory)",
-        (Edit("lightning_megatron/step_path.py", "            if cuda_graphs:   # one graph generation",
+        (Edit("lightning_megatron/strategy/step_path.py", "            if cuda_graphs:   # one graph generation",
               "            if False:   # one graph generation"),),
         ("tests/test_compile.py::test_cuda_graph_step_path_starts_a_generation_before_every_forward",)),
     Mutation(

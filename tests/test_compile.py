@@ -139,8 +139,8 @@ def test_cuda_graph_step_path_starts_a_generation_before_every_forward(monkeypat
     import torch
     from torch.utils.data import DataLoader
 
-    import lightning_megatron.step_path as step_path
-    import lightning_megatron.strategy as strategy_module
+    import lightning_megatron.strategy.step_path as step_path
+    import lightning_megatron.strategy.megatron_strategy as strategy_module
     from lightning_megatron import MegatronPrecision
     from tests.parity import ListDataset, StepLossRecorder, make_samples, new_module
 

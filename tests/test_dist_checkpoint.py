@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``ckpt_format="torch_dist"``, :mod:`lightning_megatron.dist_checkpoint`) on CPU/gloo:
+"""Sharded checkpoints (``ckpt_format="torch_dist"``, :mod:`lightning_megatron.checkpoint.distributed`) on CPU/gloo:
 resharding across layouts against a single-process reference, and a run killed (SIGKILL) during a background
 save that resumes bit-exactly from its last complete checkpoint."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.dist_checkpoint import METADATA_FILE, is_sharded_checkpoint, verify_checkpoint
+from lightning_megatron.checkpoint.distributed import METADATA_FILE, is_sharded_checkpoint, verify_checkpoint
 from tests._dist import run_distributed
 from tests.parity import (
     SEED,

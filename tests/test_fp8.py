@@ -21,8 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, GPTModel, MegatronPrecision, MegatronStrategy, ParallelGPTModule
-from lightning_megatron.fp8 import (
-    AMAX_RING,
+from lightning_megatron.precision.fp8 import (
     E4M3,
     E5M2,
     FP8_MAX,
@@ -30,11 +29,12 @@ from lightning_megatron.fp8 import (
     Float8Gemm,
     Float8Layers,
     Float8Linear,
-    _end_step,
     apply_fp8,
     import_transformer_engine,
     scale_from_amax,
 )
+from lightning_megatron.precision.fp8.delayed import _end_step
+from lightning_megatron.precision.fp8.gemm import AMAX_RING
 from tests._dist import run_distributed
 from tests.parity import (
     SEED,
@@ -317,7 +317,7 @@ def test_transformer_engine_is_imported_only_when_asked_for():
     ("cuda", False, "delayed", "torch"), ("cpu", None, "delayed", "torch"), ("cpu", None, "rowwise", "torch")])
 def test_auto_backend_is_transformer_engine_where_it_imports_else_torch(monkeypatch, device, available, recipe, want):
     """Only the availability check is replaced; on CPU it is never consulted (None: calling it fails)."""
-    import lightning_megatron.fp8 as fp8
+    import lightning_megatron.precision.fp8.config as fp8
 
     def check() -> bool:
         assert available is not None, "the Transformer Engine check ran for a CPU run"
@@ -332,7 +332,7 @@ def test_auto_backend_is_transformer_engine_where_it_imports_else_torch(monkeypa
 
 def test_transformer_engine_availability_here():
     """The real check: False where it is not installed, without leaving a half-imported module behind."""
-    from lightning_megatron.fp8 import transformer_engine_available
+    from lightning_megatron.precision.fp8 import transformer_engine_available
 
     assert transformer_engine_available() is TE_INSTALLED
     if not TE_INSTALLED:

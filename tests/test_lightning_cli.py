@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_megatron import GPTConfig
 from lightning_megatron.cli import check_config
-from lightning_megatron.optional import MATPLOTLIB
+from lightning_megatron.utils.optional import MATPLOTLIB
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"

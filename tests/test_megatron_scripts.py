@@ -17,7 +17,7 @@ import pytest
 from lightning_megatron.cli import FlagError, build_parser, plan_from_args, refused_flags
 from lightning_megatron.cli.flags import accepted_flags
 from lightning_megatron.data import MockGPTDataModule
-from lightning_megatron.optional import TENSORBOARD
+from lightning_megatron.utils.optional import TENSORBOARD
 
 ROOT = Path(__file__).resolve().parents[1]
 

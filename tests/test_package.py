@@ -8,6 +8,8 @@ import importlib
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
@@ -47,7 +49,7 @@ def test_import_and_planner_load_neither_torch_nor_lightning():
         "import contextlib, io, sys\n"
         "import lightning_megatron\n"
         "print('after import', 'torch' in sys.modules, 'lightning' in sys.modules)\n"
-        "from lightning_megatron.plan import main\n"
+        "from lightning_megatron.planner.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    main('--model llama3_70b --gpus 64 --gpu-memory 80 --seq-length 8192 --global-batch-size 128'.split())\n"
         "print('after plan', 'torch' in sys.modules, 'lightning' in sys.modules)\n")
@@ -56,13 +58,13 @@ def test_import_and_planner_load_neither_torch_nor_lightning():
 
 def test_planner_cli_wall_time_under_5s():
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "lightning_megatron.plan", "--model", "gpt3_175b", "--gpus", "512",
+    result = subprocess.run([sys.executable, "-m", "lightning_megatron.planner", "--model", "gpt3_175b", "--gpus", "512",
                              "--seq-length", "2048", "--global-batch-size", "1536", "--hardware", "h100",
                              "--gpu-memory", "80", "--precision", "fp8"], capture_output=True, text=True, timeout=60)
     wall = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("| rank | tp | pp |"), result.stdout[:200]
-    assert wall < 5.0, f"python -m lightning_megatron.plan took {wall:.2f} s"
+    assert wall < 5.0, f"python -m lightning_megatron.planner took {wall:.2f} s"
 
 
 @pytest.mark.parametrize("first", ["lightning_megatron", "lightning", "lightning.pytorch"])
@@ -75,3 +77,75 @@ def test_strategy_names_registered_whichever_package_loads_first(first):
         "print(isinstance(StrategyRegistry.get('megatron'), MegatronStrategy),\n"
         "      StrategyRegistry.get('megatron_spawn')._start_method)\n")
     assert out.strip() == "True spawn", out
+
+
+#: the package's layers, lowest first: a module may import from its own layer and the layers below it only
+#: (docs/architecture.md, "The tree")
+LAYERS = [{"utils"}, {"contract"}, {"parallel", "data", "optimizer"}, {"moe"}, {"models"}, {"precision"},
+          {"parallelize"}, {"checkpoint"}, {"callbacks"}, {"planner"}, {"strategy"}, {"hf", "cli"},
+          {"__init__", "__main__"}]
+
+
+def _import_graph() -> Dict[str, set]:
+    """``{module: modules of the package it imports}`` for every module of ``lightning_megatron`` (any import
+    statement, also inside functions and ``TYPE_CHECKING`` blocks; ``from package import name`` counts the
+    submodule ``name`` where there is one)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "lightning_megatron"
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("lightning_megatron",) + path.relative_to(root).with_suffix("").parts)
+        modules[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: Dict[str, set] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(
+                    "lightning_megatron"):
+                targets |= {resolve(f"{node.module}.{a.name}") for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {resolve(a.name) for a in node.names if a.name.startswith("lightning_megatron")}
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_package_layers_import_only_downwards_and_no_module_imports_itself_back():
+    """No import from a lower layer into a higher one (:data:`LAYERS`), and no circle of imports between modules:
+    the architecture as the folders show it."""
+    graph = _import_graph()
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    rooms = {_room(m) for m in graph}
+    assert rooms <= set(layer), f"folders without a layer in LAYERS: {sorted(rooms - set(layer))}"
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    if layer[_room(a)] < layer[_room(b)])
+    assert upward == [], upward
+    # circles: depth-first search for a back edge
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)

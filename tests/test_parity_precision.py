@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.parallel.state_dict import tensor_parallel_owners
+from lightning_megatron.checkpoint.state_dict import tensor_parallel_owners
 from tests._dist import run_distributed
 from tests.parity import (
     AUTOCAST_DTYPES,

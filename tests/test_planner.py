@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_megatron import GPTConfig, MegatronStrategy
-from lightning_megatron.plan import main
+from lightning_megatron.planner.cli import main
 from lightning_megatron.planner import Layout, load_hardware, plan, predict, state_bytes
 from lightning_megatron.planner.check import MEASURED_FILE, compare, row_case
 from lightning_megatron.planner.model import Workload
@@ -250,7 +250,7 @@ REFERENCE = {
 
 @pytest.mark.parametrize("name", list(REFERENCE))
 def test_cli_ranks_the_reference_rows_quickly(name):
-    """``python -m lightning_megatron.plan`` (its main) prints the ranked table for each reference row within 5 s
+    """``python -m lightning_megatron.planner`` (its main) prints the ranked table for each reference row within 5 s
     of CPU time, with the reference layout's rank or rejection, and the row recorded in docs/planner.md."""
     flags, show = REFERENCE[name]
     out = io.StringIO()
@@ -336,14 +336,14 @@ def test_fsdp_levels_are_ranked_layouts():
 
 
 def test_python_m_plan_prints_the_readme_table():
-    """``python -m lightning_megatron.plan`` with the README's command prints the table the README shows."""
+    """``python -m lightning_megatron.planner`` with the README's command prints the table the README shows."""
     import os
     import subprocess
 
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"`python -m lightning_megatron\.plan ([^`]+)`", readme.replace("\n", " ")).group(1)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "lightning_megatron.plan", *command.split()], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "lightning_megatron.planner", *command.split()], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300, check=True).stdout
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) >= 5 and "\n".join(table) in readme

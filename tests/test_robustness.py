@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_megatron import GPTConfig, MegatronStrategy, ParallelGPTModule
-from lightning_megatron.checkpoint_io import AtomicCheckpointIO
+from lightning_megatron.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_megatron.data import GPTDataset, IndexedDatasetWriter
 from lightning_megatron.data.preprocess import PreprocessError, preprocess_jsonl
 from lightning_megatron.models.module import check_token_ids

@@ -381,3 +381,13 @@ def accumulate_run(rank, world, cfg, strategy_kwargs, samples, steps, micro_batc
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro_batch))
     state = trainer.strategy.lightning_module_state_dict()
     return {"losses": recorder.losses, "state": state if rank == 0 else None}
+
+
+def test_strategy_keywords_are_the_constructor_parameters():
+    """``STRATEGY_KEYWORDS`` (what the keyword routing treats as the strategy's own) is exactly the constructor's
+    named parameters (read from its code: its shown signature also lists the layout options): a parameter added to
+    one and not the other would be misrouted or refused."""
+    from lightning_megatron.strategy.options import STRATEGY_KEYWORDS
+
+    code = MegatronStrategy.__init__.__code__
+    assert code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount] == STRATEGY_KEYWORDS

@@ -1,6 +1,6 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count; the
 loss curve as CSV / PNG (``LossCurve``)."""
-from lightning_megatron._lazy import lazy_exports
+from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "flops_per_token": "lightning_megatron.callbacks.flops",

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
-from lightning_megatron.optional import MATPLOTLIB
+from lightning_megatron.utils.optional import MATPLOTLIB
 
 __all__ = ["LossCurve", "plot_loss_curve"]
 

@@ -12,7 +12,7 @@ import argparse
 import ast
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
-from lightning_megatron.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
+from lightning_megatron.precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
 from lightning_megatron.parallel.config import CP_COMM_TYPES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.layout_rules import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES, SCHEDULE_NAMES
 

@@ -17,7 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_megatron.data import compute_num_microbatches
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.module import ParallelGPTModule
-from lightning_megatron.optional import JSONARGPARSE, require
+from lightning_megatron.utils.optional import JSONARGPARSE, require
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.layout_rules import layers_per_stage, min_microbatches
 from lightning_megatron.strategy import LAYOUT_OPTIONS, MegatronStrategy

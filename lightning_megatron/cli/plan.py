@@ -30,7 +30,7 @@ from lightning_megatron.data import (
     build_tokenizer,
     compute_num_microbatches,
 )
-from lightning_megatron.optional import TENSORBOARD
+from lightning_megatron.utils.optional import TENSORBOARD
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.parallel.config import FSDP_STRATEGIES, ParallelConfig
 from lightning_megatron.parallel.layout_rules import layers_per_stage, min_microbatches

@@ -20,7 +20,7 @@ from lightning_megatron.hf.config import config_to_hf
 from lightning_megatron.hf.mapping import Lazy, PaddedRows, from_hf, to_hf
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
-from lightning_megatron.parallel.state_dict import full_model_state_dict
+from lightning_megatron.checkpoint.state_dict import full_model_state_dict
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
 from lightning_megatron.parallel.tensor_parallel.mappings import group_rank, group_size
 
@@ -116,7 +116,7 @@ def export_hf(target: Target, path: Union[str, "os.PathLike[str]"], architecture
     (default: the parameters'). The padded vocabulary rows are left out.
 
     Collective: every rank calls it; the full model is gathered over the TP, expert and pipeline groups (on every
-    rank, as :func:`lightning_megatron.parallel.state_dict.full_model_state_dict` does) and global rank 0 writes.
+    rank, as :func:`lightning_megatron.checkpoint.state_dict.full_model_state_dict` does) and global rank 0 writes.
     """
     model, pp_group = _model_and_pp_group(target)
     if dtype is None:

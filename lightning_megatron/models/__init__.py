@@ -1,5 +1,5 @@
 """Plain GPT / LLaMA models (no parallelism inside) and the LightningModule around them."""
-from lightning_megatron._lazy import lazy_exports
+from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "GPTConfig": "lightning_megatron.models.config",

@@ -6,7 +6,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
-from lightning_megatron.keywords import check_keywords
+from lightning_megatron.utils.keywords import check_keywords
 from lightning_megatron.moe.config import MoEConfig, moe_layer_pattern
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_megatron.contract import ParallelContext
+from lightning_megatron.contract import ParallelContext, parallelized_record
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.generation import check_sampling, generate_tokens
 from lightning_megatron.models.kv_cache import KVCache
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
 from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scale_of, update_expert_biases
-from lightning_megatron.optim import PrecisionAwareAdamW, optimizer_state_dtype, optimizer_state_dtype_name
+from lightning_megatron.optimizer import PrecisionAwareAdamW, optimizer_state_dtype, optimizer_state_dtype_name
 from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
 from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -112,7 +112,7 @@ class ParallelGPTModule(pl.LightningModule):
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
     no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments, or with
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` ``"bf16"`` Megatron's precision-aware optimizer
-    (:class:`~lightning_megatron.optim.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule:
+    (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule:
     linear warmup over ``lr_warmup_iters`` then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default
     ``Trainer.max_steps``). With ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer
     weights (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
@@ -367,8 +367,6 @@ class ParallelGPTModule(pl.LightningModule):
         ``max_new_tokens``). Under sequence parallelism the TP layers run without it meanwhile (same values).
         Not supported with context parallelism, nor with experts under sequence parallelism.
         """
-        from lightning_megatron.parallelize import parallelized_record
-
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         if self.model is None:
             self.configure_model()

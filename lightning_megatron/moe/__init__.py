@@ -2,7 +2,7 @@
 per-step bookkeeping (aux-loss scale and logging, expert-bias updates). Expert parallel (EP) and expert tensor
 parallel (ETP) groups are passed in; nothing here holds process groups globally.
 """
-from lightning_megatron._lazy import lazy_exports
+from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "MoEConfig": "lightning_megatron.moe.config",

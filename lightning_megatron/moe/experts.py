@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.contract import RoutedExperts
 from lightning_megatron.parallel.tensor_parallel.layers import shard_tensor, unshard_tensor
 from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_dim0, group_rank, group_size
 
@@ -29,7 +30,7 @@ def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-class GroupedMLPExperts(nn.Module):
+class GroupedMLPExperts(RoutedExperts):
     """All local experts as stacked tensors: ``forward(tokens [N, h], tokens_per_expert [E_local]) -> [N, h]``.
 
     ``ep_group`` / ``etp_group``: where the other experts / the other ffn slices live (no communication in
@@ -40,7 +41,7 @@ class GroupedMLPExperts(nn.Module):
     for any input (torch builds with a CPU kernel run it too); ``False`` always loops over experts. A failing
     grouped GEMM (old torch, unsupported dtype, or rows not 16-byte aligned, e.g. bf16 with ``f`` not a multiple
     of 8) falls back to the loop; ``last_used_grouped_mm`` says which path the last call took.
-    ``fp8_gemms``: set by :func:`lightning_megatron.fp8.apply_fp8` (one ``(fc1, fc2)`` pair of FP8 GEMMs per local
+    ``fp8_gemms``: set by :func:`lightning_megatron.precision.fp8.apply_fp8` (one ``(fc1, fc2)`` pair of FP8 GEMMs per local
     expert): the experts then loop, each expert's two GEMMs in FP8 (own scales per expert and weight).
     """
 
@@ -172,7 +173,7 @@ def _loop_experts_fp8(tokens: Tensor, counts: List[int], weight1: Tensor, weight
     return torch.cat(outs, dim=0)
 
 
-class SequentialMLPExperts(nn.Module):
+class SequentialMLPExperts(RoutedExperts):
     """Reference: one ``(w1 [h, 2f], w2 [f, h])`` pair per expert in a ``ModuleList``-like layout, a Python loop."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, swiglu: bool = True,

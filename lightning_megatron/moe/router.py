@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.contract import TokenRouter
 from lightning_megatron.moe.config import MoEConfig
 from lightning_megatron.parallel.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, group_size
 
@@ -118,7 +119,7 @@ def _product(groups: Sequence) -> int:
     return n
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(TokenRouter):
     """``logits = x @ W^T`` (``W``: [E, h]) -> scores -> top-k ``(probs [T, k], indices [T, k])``.
 
     ``indices`` are global expert ids; a slot dropped by the capacity limit has index ``-1`` and prob 0.

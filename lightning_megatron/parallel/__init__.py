@@ -1,5 +1,5 @@
 """Parallel layout, process grid and the per-dimension transformations."""
-from lightning_megatron._lazy import lazy_exports
+from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "ParallelConfig": "lightning_megatron.parallel.config",

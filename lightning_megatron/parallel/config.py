@@ -104,7 +104,7 @@ class ParallelConfig:
             instead (counted and logged) and go on.
         ckpt_format: ``"torch"`` (default: one file of full tp=1 tensors, gathered to rank 0) or ``"torch_dist"``
             (a directory written by ``torch.distributed.checkpoint``, each rank its own shards;
-            ``--ckpt-format``; :mod:`lightning_megatron.dist_checkpoint`).
+            ``--ckpt-format``; :mod:`lightning_megatron.checkpoint.distributed`).
         async_save: with ``"torch_dist"``, write checkpoints in the background (``--async-save``).
         distributed_timeout_minutes: timeout of every process group, the world's and each of the mesh's
             (``--distributed-timeout-minutes``); None: the strategy's ``timeout`` (Lightning's, 30 minutes).
@@ -357,6 +357,12 @@ class ParallelConfig:
     def delay_wgrad_applies(self) -> bool:
         """Whether the layout can delay weight gradients into CP exchanges (cp > 1, an a2a comm type, tp = 1)."""
         return self.cp > 1 and self.tp == 1 and any(t in A2A_COMM_TYPES for t in self.cp_comm_types)
+
+    @property
+    def delays_wgrad(self) -> bool:
+        """``delay_wgrad_compute`` with None resolved by the layout (:attr:`delay_wgrad_applies`); the model can still
+        turn it off (``ParallelizedModel.delay_wgrad`` after parallelisation)."""
+        return self.delay_wgrad_applies if self.delay_wgrad_compute is None else bool(self.delay_wgrad_compute)
 
     @property
     def model_parallel_size(self) -> int:

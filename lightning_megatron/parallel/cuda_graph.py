@@ -14,7 +14,7 @@ What keeps the replays correct (the layout rules are in :meth:`ParallelConfig._c
   several, only bf16 parameters qualify (their gradient hook copies each gradient into its fp32 main gradient at
   once: ``params_dtype=torch.bfloat16``);
 * tensors a layer writes in place or reads that change between steps (the FP8 delayed recipe's amax records and
-  scales) are static graph inputs, unguarded (:meth:`lightning_megatron.fp8.Float8Gemm.allocate` with
+  scales) are static graph inputs, unguarded (:meth:`lightning_megatron.precision.fp8.Float8Gemm.allocate` with
   ``static=True`` marks them).
 """
 from __future__ import annotations

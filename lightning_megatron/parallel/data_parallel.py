@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_megatron.contract import TokenRouter
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.grad_buckets import ddp_bucket_kwargs
 from lightning_megatron.parallel.grad_sync import bf16_allreduce_hook, mean_allreduce_hook
@@ -15,12 +16,10 @@ from lightning_megatron.parallel.mesh import ParallelMesh
 def ddp_ignored_names(module: nn.Module, expert_params: List[nn.Parameter]) -> List[str]:
     """Names DDP must leave alone: expert weights (they differ between dp ranks and are reduced over expert data
     parallel instead) and the routers' per-rank token-count buffers."""
-    from lightning_megatron.moe.router import TopKRouter
-
     experts = {id(p) for p in expert_params}
     names = [n for n, p in module.named_parameters() if id(p) in experts]
     for mod_name, m in module.named_modules():
-        if isinstance(m, TopKRouter):
+        if isinstance(m, TokenRouter):
             names += [f"{mod_name}.{b}" for b, _ in m.named_buffers(recurse=False)]
     return names
 

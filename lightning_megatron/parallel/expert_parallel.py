@@ -5,7 +5,7 @@ from typing import List
 
 from torch import nn
 
-from lightning_megatron.contract import ExpertParallelModel
+from lightning_megatron.contract import ExpertParallelModel, RoutedExperts
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
 
@@ -38,11 +38,9 @@ def apply_ep(models: List[nn.Module], mesh: ParallelMesh, config: ParallelConfig
 def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
     """Parameters of the routed experts in ``module`` (marked ``allreduce = False``, Megatron's marker): they are
     reduced over expert data parallel instead of dp x cp."""
-    from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
-
     params: List[nn.Parameter] = []
     for m in module.modules():
-        if isinstance(m, (GroupedMLPExperts, SequentialMLPExperts)):
+        if isinstance(m, RoutedExperts):
             for p in m.parameters():
                 p.allreduce = False   # materialisation may have replaced the marked meta parameters
                 params.append(p)

@@ -2,7 +2,7 @@
 does not do, and clipping by the true global norm (Megatron's ``finalize_model_grads`` + ``clip_grad_norm``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Set
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Set
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,21 @@ from lightning_megatron.parallel.grad_sync import (
 )
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.nonfinite import NonFiniteGuard
-from lightning_megatron.parallelize import ParallelizedModel
 
 if TYPE_CHECKING:
     from lightning_megatron.parallel.fsdp import FSDPModel
+
+
+class ParallelizedParts(Protocol):
+    """What the finaliser reads of :func:`~lightning_megatron.parallelize.parallelize`'s record
+    (:class:`~lightning_megatron.parallelize.ParallelizedModel`), declared here so that this layer does not import
+    the one above it."""
+
+    module: nn.Module
+    sharded_params: Any
+    expert_params: List[nn.Parameter]
+    pipeline: Any
+    main_params: Any
 
 
 class GradientFinalizer:
@@ -40,7 +51,7 @@ class GradientFinalizer:
     over dp x cp (experts: edp) too.
     """
 
-    def __init__(self, parallelized: ParallelizedModel, mesh: ParallelMesh,
+    def __init__(self, parallelized: ParallelizedParts, mesh: ParallelMesh,
                  fsdp: Optional["FSDPModel"] = None) -> None:
         self.parallelized, self.mesh, self.fsdp = parallelized, mesh, fsdp
         config = mesh.config

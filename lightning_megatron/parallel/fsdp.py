@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_megatron.contract import RoutedExperts
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
 
@@ -89,9 +90,7 @@ class FSDPModel:
 
 
 def _expert_modules(layer: nn.Module) -> List[nn.Module]:
-    from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
-
-    return [m for m in layer.modules() if isinstance(m, (GroupedMLPExperts, SequentialMLPExperts))]
+    return [m for m in layer.modules() if isinstance(m, RoutedExperts)]
 
 
 def _layers(model: nn.Module) -> List[nn.Module]:

@@ -7,10 +7,21 @@ import torch."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
-if TYPE_CHECKING:
-    from lightning_megatron.parallel.config import ParallelConfig
+
+class RecomputeLayout(Protocol):
+    """The :class:`~lightning_megatron.parallel.config.ParallelConfig` fields the recompute checks read (declared
+    here so that these rules do not import the config that calls them)."""
+
+    pp: int
+    vp: Optional[int]
+    num_layers_in_first_pipeline_stage: Optional[int]
+    num_layers_in_last_pipeline_stage: Optional[int]
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    recompute_modules: Optional[List[str]]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
@@ -142,7 +153,7 @@ def check_recompute_options(granularity: Any, method: Any, num_layers: Any,
                          "model has no multi-latent attention")
     return list(dict.fromkeys(names))
 
-def recompute_chunk_sizes(config: "ParallelConfig", num_layers: int) -> List[int]:
+def recompute_chunk_sizes(config: RecomputeLayout, num_layers: int) -> List[int]:
     """Layers per chunk that ``run_layers`` runs at once: the whole model, or each of the ``pp * vp`` pipeline
     stages (virtual chunks), uneven first / last stages included."""
     if config.pp == 1:
@@ -152,7 +163,7 @@ def recompute_chunk_sizes(config: "ParallelConfig", num_layers: int) -> List[int
                             config.num_layers_in_last_pipeline_stage)
 
 
-def check_recompute_layers(config: "ParallelConfig", num_layers: int) -> None:
+def check_recompute_layers(config: RecomputeLayout, num_layers: int) -> None:
     """Check ``recompute_num_layers`` against the model's ``num_layers`` split into chunks (pipeline stages and
     virtual chunks): it may not exceed the largest chunk.
 
@@ -174,7 +185,7 @@ def check_recompute_layers(config: "ParallelConfig", num_layers: int) -> None:
             + f"; use 1 <= recompute_num_layers <= {max(sizes)}")
 
 
-def check_recompute_model(config: "ParallelConfig", model_config: Any) -> None:
+def check_recompute_model(config: RecomputeLayout, model_config: Any) -> None:
     """Check the recompute options against a model shape with Megatron's field names (``num_layers``,
     ``num_moe_experts``, ``moe_shared_expert_intermediate_size``; missing fields are skipped).
 

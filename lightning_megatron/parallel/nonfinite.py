@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.optim import PrecisionAwareAdamW
+from lightning_megatron.optimizer import PrecisionAwareAdamW
 
 #: what the error tells the user to do
 _FIX = ("lower the learning rate (or warm it up), clip gradients (gradient_clip_val), check the data, or use a "
@@ -85,7 +85,7 @@ def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[
 
 def skips_on_device(optimizer: Any) -> bool:
     """Whether ``optimizer`` skips its update on the device when ``optimizer.found_inf`` (a float tensor) is 1: torch's
-    fused optimizers (``fused=True``, e.g. ``AdamW``) and :class:`~lightning_megatron.optim.PrecisionAwareAdamW`,
+    fused optimizers (``fused=True``, e.g. ``AdamW``) and :class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`,
     which also leave their step counts unchanged then, over plain (not DTensor) parameters."""
     from torch.distributed.tensor import DTensor
 

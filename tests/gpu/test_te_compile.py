@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronPrecision, MegatronStrategy
-from lightning_megatron.fp8 import TransformerEngineGemm, transformer_engine_available
+from lightning_megatron.precision.fp8 import TransformerEngineGemm, transformer_engine_available
 from tests.parity import SEED, ListDataset, LossRecorder, make_samples, new_module, tiny_config, trainer_for
 
 STEPS = 6

@@ -24,11 +24,11 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, all_gather_into, group_rank, group_size
 
-__all__ = ["apply_tp_comm_overlap", "ring_column_parallel_linear", "ring_row_parallel_linear"]
+__all__ = ["ring_column_parallel_linear", "ring_row_parallel_linear"]
 
 
 class _Ring:
@@ -200,18 +200,3 @@ def ring_row_parallel_linear(x: Tensor, weight: Tensor, group: Group,
     """``x [s, b, in/t]``, ``weight [out, in/t]`` -> ``[s/t, b, out]``: the GEMM and the sequence-parallel
     reduce-scatter as a ring over the TP ``group``; backward all-gathers the output gradient in a ring."""
     return _RingRowParallelFn.apply(x, weight, group, compute_dtype)
-
-
-def apply_tp_comm_overlap(module: nn.Module, enabled: bool) -> int:
-    """With ``enabled``: switch the sequence-parallel column- and row-parallel linear layers of ``module`` (not
-    those running FP8 GEMMs) to the ring paths. Returns the number of layers switched."""
-    if not enabled:
-        return 0
-    from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    count = 0
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
-            m.tp_comm_overlap = True
-            count += 1
-    return count

@@ -223,7 +223,7 @@ class ColumnParallelLinear(TensorParallelModule):
     """
 
     recompute_input_gather: bool = False
-    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.apply_fp8``), else None
     fp8_gemm = None
     #: under SP: the gather and GEMM as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
     tp_comm_overlap: bool = False
@@ -324,7 +324,7 @@ class RowParallelLinear(TensorParallelModule):
     """
 
     reduce_bias_grad: bool = True
-    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.fp8.apply_fp8``), else None
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.apply_fp8``), else None
     fp8_gemm = None
     #: under SP: the GEMM and reduce-scatter as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
     tp_comm_overlap: bool = False
@@ -442,6 +442,19 @@ class VocabParallelEmbedding(TensorParallelModule):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, sp={self.reduce_scatter}"
 
 
+def apply_tp_comm_overlap(module: nn.Module, enabled: bool) -> int:
+    """With ``enabled``: switch the sequence-parallel column- and row-parallel linear layers of ``module`` (not
+    those running FP8 GEMMs) to the ring paths. Returns the number of layers switched."""
+    if not enabled:
+        return 0
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
+            m.tp_comm_overlap = True
+            count += 1
+    return count
+
+
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
@@ -452,4 +465,5 @@ __all__ = [
     "unshard_tensor",
     "all_reduce",
     "reduce_scatter_dim0",
+    "apply_tp_comm_overlap",
 ]

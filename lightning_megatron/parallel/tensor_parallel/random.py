@@ -81,3 +81,10 @@ class TensorParallelRNG:
         finally:
             self._state = self._get_state()
             self._set_state(saved)
+
+
+def seed_rank_streams(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> TensorParallelRNG:
+    """Seed this rank's default stream (:func:`default_seed`: shared by its TP group, different per pipeline stage)
+    and return its tensor-parallel stream (:func:`tensor_parallel_seed`), Megatron's seeding of a rank."""
+    torch.manual_seed(default_seed(seed, pp_rank))
+    return TensorParallelRNG(tensor_parallel_seed(seed, tp_rank, pp_rank), device)

@@ -1,8 +1,8 @@
 """The checkpoint hooks of :class:`~lightning_megatron.strategy.MegatronStrategy` (a mixin it inherits first).
 
 ``ckpt_format="torch"``: full, layout-independent tensors (TP shards gathered, pipeline stages merged,
-:mod:`lightning_megatron.parallel.state_dict`), written by rank 0 through the strategy's ``checkpoint_io``.
-``"torch_dist"``: each rank's shards through ``torch.distributed.checkpoint`` (:mod:`lightning_megatron.dist_checkpoint`).
+:mod:`lightning_megatron.checkpoint.state_dict`), written by rank 0 through the strategy's ``checkpoint_io``.
+``"torch_dist"``: each rank's shards through ``torch.distributed.checkpoint`` (:mod:`lightning_megatron.checkpoint.distributed`).
 Both are read back under any layout. Non-finite weights are refused before anything is written; bf16 parameters
 are saved and loaded through their fp32 main view; with ``overlap_param_gather`` the parameters in flight are
 waited for first.
@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.parallel.distributed_optimizer import gathered_state_dict, is_sharded_optimizer
 from lightning_megatron.parallel.fsdp import distribute_like
-from lightning_megatron.parallel.state_dict import (
+from lightning_megatron.checkpoint.state_dict import (
     full_model_state_dict,
     full_optimizer_state_dict,
     shard_model_state_dict,
@@ -40,6 +40,17 @@ class CheckpointHooks:
         """Load ``ckpt_path`` after :meth:`setup`: before it the weights are on the meta device (loading into
         them is a silent no-op) and not yet sharded."""
         return True
+
+    def _start_sharded_io(self, timeout: Any) -> None:
+        """With ``ckpt_format="torch_dist"``: the sharded checkpoint writer, with ``async_save`` on a gloo group of
+        its own (background saves must not share the training's process group); nothing for ``"torch"``."""
+        cfg = self.parallel_config
+        if cfg.ckpt_format != "torch_dist":
+            return
+        from lightning_megatron.checkpoint.distributed import ShardedCheckpointIO
+
+        group = torch.distributed.new_group(backend="gloo", timeout=timeout) if cfg.async_save else None
+        self._sharded_io = ShardedCheckpointIO(cfg.async_save, group)
 
     def _main_view(self) -> Any:
         """bf16 parameters: a context in which they hold their fp32 main values (checkpoints), else nothing."""
@@ -73,7 +84,7 @@ class CheckpointHooks:
         self.wait_for_parameters()
         self._check_weights()
         if self.sharded_checkpoints:
-            from lightning_megatron.parallel.sharded_state import ShardLayout, model_entries
+            from lightning_megatron.checkpoint.sharded_state import ShardLayout, model_entries
 
             module = self.lightning_module
             with self._main_view():
@@ -91,7 +102,7 @@ class CheckpointHooks:
         ``"torch_dist"`` this rank's shards of the states it keeps (see :meth:`lightning_module_state_dict`)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)   # unwrap a LightningOptimizer
         if self.sharded_checkpoints:
-            from lightning_megatron.parallel.sharded_state import ShardLayout, optimizer_entries
+            from lightning_megatron.checkpoint.sharded_state import ShardLayout, optimizer_entries
 
             index = [getattr(o, "_optimizer", o) for o in self.optimizers].index(optimizer)
             return optimizer_entries(index, optimizer, ShardLayout(self.lightning_module),
@@ -101,12 +112,12 @@ class CheckpointHooks:
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """``"torch"``: rank 0 writes one file (``checkpoint_io``). ``"torch_dist"``: every rank writes its shards
-        into directory ``filepath``, complete or absent (:func:`~lightning_megatron.dist_checkpoint.save_sharded`)."""
+        into directory ``filepath``, complete or absent (:func:`~lightning_megatron.checkpoint.distributed.save_sharded`)."""
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("ckpt_format='torch_dist' does not take storage_options")
-        from lightning_megatron.dist_checkpoint import save_sharded
+        from lightning_megatron.checkpoint.distributed import save_sharded
 
         save_sharded(self._sharded_io, checkpoint, str(filepath), self.global_rank, self._layout_signature(),
                      self.root_device, self.tp_rng)
@@ -118,14 +129,14 @@ class CheckpointHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A file: Lightning's load (full tensors, sharded by :meth:`load_model_state_dict`). A sharded directory:
         every rank reads the blocks of its own shards, whatever layout wrote them
-        (:func:`~lightning_megatron.dist_checkpoint.load_sharded`; collective)."""
-        from lightning_megatron.dist_checkpoint import ShardedCheckpointIO, is_sharded_checkpoint, load_sharded
+        (:func:`~lightning_megatron.checkpoint.distributed.load_sharded`; collective)."""
+        from lightning_megatron.checkpoint.distributed import ShardedCheckpointIO, is_sharded_checkpoint, load_sharded
 
         if not is_sharded_checkpoint(checkpoint_path):
             if self._sharded_io is not None:
                 self._sharded_io.wait()
             if os.path.isdir(str(checkpoint_path)):
-                from lightning_megatron.dist_checkpoint import verify_checkpoint
+                from lightning_megatron.checkpoint.distributed import verify_checkpoint
 
                 verify_checkpoint(str(checkpoint_path))   # raises: a directory without complete metadata
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -139,7 +150,7 @@ class CheckpointHooks:
         """Load a full checkpoint, keeping this rank's shards, or this rank's shards read from a sharded one;
         ``strict``: missing and unexpected keys (over every pipeline stage) raise, naming them, as plain Lightning
         does."""
-        from lightning_megatron.dist_checkpoint import ShardedModelState
+        from lightning_megatron.checkpoint.distributed import ShardedModelState
 
         if isinstance(checkpoint["state_dict"], ShardedModelState):
             with self._main_view():
@@ -155,7 +166,7 @@ class CheckpointHooks:
 
     def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
         """Load full optimizer states, keeping this rank's shards (or the states read from a sharded checkpoint)."""
-        from lightning_megatron.parallel.sharded_state import LoadedOptimizerState, apply_optimizer_state
+        from lightning_megatron.checkpoint.sharded_state import LoadedOptimizerState, apply_optimizer_state
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             with self._main_view():   # torch casts loaded states to the parameters' dtype: the fp32 main ones

@@ -19,7 +19,7 @@ _TARGET = "lightning.pytorch"
 
 def _register() -> None:
     try:
-        importlib.import_module("lightning_megatron.strategy")  # its last line registers the names
+        importlib.import_module("lightning_megatron.strategy.megatron_strategy")  # its last line registers the names
     except Exception as err:  # never break ``import lightning`` for a process that does not use us
         warnings.warn(f"lightning-megatron could not register strategy='megatron' with Lightning: {err!r}; "
                       "pass MegatronStrategy(...) instead of the string", RuntimeWarning, stacklevel=2)
@@ -49,6 +49,16 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     def _remove(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+def register_strategy_names(strategy_class: Any, strategy_registry: Any) -> None:
+    """Register ``strategy_class`` in Lightning's ``strategy_registry`` as ``"megatron"`` (popen launch) and
+    ``"megatron_spawn"`` (spawn launch), unless the names are taken."""
+    if "megatron" not in strategy_registry:
+        strategy_registry.register("megatron", strategy_class, description="lightning-megatron MegatronStrategy")
+    if "megatron_spawn" not in strategy_registry:
+        strategy_registry.register("megatron_spawn", strategy_class, description="MegatronStrategy, spawn launch",
+                                   start_method="spawn")
 
 
 def register_when_lightning_loads() -> None:

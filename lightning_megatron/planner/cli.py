@@ -1,10 +1,10 @@
-"""``lightning_megatron.plan``: the layout planner's entry point, for Python (``from lightning_megatron.plan import
-plan``; the names of :mod:`lightning_megatron.planner`, which holds the planner, one concern per module) and for
-the command line (``python -m lightning_megatron.plan``: this module only parses flags and prints).
+"""The layout planner's command line (``python -m lightning_megatron.planner``, :mod:`lightning_megatron.planner`'s
+``__main__``): this module only parses flags and prints; the planner's names for Python are
+:mod:`lightning_megatron.planner`'s (``from lightning_megatron.planner import plan``).
 
 Example::
 
-    python -m lightning_megatron.plan --model llama3_70b --gpus 64 --gpu-memory 80 --seq-length 8192 \\
+    python -m lightning_megatron.planner --model llama3_70b --gpus 64 --gpu-memory 80 --seq-length 8192 \\
         --global-batch-size 512 --hardware h100 --show tp=4,pp=4,cp=2
 
 prints the ranked table (predicted peak GiB per GPU, tokens/s per GPU, MFU; rejected layouts with the reason),
@@ -35,7 +35,7 @@ MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_benc
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's flags."""
-    p = argparse.ArgumentParser(prog="python -m lightning_megatron.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, choices=MODELS, help="a GPTConfig preset")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (8 per node)")
     p.add_argument("--gpu-memory", type=float, default=None,

@@ -9,7 +9,7 @@
   steps and keeps the same loss scale. The MoE aux-loss gradient gets the same loss scale
   (``MegatronStrategy`` multiplies the routers' scale by it).
 * ``"32-true"``: fp32 (FP8 GEMMs may still be asked for).
-* ``fp8``: the linear layers' GEMMs in FP8 (:mod:`lightning_megatron.fp8`), applied by
+* ``fp8``: the linear layers' GEMMs in FP8 (:mod:`lightning_megatron.precision.fp8`), applied by
   :func:`lightning_megatron.parallelize` in its ``apply_fp8`` step; the torch-native backend
   (``torch._scaled_mm``, also on CPU) or Transformer Engine (imported only when asked for).
 """
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
 import lightning.pytorch as pl
-from lightning_megatron.fp8 import (
+from lightning_megatron.precision.fp8 import (
     AMAX_COMPUTE_ALGOS,
     FP8_BACKENDS,
     FP8_FORMATS,
@@ -37,7 +37,7 @@ from lightning_megatron.fp8 import (
     Float8Layers,
     fp8_forward_context,
 )
-from lightning_megatron.keywords import check_keywords
+from lightning_megatron.utils.keywords import check_keywords
 
 if TYPE_CHECKING:
     from lightning_megatron.parallel.mesh import ParallelMesh

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_megatron.keywords import check_keywords
+from lightning_megatron.utils.keywords import check_keywords
 from lightning_megatron.parallel.config import ParallelConfig
 
 #: keywords of ``DDPStrategy`` itself that reach Lightning's DDP hook registration
@@ -20,6 +20,11 @@ DDP_STRATEGY_KEYWORDS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", 
 DDP_SET_BY_STRATEGY = ("self", "module", "device_ids", "output_device")
 #: the layout options (every init field of ParallelConfig) a MegatronStrategy keyword may set
 LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
+#: ``MegatronStrategy.__init__``'s own named parameters (the layout's sizes, then Lightning's); every other keyword
+#: is a layout option, a DDP argument or a DDP hook option (``tests/test_strategy.py`` holds this to the signature)
+STRATEGY_KEYWORDS = ("tp", "pp", "vp", "cp", "ep", "etp", "sequence_parallel", "accelerator", "parallel_devices",
+                     "cluster_environment", "checkpoint_io", "precision_plugin", "process_group_backend", "timeout",
+                     "start_method")
 
 
 def parallel_config_from_options(options: Dict[str, Any], timeout: Optional[timedelta], default_timeout: timedelta,

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from lightning_megatron.data._io import _process_alive
-from lightning_megatron.parallel.sharded_state import ShardedEntry
+from lightning_megatron.checkpoint.sharded_state import ShardedEntry
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _lookup(state: Dict[str, Any], index: MetadataIndex) -> Any:
 
 class _SavePlanner(DefaultSavePlanner):
     """DCP's default save planner that also finds the blocks of a
-    :class:`~lightning_megatron.parallel.sharded_state.ShardedEntry`."""
+    :class:`~lightning_megatron.checkpoint.sharded_state.ShardedEntry`."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return _lookup(self.state_dict, index)
@@ -207,7 +207,7 @@ class ShardedCheckpointIO:
 
     # ------------------------------------------------------------------ save
     def save(self, state: Dict[str, Any], path: str) -> None:
-        """Write ``state`` (DCP entries: tensors, :class:`~lightning_megatron.parallel.sharded_state.ShardedEntry`,
+        """Write ``state`` (DCP entries: tensors, :class:`~lightning_megatron.checkpoint.sharded_state.ShardedEntry`,
         DTensors, picklable values) to directory ``path``; with ``async_save`` return once the background write
         has started (``state`` must then be a host copy)."""
         self.wait()
@@ -328,7 +328,7 @@ def set_rng_state(state: Dict[str, Any], device: torch.device, tp_rng: Any = Non
 def save_sharded(io: ShardedCheckpointIO, checkpoint: Dict[str, Any], path: str, rank: int,
                  layout: Dict[str, int], device: torch.device, tp_rng: Any = None) -> None:
     """Write Lightning's ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` already DCP entries, from
-    :mod:`lightning_megatron.parallel.sharded_state`) as sharded directory ``path``: the rest (loops, LR
+    :mod:`lightning_megatron.checkpoint.sharded_state`) as sharded directory ``path``: the rest (loops, LR
     schedulers, callbacks, data position, optimizer hyper-parameters, ``layout``) once, this rank's RNG states
     under ``rng.<rank>``. Collective."""
     rest = dict(checkpoint)
@@ -372,10 +372,10 @@ def load_sharded(io: ShardedCheckpointIO, path: str, module: Any, optimizers: Li
                  layout: Dict[str, int], device: torch.device, tp_rng: Any = None) -> Dict[str, Any]:
     """Read sharded directory ``path`` for this rank: a Lightning checkpoint dict whose ``state_dict`` is a
     :class:`ShardedModelState` (this rank's tensors in the current layout) and whose ``optimizer_states`` are
-    ``(LoadedOptimizerState, read values)`` for :func:`~lightning_megatron.parallel.sharded_state.
+    ``(LoadedOptimizerState, read values)`` for :func:`~lightning_megatron.checkpoint.sharded_state.
     apply_optimizer_state` (``optimizers``: empty when not fitting). Strictness follows ``module.strict_loading``;
     the RNG states come back when ``layout`` is the one that saved. Collective over the world."""
-    from lightning_megatron.parallel.sharded_state import (
+    from lightning_megatron.checkpoint.sharded_state import (
         ShardLayout,
         model_targets,
         optimizer_targets,

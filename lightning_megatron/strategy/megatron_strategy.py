@@ -1,19 +1,14 @@
 """``MegatronStrategy``: Lightning's hooks, translated into the library's calls.
 
-``setup_environment`` starts the process group and builds the :class:`ParallelMesh` and RNG streams;
-``setup`` calls :func:`~lightning_megatron.parallelize.parallelize` (TP -> CP -> EP -> pipeline split ->
-materialise), wraps data parallelism (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`) and sets up the
-optimizers. Training runs every layout through one step path
-(:func:`~lightning_megatron.parallel.forward_backward.forward_backward`): the strategy collects the micro-batches of
-an optimizer step (``Trainer(accumulate_grad_batches)``) and runs them at the last one, where Lightning's own
-backward is switched off (the one place Lightning's loop is bypassed). The gradient hooks (finish, clip, skip) are
-:class:`~lightning_megatron.strategy_gradients.GradientHooks`, the checkpoint hooks (full or sharded)
-:class:`~lightning_megatron.strategy_checkpoints.CheckpointHooks`, the keywords' routing
-:mod:`~lightning_megatron.strategy_options`.
+``setup_environment`` starts the process group and builds the :class:`ParallelMesh` and RNG streams; ``setup``
+calls :func:`~lightning_megatron.parallelize.parallelize`, then :mod:`~lightning_megatron.strategy.model_setup`
+(data parallelism, the distributed optimizer). Training runs every layout through one step path
+(:class:`~lightning_megatron.strategy.step_path.StepPath`), with Lightning's own backward switched off (the one
+place its loop is bypassed). Gradient hooks: :mod:`~lightning_megatron.strategy.gradients`; checkpoint hooks:
+:mod:`~lightning_megatron.strategy.checkpoints`; keyword routing: :mod:`~lightning_megatron.strategy.options`.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,26 +25,28 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
-from lightning_megatron.checkpoint_io import AtomicCheckpointIO
-from lightning_megatron.contract import ConfiguredModule, ParallelContext, ParallelLightningModule, TiedWeightsModel
-from lightning_megatron.launcher import MegatronMultiProcessingLauncher, global_seed, guard_processes, kill_launched
-from lightning_megatron.parallel.config import check_fsdp_fp8
-from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
+from lightning_megatron.checkpoint.atomic_io import AtomicCheckpointIO
+from lightning_megatron.contract import ConfiguredModule, ParallelLightningModule
 from lightning_megatron.parallel.context_parallel.layout import split_batch
-from lightning_megatron.parallel.data_parallel import apply_dp
-from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
+from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
-from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
+from lightning_megatron.parallel.fsdp import FSDPModel
 from lightning_megatron.parallel.main_grad import check_bf16_params_options
 from lightning_megatron.parallel.mesh import ParallelMesh
-from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
-from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, default_seed, tensor_parallel_seed
+from lightning_megatron.parallel.param_gather import OverlappedParamGather
+from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
-from lightning_megatron.precision import MegatronPrecision
-from lightning_megatron.step_path import StepPath
-from lightning_megatron.strategy_checkpoints import CheckpointHooks
-from lightning_megatron.strategy_gradients import GradientHooks
-from lightning_megatron.strategy_options import LAYOUT_OPTIONS, parallel_config_from_options, signature_with_layout_options
+from lightning_megatron.precision.plugin import MegatronPrecision
+from lightning_megatron.strategy.checkpoints import CheckpointHooks
+from lightning_megatron.strategy.gradients import GradientHooks
+from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
+                                                  kill_launched)
+from lightning_megatron.strategy.model_setup import (check_pipeline_module, parallel_context, shard_fsdp,
+                                                     shard_optimizer_states, wrap_data_parallel)
+from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
+                                                 signature_with_layout_options)
+from lightning_megatron.strategy.registry import register_strategy_names
+from lightning_megatron.strategy.step_path import StepPath
 
 log = logging.getLogger(__name__)
 __all__ = ["MegatronStrategy", "LAYOUT_OPTIONS"]
@@ -65,22 +62,20 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             ``use_distributed_optimizer``, ...: Megatron's names, validated there); else arguments of
             ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) or Lightning's DDP hook options
             (``ddp_comm_hook``, ...). Any other keyword raises TypeError naming the closest valid one.
-        checkpoint_io: default :class:`~lightning_megatron.checkpoint_io.AtomicCheckpointIO` (a local checkpoint is
+        checkpoint_io: default :class:`~lightning_megatron.checkpoint.AtomicCheckpointIO` (a local checkpoint is
             complete or absent, never truncated); used by ``ckpt_format="torch"``.
-        ckpt_format, async_save: ``"torch"`` (default) saves one file of full tensors; ``"torch_dist"`` a
-            directory where each rank writes its own shards (:mod:`lightning_megatron.dist_checkpoint`), in the
+        ckpt_format, async_save: ``"torch"`` (default) saves one file of full tensors; ``"torch_dist"`` a directory
+            where each rank writes its own shards (:mod:`lightning_megatron.checkpoint.distributed`), in the
             background with ``async_save=True``. Both load under any layout; loading detects the format.
         timeout, distributed_timeout_minutes: the timeout of every process group (the world's and each of the
             mesh's); give one of them (``distributed_timeout_minutes``: Megatron's name, in minutes).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
 
-    The mesh (``strategy.mesh``) exists after ``setup_environment``. The DataLoader is sharded by data-parallel
-    rank: TP, PP and CP peers see identical batches (CP ranks then keep their part, :meth:`batch_to_device`).
-    A LightningModule implementing :class:`~lightning_megatron.contract.ParallelLightningModule` (as
-    :class:`ParallelGPTModule`) trains through the one step path under every layout; ``train_loss`` is then the
-    optimizer step's global token-mean, logged once per step at its last micro-batch. Other LightningModules
-    train through Lightning's own loop (pp == 1).
+    ``strategy.mesh`` exists after ``setup_environment``. Data is sharded by data-parallel rank (CP ranks then keep
+    their part, :meth:`batch_to_device`). A :class:`~lightning_megatron.contract.ParallelLightningModule` (as
+    :class:`ParallelGPTModule`) trains through the one step path under every layout (``train_loss``: the step's
+    global token-mean); other LightningModules through Lightning's own loop (pp == 1).
     """
 
     strategy_name = "megatron"
@@ -105,28 +100,24 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
-        own = [n for n in inspect.signature(MegatronStrategy.__init__).parameters if n not in ("self", "options")]
         self.parallel_config, timeout = parallel_config_from_options(
-            options, timeout, default_pg_timeout, own, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
+            options, timeout, default_pg_timeout, STRATEGY_KEYWORDS, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
             sequence_parallel=sequence_parallel)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **options,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                         **options)
         self.mesh: Optional[ParallelMesh] = None
         self.tp_rng: Optional[TensorParallelRNG] = None
         self.seed: int = global_seed()
         self.parallelized: Optional[ParallelizedModel] = None
         self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
-        #: the FSDP units under data_parallel_sharding_strategy optim_grads / optim_grads_params (after fit's setup)
-        self.fsdp: Optional[FSDPModel] = None
+        self.fsdp: Optional[FSDPModel] = None   # FSDP units (optim_grads / optim_grads_params), after fit's setup
         self._param_gather: Optional[OverlappedParamGather] = None
         self._sharded_io: Optional[Any] = None
-        #: optimizer steps dropped by ``check_for_nan_in_loss_and_grad="skip"`` (also logged as ``skipped_steps``)
-        self.skipped_steps: int = 0
+        self.skipped_steps: int = 0   # steps dropped by check_for_nan_in_loss_and_grad="skip" (logged as such)
         self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
 
     @property
@@ -137,14 +128,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     @property
     def delay_wgrad_compute(self) -> bool:
         """Whether the a2a CP layers delay their weight gradients (resolved against the model after setup)."""
-        if self.parallelized is not None:
-            return self.parallelized.delay_wgrad
-        cfg = self.parallel_config
-        return cfg.delay_wgrad_applies if cfg.delay_wgrad_compute is None else cfg.delay_wgrad_compute
+        return self.parallelized.delay_wgrad if self.parallelized is not None else self.parallel_config.delays_wgrad
 
-    # ------------------------------------------------------------------ launch / environment
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
+        super()._configure_launcher()   # popen (Lightning's); spawn / fork hand the weights back to the main process
         if self._start_method != "popen":
             self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -154,21 +141,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
         if self.parallel_config.enable_cuda_graph:   # before the model exists: nothing to undo
-            check_cuda_graph_run(self.lightning_module, self.root_device,
-                                 getattr(self.precision_plugin, "params_dtype", None))
-        if self.parallel_config.ckpt_format == "torch_dist":
-            from lightning_megatron.dist_checkpoint import ShardedCheckpointIO
-
-            group = None
-            if self.parallel_config.async_save:   # background saves talk over their own gloo group
-                group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
-            self._sharded_io = ShardedCheckpointIO(self.parallel_config.async_save, group)
+            check_cuda_graph_run(self.lightning_module, self.root_device, self._params_dtype())
+        self._start_sharded_io(self._timeout)
         if isinstance(self.lightning_module, ConfiguredModule):
             self.parallel_config.validate_model(self.lightning_module.config)
         self.seed = global_seed()
-        pp_rank, tp_rank = self.mesh.rank("pp"), self.mesh.rank("tp")
-        torch.manual_seed(default_seed(self.seed, pp_rank))
-        self.tp_rng = TensorParallelRNG(tensor_parallel_seed(self.seed, tp_rank, pp_rank), self.root_device)
+        self.tp_rng = seed_rank_streams(self.seed, self.mesh.rank("tp"), self.mesh.rank("pp"), self.root_device)
         log.info("lightning-megatron mesh: %r", self.mesh)
 
     def on_exception(self, exception: BaseException) -> None:
@@ -190,7 +168,6 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         with device, self.precision_plugin.tensor_init_context():
             yield
 
-    # ------------------------------------------------------------------ model setup
     def setup(self, trainer: "pl.Trainer") -> None:
         """Parallelise and materialise the model, wrap DDP over dp x cp when fitting, set up optimizers."""
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
@@ -200,53 +177,30 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.model_to_device()
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        main_params = self.parallelized.main_params
-        if main_params is not None:
-            check_bf16_params_options(self.parallel_config, fitting)
-        if fitting and self.parallel_config.fsdp:
-            self._apply_fsdp()
-        # bf16 parameters: their fp32 main gradients are averaged over dp x cp by the gradient finaliser, not DDP
-        elif fitting and self.parallelized.pipeline is None and main_params is None:
+        parallelized, cfg, mesh = self.parallelized, self.parallel_config, self.mesh
+        if parallelized.main_params is not None:
+            check_bf16_params_options(cfg, fitting)
+        if fitting and cfg.fsdp and self.fsdp is None:   # FSDP once; the finaliser then works on the shards
+            self.fsdp = shard_fsdp(self.lightning_module, parallelized, mesh, cfg, self.precision_plugin.precision)
+            guard_grads = self._grads.guard.grads
+            self._grads = GradientFinalizer(parallelized, mesh, self.fsdp)
+            self._grads.guard.grads = guard_grads
+        elif fitting and not cfg.fsdp:
             register_ours = self._ddp_comm_hook is None
-            self.model = apply_dp(self.model, self.mesh, self.parallel_config,
-                                  expert_params=self.parallelized.expert_params,
-                                  device_ids=self.determine_ddp_device_ids(), ddp_kwargs=self._ddp_kwargs,
-                                  register_hook=register_ours)
+            self.model = wrap_data_parallel(self.model, parallelized, mesh, cfg, self.determine_ddp_device_ids(),
+                                            self._ddp_kwargs, register_ours)
             if not register_ours and isinstance(self.model, DistributedDataParallel):
                 self._register_ddp_hooks()
         if fitting:
             self.setup_optimizers(trainer)
-            if self.parallel_config.data_parallel_sharding_strategy == "optim" and self.mesh.size("dp_cp") > 1:
-                experts = self.parallelized.expert_params if self.parallel_config.ep > 1 else []
-                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.group("dp_cp"),
-                                                   experts, self.mesh.group("edp"))
-                if self.parallel_config.overlap_param_gather:
-                    if self._param_gather is not None:   # a second fit: the hooks of the first go
-                        self._param_gather.remove()
-                    self._param_gather = OverlappedParamGather(zero_optimizers(self.optimizers), self.model,
-                                                               self._tied_head_waits())
-            if main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
+            self.optimizers, self._param_gather = shard_optimizer_states(
+                self.optimizers, self.lr_scheduler_configs, self.model, parallelized, mesh, cfg, self._param_gather)
+            if parallelized.main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
                 for optimizer in self.optimizers:
-                    optimizer.register_step_post_hook(main_params.optimizer_hook)
+                    optimizer.register_step_post_hook(parallelized.main_params.optimizer_hook)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _apply_fsdp(self) -> None:
-        """FSDP2 over dp x cp (experts: edp) at the sharding level asked for (:mod:`lightning_megatron.parallel.fsdp`),
-        once; the gradient finalisation then works on the sharded parameters."""
-        if self.fsdp is not None:
-            return
-        parallelized, cfg = self.parallelized, self.parallel_config
-        check_fsdp_fp8(cfg, parallelized.fp8 is not None)
-        stages = parallelized.pipeline
-        policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None), cfg)
-        self.fsdp = apply_fsdp(self.lightning_module, parallelized.models, self.mesh, cfg,
-                               pipeline_modules=stages.modules if stages is not None else None, mp_policy=policy)
-        parallelized.refresh()
-        guard_grads = self._grads.guard.grads
-        self._grads = GradientFinalizer(parallelized, self.mesh, self.fsdp)
-        self._grads.guard.grads = guard_grads
 
     def wait_for_parameters(self) -> None:
         """With ``overlap_param_gather``: wait for the distributed optimizer's parameter broadcasts still in flight
@@ -255,31 +209,16 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         if self._param_gather is not None:
             self._param_gather.wait_all()
 
-    def _tied_head_waits(self) -> Dict[Any, List[Any]]:
-        """``{LM head: [word-embedding weight]}`` for tied heads (the head reads the embedding's weight, whose module
-        may not run on this pipeline stage): what :class:`OverlappedParamGather` waits for besides own parameters."""
-        waits: Dict[Any, List[Any]] = {}
-        for model in self.parallelized.models:
-            if isinstance(model, TiedWeightsModel):
-                waits.update(model.tied_weight_readers())
-        return waits
-
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
         """:func:`~lightning_megatron.parallelize.parallelize` ``module`` over the mesh, and tell it the layout."""
         assert self.mesh is not None
         cfg, mesh = self.parallel_config, self.mesh
-        if cfg.pp > 1 and not isinstance(module, ParallelLightningModule):
-            raise ValueError(
-                f"pp={cfg.pp}: {type(module).__name__} does not implement lightning_megatron.contract."
-                "ParallelLightningModule (forward_step, loss_sum, token_count, ...): under pipeline parallelism the "
-                "strategy runs the schedule and needs the module's step pieces (see ParallelGPTModule)"
-            )
+        check_pipeline_module(module, cfg)
         plugin = self.precision_plugin
         fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
-        self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed,
-                                        tp_rng=self.tp_rng,
-                                        forward_context=self.precision_plugin.forward_context, fp8=fp8,
-                                        params_dtype=getattr(plugin, "params_dtype", None))
+        self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed, tp_rng=self.tp_rng,
+                                        forward_context=plugin.forward_context, fp8=fp8,
+                                        params_dtype=self._params_dtype())
         if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
             plugin.attach_fp8_layers(self.parallelized.fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)
@@ -288,11 +227,13 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
         if isinstance(module, ParallelLightningModule):
-            tokens = [mesh.group("dp_cp")] + ([mesh.group("tp")] if cfg.sequence_parallel else [])
-            module.set_parallel_context(ParallelContext(
-                dp_group=mesh.group("dp_cp"), dp_size=mesh.size("dp_cp"), token_groups=tokens,
-                pp_group=mesh.group("pp") if cfg.pp > 1 else None))
+            module.set_parallel_context(parallel_context(mesh, cfg))
         return self.parallelized
+
+    def _params_dtype(self) -> Optional[torch.dtype]:
+        """Megatron's bf16 parameters (``MegatronPrecision(params_dtype=...)``), else None."""
+        plugin = self.precision_plugin
+        return plugin.params_dtype if isinstance(plugin, MegatronPrecision) else None
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence
@@ -304,7 +245,6 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         assert self.mesh is not None
         return split_batch(batch, self.parallel_config.cp, self.mesh.rank("cp"))
 
-    # ------------------------------------------------------------------ the one step path (step_path.py)
     def on_train_start(self) -> None:
         """The step path runs forward and backward inside ``training_step``: Lightning's own backward is off."""
         super().on_train_start()
@@ -325,14 +265,13 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         return self._steps.train(args[0]) if self._steps else super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._steps is None:
-            return super().validation_step(*args, **kwargs)
-        return self._steps.evaluate(args[0], self.precision_plugin.val_step_context)
+        """Add the batch's loss sum and token count to the module's totals (:meth:`StepPath.evaluate`)."""
+        steps, context = self._steps, self.precision_plugin.val_step_context
+        return steps.evaluate(args[0], context) if steps else super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._steps is None:
-            return super().test_step(*args, **kwargs)
-        return self._steps.evaluate(args[0], self.precision_plugin.test_step_context)
+        steps, context = self._steps, self.precision_plugin.test_step_context
+        return steps.evaluate(args[0], context) if steps else super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
@@ -349,18 +288,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         layout = plan.best if isinstance(plan, Plan) else plan
         return cls(**{**layout.strategy_kwargs(), **options})
 
-    # ------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"megatron"`` (popen launch) and ``"megatron_spawn"`` (spawn launch)."""
-        if "megatron" not in strategy_registry:
-            strategy_registry.register("megatron", cls, description="lightning-megatron MegatronStrategy")
-        if "megatron_spawn" not in strategy_registry:
-            strategy_registry.register("megatron_spawn", cls, description="MegatronStrategy, spawn launch",
-                                       start_method="spawn")
+        register_strategy_names(cls, strategy_registry)
 
 
 MegatronStrategy.register_strategies(StrategyRegistry)
-
-
-MegatronStrategy.__init__.__signature__ = signature_with_layout_options(MegatronStrategy.__init__)  # type: ignore[attr-defined]
+MegatronStrategy.__init__.__signature__ = (   # type: ignore[attr-defined]
+    signature_with_layout_options(MegatronStrategy.__init__))

@@ -103,6 +103,14 @@ def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: Lis
                       found_inf)
 
 
+def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
+    """This rank's part of ``t`` (the local shard of a ``DTensor``, as FSDP's parameters and states are), any other
+    tensor as it is: the optimizer steps what it is given and communicates nothing."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.device) -> None:
     """``state`` in the optimizer's layout, in place: ``step`` a 0-dim fp32 tensor on ``device`` and the moments in
     ``group``'s dtypes. States from elsewhere need it: torch's loading casts the moments to the parameter's dtype,
@@ -182,8 +190,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`): one call of the update per
         parameter group and device. Returns the closure's value. Reads ``self.grad_scale`` and ``self.found_inf``
         when set (one-element tensors: ``torch.amp.GradScaler`` hands over ``[1]``)."""
-        from lightning_megatron.parallel.fsdp import local_tensor
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -218,8 +224,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """torch's loading (which casts the moments to the parameters' dtype), then the moments to this optimizer's
         dtypes (its own, whatever the state dict's optimizer kept: e.g. torch's AdamW with fp32 moments) and ``step``
         to an fp32 tensor on the parameter's device."""
-        from lightning_megatron.parallel.fsdp import local_tensor
-
         dtypes = [(g["exp_avg_dtype"], g["exp_avg_sq_dtype"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, (exp_avg_dtype, exp_avg_sq_dtype) in zip(self.param_groups, dtypes):

@@ -1,7 +1,7 @@
 """Each rank's shards of the model and optimizer state, described by their place in the full tp=1, pp=1 tensors,
 for ``torch.distributed.checkpoint`` (DCP): a sharded checkpoint that no rank gathers.
 
-The names are those of the full, layout-independent checkpoint (:mod:`lightning_megatron.parallel.state_dict`):
+The names are those of the full, layout-independent checkpoint (:mod:`lightning_megatron.checkpoint.state_dict`):
 ``state_dict.<key>`` for the LightningModule's state (layers under their global index) and
 ``optimizer_states.<i>.state.<parameter name>.<state key>`` for optimizer ``i``. A tensor-parallel (or expert)
 parameter becomes a :class:`ShardedEntry`: its local tensor cut into the blocks that are contiguous in the global
@@ -11,7 +11,7 @@ are plain tensors (DCP writes them once, whichever ranks hold them). Loading ask
 *current* layout, which reads the overlapping parts of what any other layout wrote: resharding across tp, pp, cp,
 ep, dp and the distributed optimizer on/off. A ``DTensor`` (FSDP2) is passed to DCP as it is.
 
-Nothing here communicates; :mod:`lightning_megatron.dist_checkpoint` does the I/O.
+Nothing here communicates; :mod:`lightning_megatron.checkpoint.distributed` does the I/O.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.optim import Optimizer
 
-from lightning_megatron.parallel.state_dict import _full_shapes, tensor_parallel_owners
+from lightning_megatron.checkpoint.state_dict import _full_shapes, tensor_parallel_owners
 
 MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -13,8 +13,22 @@ from lightning_megatron.parallel import forward_backward as step
 from lightning_megatron.parallel.cuda_graph import mark_step
 from lightning_megatron.parallel.pipeline import PipelineRunner
 
-if TYPE_CHECKING:
-    from lightning_megatron.strategy import MegatronStrategy
+class StepHost(Protocol):
+    """What the step path reads of its strategy (:class:`~lightning_megatron.strategy.MegatronStrategy`), declared
+    here so that this module does not import the strategy that owns it."""
+
+    lightning_module: Any
+    precision_plugin: Any
+    parallel_config: Any
+    parallelized: Any
+    model: Any
+    mesh: Any
+    fsdp: Any
+    optimizers: List[Any]
+    root_device: torch.device
+    _grads: Any
+
+    def _forward_redirection(self, wrapper: Any, original: Any, method_name: str, *args: Any) -> Any: ...
 
 
 class StepPath:
@@ -26,7 +40,7 @@ class StepPath:
     ``pipeline``: this rank's :class:`PipelineRunner` (pp > 1) or None (the plain loop).
     """
 
-    def __init__(self, strategy: "MegatronStrategy", pipeline: Optional[PipelineRunner]) -> None:
+    def __init__(self, strategy: StepHost, pipeline: Optional[PipelineRunner]) -> None:
         self.strategy, self.pipeline = strategy, pipeline
         self.microbatches: List[Any] = []
         #: micro-batches of the last optimizer step (the FP8 delayed recipe counts its last uses)

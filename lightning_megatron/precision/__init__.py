@@ -1,0 +1,17 @@
+"""Precision: :class:`MegatronPrecision`, the Lightning precision plugin (bf16 / fp16 semantics, Megatron's bf16
+parameters, FP8), and the FP8 GEMMs it applies (:mod:`lightning_megatron.precision.fp8`: the torch-native backend
+on ``torch._scaled_mm`` and the Transformer Engine backend).
+
+The names are imported on first use (PEP 562)."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from lightning_megatron.utils.lazy import lazy_exports
+
+_EXPORTS: Dict[str, str] = {
+    "MegatronPrecision": "lightning_megatron.precision.plugin",
+    "PRECISIONS": "lightning_megatron.precision.plugin",
+}
+__all__: List[str] = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

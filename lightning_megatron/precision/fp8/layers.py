@@ -1,0 +1,251 @@
+"""Converting a model's linear layers to FP8 GEMMs (:func:`apply_fp8`) and the record of what was converted
+(:class:`Float8Layers`: the GEMMs, the delayed recipe's per-step update, its checkpointed histories)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lightning_megatron.contract import PipelineModel
+from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_megatron.parallel.tensor_parallel.mappings import group_size
+from lightning_megatron.precision.fp8.config import GEMM_ALIGNMENT, Float8Config
+from lightning_megatron.precision.fp8.delayed import _end_step, _refresh_scales
+from lightning_megatron.precision.fp8.gemm import Float8Gemm
+from lightning_megatron.precision.fp8.te import TransformerEngineGemm, transformer_engine_context
+
+# ---------------------------------------------------------------------------------------------- conversion
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose GEMM runs through ``fp8_gemm`` (:class:`Float8Gemm` or :class:`TransformerEngineGemm`);
+    holds the original layer's parameters (same names, so checkpoints do not change)."""
+
+    def __init__(self, linear: nn.Linear, fp8_gemm: Callable[..., Tensor]) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.fp8_gemm = fp8_gemm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fp8_gemm(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=True"
+
+
+@dataclass
+class Float8Layers:
+    """What :func:`apply_fp8` converted. ``converted`` / ``kept``: module names (relative to the module given to
+    :func:`apply_fp8`) of the layers whose GEMMs run in FP8 / the linear layers left as they were, with why."""
+
+    config: Float8Config
+    converted: List[str] = field(default_factory=list)
+    kept: Dict[str, str] = field(default_factory=dict)
+    gemms: List[Any] = field(default_factory=list)
+    amax_groups: List[Any] = field(default_factory=list)
+    #: the routed experts' FP8 GEMMs (torch backend), each with its name ``<experts module>.<global expert>.fc1|fc2``
+    expert_gemms: List["Float8Gemm"] = field(default_factory=list)
+    expert_gemm_names: List[str] = field(default_factory=list)
+    expert_amax_groups: List[Any] = field(default_factory=list)
+    #: optimizer steps whose amaxes joined the delayed recipe's histories (a loaded checkpoint with histories counts)
+    steps: int = 0
+
+    @contextlib.contextmanager
+    def compile_stance(self) -> Iterator[None]:
+        """The context the forward passes run in: until the delayed recipe (torch backend) has had its first
+        update (:meth:`end_step`), compiled layers run eagerly (``torch.compiler.set_stance("force_eager")``), so
+        ``compile=True`` compiles each layer once, with histories, instead of a second time for the first step's
+        scaling from current amaxes. Nothing for other recipes and backends."""
+        if self.config.recipe != "delayed" or self.config.backend != "torch" or self.steps > 0:
+            yield
+            return
+        with torch.compiler.set_stance("force_eager"):
+            yield
+
+    def retain(self, module: nn.Module) -> None:
+        """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
+        present = {name for name, _ in module.named_modules()}
+        keep = [i for i, name in enumerate(self.converted) if name in present]
+        self.converted = [self.converted[i] for i in keep]
+        self.gemms = [self.gemms[i] for i in keep]
+        self.kept = {name: why for name, why in self.kept.items() if name in present}
+        experts = [i for i, name in enumerate(self.expert_gemm_names) if name.rsplit(".", 2)[0] in present]
+        self.expert_gemms = [self.expert_gemms[i] for i in experts]
+        self.expert_gemm_names = [self.expert_gemm_names[i] for i in experts]
+
+    def allocate(self, device: torch.device, ring: bool = False, static: bool = False) -> None:
+        """The delayed recipe's record buffers of every torch-backend GEMM on ``device`` (after materialisation, before
+        the first, possibly compiled, forward: :meth:`Float8Gemm.allocate`); ``ring``: also the rings of the last uses
+        that :meth:`end_step` with ``num_microbatches`` reads (pipeline schedules); ``static``: as static inputs of
+        the layers' CUDA graphs (``enable_cuda_graph``)."""
+        for _, gemm in self._named_gemms():
+            if isinstance(gemm, Float8Gemm):
+                gemm.allocate(device, ring=ring, static=static)
+
+    def _named_gemms(self) -> List[Tuple[str, Any]]:
+        return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
+
+    def state_dict(self) -> Dict[str, Tensor]:
+        """The delayed recipe's amax histories ``[3, amax_history_len]`` (input, weight, output gradient) by
+        converted layer name, on the CPU; empty for other recipes or before the first step. The same on every rank of
+        the amax group (tensor x data x context parallel), so one rank's holds for its pipeline stage."""
+        out: Dict[str, Tensor] = {}
+        for name, gemm in self._named_gemms():
+            history = getattr(gemm, "history", None)
+            if history is not None:
+                out[name] = history.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state: Dict[str, Tensor], device: Optional[torch.device] = None) -> None:
+        """Restore the amax histories of :meth:`state_dict` onto ``device`` (default: where they are, else the
+        CPU): the layers of this rank present in ``state``; a layer the checkpoint has no history for starts without
+        one, as in a fresh run."""
+        for name, gemm in self._named_gemms():
+            if name not in state or not isinstance(gemm, Float8Gemm):
+                continue
+            history = state[name]
+            want = (3, self.config.amax_history_len)
+            if tuple(history.shape) != want:
+                raise ValueError(f"FP8 amax history of {name} in the checkpoint has shape {tuple(history.shape)}, this "
+                                 f"run keeps {want} (fp8_amax_history_len={self.config.amax_history_len}); resume with "
+                                 f"fp8_amax_history_len={history.shape[1]}")
+            where = gemm.history.device if gemm.history is not None else device
+            gemm.history = history.to(where) if where is not None else history.clone()
+            gemm.forget_uses()
+            self.steps = max(self.steps, 1)
+        _refresh_scales([gemm for _, gemm in self._named_gemms() if isinstance(gemm, Float8Gemm)])
+
+    def end_step(self, num_microbatches: Optional[int] = None) -> None:
+        """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
+        step, reduced (max) over the amax groups in one all-reduce per group, becomes the newest history entry.
+        ``num_microbatches``: count only the last that many uses of each GEMM (a pipeline schedule's metadata
+        inference runs an extra forward and backward on placeholder tensors first). No-op for other recipes.
+        Call once per optimizer step on every rank (the gradient finaliser does)."""
+        if self.config.recipe != "delayed" or self.config.backend != "torch":
+            return
+        for gemms, groups in ((self.gemms, self.amax_groups), (self.expert_gemms, self.expert_amax_groups)):
+            _end_step(gemms, groups, num_microbatches)
+        self.steps += 1
+
+
+
+def _expert_types() -> Tuple[type, ...]:
+    from lightning_megatron.moe.experts import GroupedMLPExperts, SequentialMLPExperts
+
+    return (GroupedMLPExperts, SequentialMLPExperts)
+
+
+def _fp8_capable(module: nn.Module) -> Optional[Tuple[int, int]]:
+    """``(in, out)`` of the local GEMM of a linear layer FP8 can convert, else None."""
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or type(module) is nn.Linear:
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2:
+            return None
+        return int(weight.shape[1]), int(weight.shape[0])
+    return None
+
+
+def _candidate_layers(module: nn.Module, config: Float8Config) -> Tuple[List[Tuple[str, nn.Module]], Dict[str, str]]:
+    """Linear layers and routed-expert modules to convert (name, module) and those kept out with why: inside
+    models with the GPT layout (:class:`~lightning_megatron.contract.PipelineModel`) the transformer layers' linears
+    and experts; in any other module every linear layer."""
+    models = [(name, m) for name, m in module.named_modules() if isinstance(m, PipelineModel)]
+    kept: Dict[str, str] = {}
+    out: List[Tuple[str, nn.Module]] = []
+    if not models:
+        return [(n, m) for n, m in module.named_modules() if _fp8_capable(m) is not None], kept
+    for model_name, model in models:
+        prefix = f"{model_name}." if model_name else ""
+        layers = getattr(model.decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            raise ValueError(f"{type(model).__name__}.decoder.layers must be an nn.ModuleDict keyed by global layer "
+                             "index to apply FP8 per layer")
+        bf16 = set(config.layers_in_bf16(len(layers)))
+        for key, layer in layers.items():
+            for sub, m in layer.named_modules():
+                if _fp8_capable(m) is None and not isinstance(m, _expert_types()):
+                    continue
+                name = f"{prefix}decoder.layers.{key}" + (f".{sub}" if sub else "")
+                if int(key) in bf16:
+                    kept[name] = "first_last_layers_bf16"
+                else:
+                    out.append((name, m))
+        for name, m in model.named_modules():
+            if _fp8_capable(m) is not None and not name.startswith("decoder.layers."):
+                kept[prefix + name] = "outside the transformer layers (embedding / output layer)"
+    return out, kept
+
+
+def _convert_experts(name: str, experts: nn.Module, config: Float8Config, result: Float8Layers) -> Optional[str]:
+    """Give a :class:`~lightning_megatron.moe.experts.GroupedMLPExperts` one ``(fc1, fc2)`` pair of torch FP8 GEMMs
+    per local expert (recorded in ``result`` by global expert index); returns why it stays as it is, or None."""
+    from lightning_megatron.moe.experts import GroupedMLPExperts
+
+    if not isinstance(experts, GroupedMLPExperts):
+        return "reference experts (SequentialMLPExperts) are not converted"
+    if config.backend != "torch":
+        return "routed experts run FP8 with the torch backend only (fp8_backend='torch')"
+    h, fc1_out = int(experts.weight1.shape[1]), int(experts.weight1.shape[2])
+    f_local = int(experts.weight2.shape[1])
+    if any(d % GEMM_ALIGNMENT for d in (h, fc1_out, f_local)):
+        return f"expert GEMMs {h}x{fc1_out} / {f_local}x{h} are not multiples of {GEMM_ALIGNMENT}"
+    pairs = []
+    for e in range(experts.num_local_experts):
+        pair = (Float8Gemm(config, result.expert_amax_groups), Float8Gemm(config, result.expert_amax_groups))
+        pairs.append(pair)
+        for which, gemm in zip(("fc1", "fc2"), pair):
+            result.expert_gemms.append(gemm)
+            result.expert_gemm_names.append(f"{name}.{experts.expert_offset + e}.{which}")
+    experts.fp8_gemms = pairs
+    return None
+
+
+def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = (),
+              expert_amax_groups: Sequence[Any] = ()) -> Float8Layers:
+    """Give the linear layers of ``module`` FP8 local GEMMs, and its routed experts (torch backend) FP8 GEMMs per
+    expert (in place; on the meta device or materialised).
+
+    ``config`` must have its backend resolved (:meth:`Float8Config.resolve_backend`). ``amax_groups``: the
+    process groups the delayed recipe reduces amaxes over (tensor parallel and data x context parallel of this
+    pipeline stage); ``expert_amax_groups``: those of the experts' GEMMs (expert tensor parallel and expert data
+    parallel: the ranks holding the same experts). They take part in :meth:`Float8Layers.end_step`, called once per
+    step.
+    """
+    if config.backend == "auto":
+        raise ValueError("apply_fp8 needs a resolved backend: call Float8Config.resolve_backend(device) first")
+    result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1],
+                          expert_amax_groups=[g for g in expert_amax_groups if group_size(g) > 1])
+    targets, result.kept = _candidate_layers(module, config)
+    for name, layer in targets:
+        if isinstance(layer, _expert_types()):
+            why = _convert_experts(name, layer, config, result)
+            if why is None:
+                result.converted.append(name)
+            else:
+                result.kept[name] = why
+            continue
+        in_features, out_features = _fp8_capable(layer)
+        if in_features % GEMM_ALIGNMENT or out_features % GEMM_ALIGNMENT:
+            result.kept[name] = f"local GEMM {in_features}x{out_features} is not a multiple of {GEMM_ALIGNMENT}"
+            continue
+        gemm = (Float8Gemm(config, result.amax_groups) if config.backend == "torch"
+                else TransformerEngineGemm(in_features, out_features))
+        result.gemms.append(gemm)
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            layer.fp8_gemm = gemm
+        else:
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, child, Float8Linear(layer, gemm))
+        result.converted.append(name)
+    return result
+
+
+def fp8_forward_context(config: Optional[Float8Config], amax_group: Any = None) -> Callable[[], ContextManager]:
+    """The context FP8 GEMMs need around forward: TE's autocast for the TE backend, nothing for torch's."""
+    if config is None or config.backend != "te":
+        return contextlib.nullcontext
+    return transformer_engine_context(config, amax_group)

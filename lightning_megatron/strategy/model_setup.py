@@ -1,0 +1,95 @@
+"""What :meth:`MegatronStrategy.setup <lightning_megatron.strategy.MegatronStrategy.setup>` does to a parallelised
+model after :func:`~lightning_megatron.parallelize.parallelize` when fitting, one function per concern: the data
+parallel wrapper (DDP over dp x cp, or FSDP2 at the sharding level asked for), the distributed optimizer's sharded
+states with their overlapped parameter gathers, and bf16 parameters' hook that copies the stepped fp32 main
+parameters back."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from lightning_megatron.contract import ParallelContext, ParallelLightningModule, TiedWeightsModel
+from lightning_megatron.parallel.config import ParallelConfig, check_fsdp_fp8
+from lightning_megatron.parallel.data_parallel import apply_dp
+from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
+from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
+from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
+from lightning_megatron.parallelize import ParallelizedModel
+
+__all__ = ["check_pipeline_module", "parallel_context", "wrap_data_parallel", "shard_fsdp", "shard_optimizer_states",
+           "tied_head_waits"]
+
+
+def check_pipeline_module(module: nn.Module, cfg: ParallelConfig) -> None:
+    """Under pipeline parallelism the strategy runs the schedule with the module's step pieces: ValueError unless
+    ``module`` implements :class:`~lightning_megatron.contract.ParallelLightningModule`."""
+    if cfg.pp > 1 and not isinstance(module, ParallelLightningModule):
+        raise ValueError(
+            f"pp={cfg.pp}: {type(module).__name__} does not implement lightning_megatron.contract."
+            "ParallelLightningModule (forward_step, loss_sum, token_count, ...): under pipeline parallelism the "
+            "strategy runs the schedule and needs the module's step pieces (see ParallelGPTModule)")
+
+
+def parallel_context(mesh: ParallelMesh, cfg: ParallelConfig) -> ParallelContext:
+    """The layout a :class:`~lightning_megatron.contract.ParallelLightningModule` is told: its data-parallel group
+    (dp x cp), the groups its token counts are summed over (and tp under sequence parallelism), the pipeline
+    group."""
+    tokens = [mesh.group("dp_cp")] + ([mesh.group("tp")] if cfg.sequence_parallel else [])
+    return ParallelContext(dp_group=mesh.group("dp_cp"), dp_size=mesh.size("dp_cp"), token_groups=tokens,
+                           pp_group=mesh.group("pp") if cfg.pp > 1 else None)
+
+
+def wrap_data_parallel(model: nn.Module, parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
+                       device_ids: Optional[List[int]], ddp_kwargs: Dict[str, Any], register_hook: bool) -> nn.Module:
+    """``model`` wrapped in torch DDP over dp x cp (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`) where
+    DDP owns the gradient reduction: one pipeline stage and fp32 parameters. Pipeline stages and bf16 parameters
+    (whose fp32 main gradients the gradient finaliser averages) are returned as they are."""
+    if parallelized.pipeline is not None or parallelized.main_params is not None:
+        return model
+    return apply_dp(model, mesh, cfg, expert_params=parallelized.expert_params, device_ids=device_ids,
+                    ddp_kwargs=ddp_kwargs, register_hook=register_hook)
+
+
+def shard_fsdp(module: nn.Module, parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
+               precision: str) -> FSDPModel:
+    """FSDP2 over dp x cp (experts: edp) at ``cfg.data_parallel_sharding_strategy``
+    (:func:`~lightning_megatron.parallel.fsdp.apply_fsdp`), mixed precision from the plugin's ``precision``;
+    ``parallelized`` then refers to the sharded parameters."""
+    check_fsdp_fp8(cfg, parallelized.fp8 is not None)
+    stages = parallelized.pipeline
+    fsdp = apply_fsdp(module, parallelized.models, mesh, cfg,
+                      pipeline_modules=stages.modules if stages is not None else None,
+                      mp_policy=mixed_precision_policy(precision, cfg))
+    parallelized.refresh()
+    return fsdp
+
+
+def shard_optimizer_states(optimizers: List[Any], lr_scheduler_configs: List[Any], model: nn.Module,
+                           parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
+                           previous_gather: Optional[OverlappedParamGather]
+                           ) -> Tuple[List[Any], Optional[OverlappedParamGather]]:
+    """The distributed optimizer (``data_parallel_sharding_strategy="optim"``, dp x cp > 1): each optimizer's states
+    sharded over dp x cp (experts' over edp), and with ``overlap_param_gather`` the gathers of the stepped parameters
+    overlapped with the next forward (a previous fit's gather hooks are removed first). Other layouts: the optimizers
+    as they are and ``previous_gather``."""
+    if cfg.data_parallel_sharding_strategy != "optim" or mesh.size("dp_cp") == 1:
+        return optimizers, previous_gather
+    experts = parallelized.expert_params if cfg.ep > 1 else []
+    optimizers = shard_optimizers(optimizers, lr_scheduler_configs, mesh.group("dp_cp"), experts, mesh.group("edp"))
+    if not cfg.overlap_param_gather:
+        return optimizers, previous_gather
+    if previous_gather is not None:
+        previous_gather.remove()
+    return optimizers, OverlappedParamGather(zero_optimizers(optimizers), model, tied_head_waits(parallelized.models))
+
+
+def tied_head_waits(models: List[nn.Module]) -> Dict[Any, List[Any]]:
+    """``{LM head: [word-embedding weight]}`` for tied heads (the head reads the embedding's weight, whose module may
+    not run on this pipeline stage): what :class:`OverlappedParamGather` waits for besides own parameters."""
+    waits: Dict[Any, List[Any]] = {}
+    for model in models:
+        if isinstance(model, TiedWeightsModel):
+            waits.update(model.tied_weight_readers())
+    return waits
