@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from lightning_megatron import GPTConfig
 from lightning_megatron.cli import check_config
-from lightning_megatron.utils.optional import MATPLOTLIB
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -73,4 +72,4 @@ def test_tiny_cpu_configuration_trains(tmp_path):
     assert last < first - 1.0, (first, last)
     assert rows[-1]["val_loss"] and float(rows[-1]["val_loss"]) < first - 1.0
     assert (tmp_path / "config.yaml").is_file()   # LightningCLI's record of the resolved configuration
-    assert (tmp_path / "lightning_logs" / "loss_curve.png").is_file() == bool(MATPLOTLIB)
+    assert (tmp_path / "lightning_logs" / "loss_curve.png").is_file()   # with or without matplotlib

@@ -1,4 +1,5 @@
-"""``LossCurve``: the run's train / validation loss per optimizer step as a CSV and a PNG."""
+"""``LossCurve``: the run's train / validation loss per optimizer step as a CSV and a PNG (drawn by matplotlib when
+it is installed, else by the standard-library renderer in :mod:`lightning_megatron.callbacks.png_plot`)."""
 from __future__ import annotations
 
 import csv
@@ -9,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
+from lightning_megatron.callbacks.png_plot import TRAIN_COLOR, VAL_COLOR, Series, write_line_chart_png
 from lightning_megatron.utils.optional import MATPLOTLIB
 
 __all__ = ["LossCurve", "plot_loss_curve"]
@@ -16,8 +18,9 @@ __all__ = ["LossCurve", "plot_loss_curve"]
 
 class LossCurve(OptimizerStepCallback):
     """Record ``train_loss`` after every optimizer step and ``val_loss`` after every validation (global rank 0;
-    both are already the global values), and write them at the end of training as ``<path>.csv`` and
-    ``<path>.png`` (the PNG needs matplotlib; without it the run prints a note and writes the CSV only).
+    both are already the global values), and write them at the end of training as ``<path>.csv`` (columns
+    ``step, train_loss, val_loss``) and the picture ``<path>.png`` (:func:`plot_loss_curve`: matplotlib's plot when
+    matplotlib is installed, the ``[plots]`` extra; otherwise the same lines drawn by the built-in renderer).
     Communicates nothing. The train losses stay on the device and are read on the host every ``read_every`` steps,
     at validation and at the end (reading one waits for the GPU to finish all work queued before it).
 
@@ -67,17 +70,26 @@ class LossCurve(OptimizerStepCallback):
             val = dict(self.val)
             for step, loss in self.train:
                 writer.writerow([step, f"{loss:.6f}", f"{val[step]:.6f}" if step in val else ""])
-        if not MATPLOTLIB:
-            print(f"note: loss curve written as {self.path.with_suffix('.csv')} only; the PNG needs matplotlib "
-                  f"({MATPLOTLIB})", flush=True)
-            return
         self.png = plot_loss_curve(self.train, self.val, self.path.with_suffix(".png"))
-        print(f"loss curve: {self.png}", flush=True)
+        how = "" if MATPLOTLIB else " (built-in renderer; `pip install matplotlib` for matplotlib's plot)"
+        print(f"loss curve: {self.png}{how}", flush=True)
 
 
 def plot_loss_curve(train: List[Tuple[int, float]], val: List[Tuple[int, float]], path: Union[str, Path],
                     title: str = "loss") -> Path:
-    """Draw ``(step, loss)`` series into the PNG ``path`` with matplotlib's object API (no global backend)."""
+    """Draw the ``(step, loss)`` series ``train`` (a line) and ``val`` (a line with markers) into the PNG ``path``
+    and return ``path``.
+
+    With matplotlib installed (:data:`lightning_megatron.utils.optional.MATPLOTLIB`): a 660 x 396 figure drawn with
+    matplotlib's object API (no global backend) with axis labels, grid and legend. Without it: a 660 x 396 RGB
+    image from :func:`lightning_megatron.callbacks.png_plot.write_line_chart_png` (standard library only) with
+    the same colours, axis labels, title and legend, tick labels in a built-in bitmap font, no anti-aliasing.
+    Non-finite losses are left out of the picture in both cases; ``val`` may be empty.
+    """
+    if not MATPLOTLIB:
+        return write_line_chart_png(
+            path, [Series(train, TRAIN_COLOR, "train_loss"), Series(val, VAL_COLOR, "val_loss", markers=True)],
+            title=title, xlabel="optimizer step", ylabel="loss (nats / token)", integer_x=True)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
