@@ -335,13 +335,13 @@ def test_fsdp_levels_are_ranked_layouts():
     assert zero3.time["dp"] > zero2.time["dp"] > 0 and zero3.step_s > zero2.step_s
 
 
-def test_python_m_plan_prints_the_readme_table():
+def test_python_m_planner_prints_the_readme_table():
     """``python -m lightning_megatron.planner`` with the README's command prints the table the README shows."""
     import os
     import subprocess
 
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`python -m lightning_megatron\.plan ([^`]+)`", readme.replace("\n", " ")).group(1)
+    command = re.search(r"`python -m lightning_megatron\.planner ([^`]+)`", readme.replace("\n", " ")).group(1)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "lightning_megatron.planner", *command.split()], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300, check=True).stdout
