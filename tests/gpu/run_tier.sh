@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier (tests/gpu) as two halves run side by side, so that it fits one 10-minute call on a fresh GPU machine,
+# The GPU tier (tests/gpu) as two halves run side by side, so that it fits one 10-minute run on a fresh GPU machine,
 # where compiling dominates: half A is the CUDA-graph file, half B everything else. Each half's log goes to
 # ${OUT:-/tmp}/gpu_tier_{a,b}.log; the exit status is non-zero when either half fails.
 #
