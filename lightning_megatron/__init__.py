@@ -62,4 +62,4 @@ __all__: List[str] = list(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
-register_when_lightning_loads()
+register_when_lightning_loads("lightning_megatron.strategy.megatron_strategy")

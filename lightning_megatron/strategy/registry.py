@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence
 _TARGET = "lightning.pytorch"
 
 
-def _register() -> None:
+def _register(strategy_module: str) -> None:
     try:
-        importlib.import_module("lightning_megatron.strategy.megatron_strategy")  # its last line registers the names
+        importlib.import_module(strategy_module)  # its last line registers the names
     except Exception as err:  # never break ``import lightning`` for a process that does not use us
         warnings.warn(f"lightning-megatron could not register strategy='megatron' with Lightning: {err!r}; "
                       "pass MegatronStrategy(...) instead of the string", RuntimeWarning, stacklevel=2)
@@ -27,7 +27,10 @@ def _register() -> None:
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     """Finds nothing itself; for ``lightning.pytorch`` it returns the real spec with a loader that registers our
-    strategy names once the package has executed."""
+    strategy names once the package has executed (by importing ``strategy_module``)."""
+
+    def __init__(self, strategy_module: str) -> None:
+        self.strategy_module = strategy_module
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]],
                   target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
@@ -41,7 +44,7 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
-            _register()
+            _register(self.strategy_module)
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
@@ -61,9 +64,11 @@ def register_strategy_names(strategy_class: Any, strategy_registry: Any) -> None
                                    start_method="spawn")
 
 
-def register_when_lightning_loads() -> None:
-    """Register our strategy names now if Lightning is loaded, else as soon as ``lightning.pytorch`` is."""
+def register_when_lightning_loads(strategy_module: str) -> None:
+    """Import ``strategy_module`` (the module defining the strategy, whose import registers its names) now if
+    Lightning is loaded, else as soon as ``lightning.pytorch`` is. The package's ``__init__`` names the module, so
+    this one, which the strategy module imports, does not import it back."""
     if _TARGET in sys.modules:
-        _register()
+        _register(strategy_module)
     elif not any(isinstance(finder, _RegisterAfterLightning) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterLightning())
+        sys.meta_path.insert(0, _RegisterAfterLightning(strategy_module))
