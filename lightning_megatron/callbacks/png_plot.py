@@ -154,12 +154,6 @@ class Canvas:
         i = 3 * (y * self.width + x)
         return (self.pixels[i], self.pixels[i + 1], self.pixels[i + 2])
 
-    def fill_rect(self, x0: int, y0: int, x1: int, y1: int, color: RGB) -> None:
-        """Fill the rectangle of columns ``x0..x1`` and rows ``y0..y1`` (inclusive)."""
-        for y in range(max(y0, 0), min(y1, self.height - 1) + 1):
-            for x in range(max(x0, 0), min(x1, self.width - 1) + 1):
-                self.set(x, y, color)
-
     def line(self, x0: float, y0: float, x1: float, y1: float, color: RGB, width: int = 1,
              clip: Optional[Box] = None) -> None:
         """Draw the segment from ``(x0, y0)`` to ``(x1, y1)`` (pixel coordinates, may be fractional or far off the
