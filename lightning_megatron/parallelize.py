@@ -226,7 +226,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
         fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
-    main_params = MainParams(module, params_dtype) if params_dtype is not None else None
+    main_params = MainParams(module, params_dtype, config.bucket_size) if params_dtype is not None else None
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),

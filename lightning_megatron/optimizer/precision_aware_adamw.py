@@ -8,6 +8,16 @@ Megatron's fused precision-aware Adam). With both moments in bf16 an fp32 parame
 instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32 main parameters under
 ``MegatronPrecision(params_dtype=torch.bfloat16)``) and gradients stay as they are.
 
+Flat buffers: the update runs over runs of adjacent views (:func:`~lightning_megatron.utils.tensors.adjacent_runs`).
+Where the parameters (and their gradients) are views laid end to end in one buffer, as
+:class:`~lightning_megatron.parallel.main_grad.MainParams`' bucketed main parameters and gradients are, the moments
+are allocated the same way (one buffer per run of adjacent parameters, each parameter's moments a view into it), and
+the update sees one flat tensor per run: a handful of tensors for a 1.3B model instead of one per parameter, so a
+handful of kernels and no host work per parameter beyond building the lists. Weight decay is the group's, so each
+group's runs are updated together. Parameters that are separate allocations are runs of one: the arithmetic is the
+same element by element. State dicts stay per parameter (each moment a view with the parameter's shape); loading
+copies the loaded moments into the flat layout at the next step.
+
 On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
 compiled once for all shapes and hyper-parameter values: one fused kernel per tensor), after the group's step counts
 are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly. Like
@@ -22,6 +32,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from lightning_megatron.utils.tensors import adjacent_runs, contiguous_spans, flat_run, local_tensor, storage_order
 
 __all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
 
@@ -103,14 +115,6 @@ def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: Lis
                       found_inf)
 
 
-def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
-    """This rank's part of ``t`` (the local shard of a ``DTensor``, as FSDP's parameters and states are), any other
-    tensor as it is: the optimizer steps what it is given and communicates nothing."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.device) -> None:
     """``state`` in the optimizer's layout, in place: ``step`` a 0-dim fp32 tensor on ``device`` and the moments in
     ``group``'s dtypes. States from elsewhere need it: torch's loading casts the moments to the parameter's dtype,
@@ -162,6 +166,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # it reads ``grad_scale`` / ``found_inf`` itself (torch.amp.GradScaler and the non-finite guard hand them over)
         self._step_supports_amp_scaling = True
         self._compiled: Optional[Callable[..., None]] = None
+        #: ``id(p)`` -> the steps taken of ``p`` (host-side, known without reading the device: set when its state is
+        #: created or loaded): parameters whose counts differ are not updated as one run (a run has one bias correction)
+        self._counts: Dict[int, int] = {}
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: compiled once (all shapes, any hyper-parameter values) for CUDA, eager
@@ -173,23 +180,73 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return self._compiled
 
     def _init_state(self, p: Tensor, group: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-        """The state of ``p`` (its local part on ``device``): created at its first step, else brought to this
-        optimizer's layout (:func:`_conform_state`)."""
+        """The state of ``p`` (its local part on ``device``): what is missing created (at its first step; moments as
+        zeros of its own unless :meth:`_home_moments` gave it views), all of it brought to this optimizer's layout
+        (:func:`_conform_state`)."""
         state = self.state[p]
-        if not state:
+        if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
-                                                   memory_format=torch.preserve_format)
-        else:
-            _conform_state(state, group, device)
+            self._counts[id(p)] = 0
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(p, dtype=group[key + "_dtype"], memory_format=torch.preserve_format)
+        _conform_state(state, group, device)
+        if id(p) not in self._counts:   # a state written by another loader (ZeroRedundancyOptimizer): read it once
+            self._counts[id(p)] = int(state["step"].item())
         return state
+
+    def _home_moments(self, params: List[Tensor], members: List[Tensor], group: Dict[str, Any],
+                      device: torch.device) -> None:
+        """Give the moments of ``members`` (parameters in storage order; ``params`` their local tensors) the
+        parameters' layout: for each run of adjacent parameters one buffer per moment, each parameter's moment a view
+        into it (created as zeros, or holding the moment it had: e.g. loaded from a checkpoint). Separate parameters
+        keep moments of their own (``zeros_like``, a ``DTensor`` for a ``DTensor`` parameter)."""
+        for span in contiguous_spans(params):
+            ps = members[span.start:span.stop]
+            if span.stop - span.start == 1 or any(local_tensor(p) is not p for p in ps):
+                for p in ps:
+                    self._init_state(p, group, device)
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                current = [self.state[p].get(key) for p in ps]
+                if all(t is not None for t in current) and len(contiguous_spans(current)) == 1:
+                    continue
+                chunk = torch.zeros(sum(span.sizes), dtype=group[key + "_dtype"], device=device)
+                offset = 0
+                for p, t, n in zip(ps, current, span.sizes):
+                    view = chunk[offset:offset + n].view(p.shape)
+                    if t is not None:
+                        view.copy_(t)
+                    self.state[p][key] = view
+                    offset += n
+            for p in ps:
+                self._init_state(p, group, device)
+
+    def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any]) -> Tuple[List[Tensor], ...]:
+        """The flat update lists of ``members`` (parameters with gradients, on ``device``): parameters, gradients,
+        moments and step counts, one entry per run over which all four are adjacent views and the step counts are
+        equal (the count of a run is its first parameter's)."""
+        members = [members[i] for i in storage_order([local_tensor(p) for p in members])]
+        params = [local_tensor(p) for p in members]
+        self._home_moments(params, members, group, device)
+        grads = [local_tensor(p.grad) for p in members]
+        states = [self.state[p] for p in members]
+        exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
+        exp_avg_sqs = [local_tensor(s["exp_avg_sq"]) for s in states]
+        counts = [self._counts[id(p)] for p in members]
+        cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
+        runs = adjacent_runs([params, grads, exp_avgs, exp_avg_sqs], cuts)
+        for p in members:
+            self._counts[id(p)] += 1
+        flat = tuple([flat_run(column, a, b) for a, b in runs] for column in (params, grads, exp_avgs, exp_avg_sqs))
+        return flat + ([states[a]["step"] for a, _ in runs], [s["step"] for s in states])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW step of every parameter with a gradient (see :func:`adamw_update_`): one call of the update per
-        parameter group and device. Returns the closure's value. Reads ``self.grad_scale`` and ``self.found_inf``
-        when set (one-element tensors: ``torch.amp.GradScaler`` hands over ``[1]``)."""
+        parameter group and device, over the group's runs of adjacent views (the module docstring). Returns the
+        closure's value. Reads ``self.grad_scale`` and ``self.found_inf`` when set (one-element tensors:
+        ``torch.amp.GradScaler`` hands over ``[1]``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -198,25 +255,20 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lists: Dict[torch.device, Tuple[List[Tensor], ...]] = {}
+            by_device: Dict[torch.device, List[Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
-                local = local_tensor(p)
-                state = self._init_state(p, group, local.device)
-                per_device = lists.setdefault(local.device, ([], [], [], [], []))
-                for out, t in zip(per_device, (local, local_tensor(p.grad), local_tensor(state["exp_avg"]),
-                                               local_tensor(state["exp_avg_sq"]))):
-                    out.append(t.view(-1))
-                per_device[4].append(state["step"])
-            for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+                by_device.setdefault(local_tensor(p).device, []).append(p)
+            for device, members in by_device.items():
+                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps = self._runs(members, device, group)
                 scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
                 self._update_fn(device)(
-                    params, grads, exp_avgs, exp_avg_sqs, steps, float(group["lr"]), float(beta1), float(beta2),
+                    params, grads, exp_avgs, exp_avg_sqs, run_steps, float(group["lr"]), float(beta1), float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False)
         return loss
 
@@ -232,3 +284,4 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if state:
                     _conform_state(state, group, local_tensor(p).device)
+                    self._counts.pop(id(p), None)   # read from the loaded state at the next step

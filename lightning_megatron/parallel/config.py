@@ -121,7 +121,9 @@ class ParallelConfig:
             path's own default, overlapped for pp = 1 (torch DDP's buckets) and one reduction after the schedule
             for pp > 1; True / False force it on both paths.
         bucket_size: elements per gradient bucket (``--ddp-bucket-size``); None: torch DDP's 25 MiB (pp = 1),
-            40M elements (pp > 1, overlapped) or 64 MiB (pp > 1, after the schedule).
+            40M elements (pp > 1, overlapped) or 64 MiB (pp > 1, after the schedule). With bf16 parameters it also
+            sizes the buckets of the contiguous parameter and gradient buffers (None: 40M elements;
+            :class:`~lightning_megatron.parallel.main_grad.MainParams`).
         overlap_param_gather: with the distributed optimizer, the parameter broadcast after the optimizer step is
             launched without waiting and each module waits for its own parameters in the next forward
             (``--overlap-param-gather``; :mod:`lightning_megatron.parallel.param_gather`).

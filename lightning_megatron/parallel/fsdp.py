@@ -32,14 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_megatron.contract import RoutedExperts
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.utils.tensors import local_tensor
 
 __all__ = ["FSDPModel", "apply_fsdp", "mixed_precision_policy", "local_tensor",
            "distribute_like"]
-
-
-def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
-    """This rank's part of ``t``: the local shard of a ``DTensor``, any other tensor (or None) as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def distribute_like(like: Tensor, value: Tensor) -> Tensor:

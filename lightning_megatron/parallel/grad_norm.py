@@ -8,13 +8,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a ``DTensor`` gradient (FSDP), any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_megatron.utils.tensors import coalesce
+from lightning_megatron.utils.tensors import local_tensor
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,
@@ -48,7 +43,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
     for p in params:
         if p.grad is None:
             continue
-        grad = _local(p.grad.detach())
+        grad = local_tensor(p.grad.detach())
         if id(p) in expert:
             grads_expert.append(grad)
         else:
@@ -80,9 +75,11 @@ def _norm_dtype(params: List[torch.nn.Parameter]) -> torch.dtype:
 
 
 def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Sum of the squares of every element of ``grads``, over their flat spans (adjacent views of a contiguous
+    gradient buffer count as one tensor: one norm per bucket, not per parameter)."""
     if not grads:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = torch._foreach_norm(grads, 2.0)
+    norms = torch._foreach_norm(coalesce(grads), 2.0)
     return torch.stack([n.to(dtype) for n in norms]).pow(2).sum()
 
 
@@ -113,6 +110,6 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, shard
         check(norm)
     params = [p for p in params if p.grad is not None]
     coef = clip_coefficient(norm, max_norm, eps)
-    if params:
-        torch._foreach_mul_([_local(p.grad) for p in params], coef.to(params[0].grad.device))
+    if params:   # over the gradients' flat spans (one tensor per contiguous bucket)
+        torch._foreach_mul_(coalesce([local_tensor(p.grad) for p in params]), coef.to(params[0].grad.device))
     return norm

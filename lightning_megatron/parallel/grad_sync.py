@@ -17,6 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_megatron.parallel.tensor_parallel.layers import RowParallelLinear
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
+from lightning_megatron.utils.tensors import coalesce, local_tensor
 
 Owner = Tuple[nn.Module, str]
 
@@ -53,12 +54,10 @@ def _allreduce_grads(params: List[nn.Parameter], group: Group, average: bool,
         return
     buckets: Dict[tuple, List[List[torch.Tensor]]] = {}
     filled: Dict[tuple, int] = {}
-    from lightning_megatron.parallel.fsdp import local_tensor
-
-    for p in params:
-        g = local_tensor(p.grad)   # FSDP: this rank's shard, laid out alike on every rank of a tp / embedding group
-        if g is None:
-            continue
+    # FSDP: this rank's shard, laid out alike on every rank of a tp / embedding group. Adjacent views of a contiguous
+    # gradient buffer are reduced as one flat tensor, in storage order (the same on every rank of the group)
+    grads = coalesce([g for g in (local_tensor(p.grad) for p in params) if g is not None])
+    for g in grads:
         key = (g.dtype, g.device)
         nbytes = g.numel() * g.element_size()
         per_key = buckets.setdefault(key, [[]])
@@ -69,8 +68,13 @@ def _allreduce_grads(params: List[nn.Parameter], group: Group, average: bool,
         filled[key] = filled.get(key, 0) + nbytes
     for per_key in buckets.values():
         for bucket in per_key:
-            flat = _flatten_dense_tensors(bucket)
             narrow = reduce_dtype is not None
+            if len(bucket) == 1 and not narrow and bucket[0].is_contiguous():   # a buffer's span: reduced in place
+                dist.all_reduce(bucket[0], group=group)
+                if average:
+                    bucket[0].div_(size)
+                continue
+            flat = _flatten_dense_tensors(bucket)
             if narrow:
                 flat = flat.to(reduce_dtype)
             # average before the sum in a narrow dtype (as torch's bf16 DDP hook), after it otherwise
@@ -114,9 +118,7 @@ def allreduce_expert_parallel_grads(params: List[nn.Parameter], edp_group: Group
     """
     _allreduce_grads(params, edp_group, average=False, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
     if dp_cp_size != 1:
-        from lightning_megatron.parallel.fsdp import local_tensor
-
-        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        grads = coalesce([local_tensor(p.grad) for p in params if p.grad is not None])
         if grads:
             torch._foreach_div_(grads, float(dp_cp_size))
 

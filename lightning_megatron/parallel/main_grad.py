@@ -24,6 +24,17 @@ one identity that the optimizer, the gradient reductions, clipping and checkpoin
   them (the bf16 copies follow when the context exits). Optimizer states are loaded in that view too (torch
   casts loaded states to the parameter's dtype).
 
+Contiguous buffers (Megatron's ``ParamAndGradBuffer``): the compute copies, the main parameters and the main
+gradients are views into flat buffers, cut into buckets of about ``bucket_size`` elements (Megatron's default 40M)
+in the module's parameter order, with each bucket's matrices first and its vectors (norm weights, biases: no weight
+decay) in one bucket of their own at the end. A bucket's main gradients are one allocation, made when its first
+gradient of the step arrives (backward fills the buckets from the last to the first, so memory grows as it did per
+parameter) and freed when the step is over. Work over many of these tensors then runs over a few flat ones
+(:func:`~lightning_megatron.utils.tensors.coalesce`): the copy back to bf16 is one operation over the buckets, and
+the optimizer (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`), the global norm and clipping, the
+non-finite check and the data-parallel reduction each see one flat tensor per bucket and parameter group instead of
+one per parameter.
+
 Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step), Megatron's.
 No communication here; the gradients are reduced by the caller over its groups (the step path does not wrap
 torch DDP around a module with main parameters: its reducer would own the bf16 gradients).
@@ -31,12 +42,16 @@ torch DDP around a module with main parameters: its reducer would own the bf16 g
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Generator, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MainParams", "PARAMS_DTYPES"]
+__all__ = ["MainParams", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
+
+#: elements per bucket of the contiguous buffers when ``bucket_size`` is None (Megatron's default floor)
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
 
 #: the parameter dtypes with fp32 main parameters (None: the parameters are the fp32 main parameters)
 PARAMS_DTYPES = (None, torch.bfloat16)
@@ -60,59 +75,129 @@ def check_bf16_params_options(config: Any, fitting: bool) -> None:
             "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
 
 
+@dataclass
+class _Bucket:
+    """One bucket of the contiguous buffers: ``numel`` elements on ``device``; the bf16 compute copies and fp32 main
+    parameters of its parameters (flat, persistent) and their fp32 main gradients (flat, allocated at the step's first
+    gradient into the bucket, None between steps)."""
+
+    numel: int
+    device: torch.device
+    compute: Tensor
+    main: Tensor
+    grad: Optional[Tensor] = None
+
+
+def bucket_layout(params: List[nn.Parameter], bucket_size: int) -> List[List[nn.Parameter]]:
+    """``params`` cut into buckets: in their order, one device per bucket, a new bucket when the next parameter would
+    take it past ``bucket_size`` elements (a larger parameter gets one of its own); matrices only, the vectors
+    (``dim() < 2``) of a device in one bucket of their own after them."""
+    buckets: List[List[nn.Parameter]] = []
+    vectors: Dict[torch.device, List[nn.Parameter]] = {}
+    open_: Dict[torch.device, List[nn.Parameter]] = {}
+    filled: Dict[torch.device, int] = {}
+    for p in params:
+        if p.dim() < 2:
+            vectors.setdefault(p.device, []).append(p)
+            continue
+        current = open_.get(p.device)
+        if current and filled[p.device] + p.numel() > bucket_size:
+            buckets.append(open_.pop(p.device))
+            current = None
+        if current is None:
+            open_[p.device], filled[p.device] = [], 0
+        open_[p.device].append(p)
+        filled[p.device] += p.numel()
+    return buckets + list(open_.values()) + list(vectors.values())
+
+
 class MainParams:
-    """bf16 parameters with fp32 main parameters and fp32 main gradients for the parameters of ``module``
-    (see the module docstring). Built once, after materialisation (the parameters then hold the fp32 values,
-    which become the main parameters); starts in the compute view.
+    """bf16 parameters with fp32 main parameters and fp32 main gradients for the parameters of ``module``, all views
+    into contiguous bucketed buffers (see the module docstring). Built once, after materialisation (the parameters
+    then hold the fp32 values, which become the main parameters); starts in the compute view.
 
     Args:
         module: the (parallelised, materialised) module; its floating-point parameters get a main copy.
         params_dtype: the compute dtype of the parameters (``torch.bfloat16``).
+        bucket_size: elements per bucket of the buffers (None: :data:`DEFAULT_BUCKET_ELEMENTS`).
     """
 
-    def __init__(self, module: nn.Module, params_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, module: nn.Module, params_dtype: torch.dtype = torch.bfloat16,
+                 bucket_size: Optional[int] = None) -> None:
         if params_dtype not in PARAMS_DTYPES or params_dtype is None:
             raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 "
                              "(with fp32 main parameters); use params_dtype=torch.bfloat16 or None (fp32)")
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size={bucket_size!r}: the buffers' buckets hold at least one element")
         self.params_dtype = params_dtype
         self.params: List[nn.Parameter] = []
+        self.buckets: List[_Bucket] = []
+        #: ``id(p)`` -> (bucket index, element offset in it)
+        self._where: Dict[int, Tuple[int, int]] = {}
         self._main: Dict[int, Tensor] = {}
         self._compute: Dict[int, Tensor] = {}
-        self._main_grad: Dict[int, Optional[Tensor]] = {}
+        #: ``id(p)`` -> its main gradient (a view of its bucket's gradient buffer) once this step has written it
+        self._grads: Dict[int, Tensor] = {}
         self._hooks: List[Any] = []
         self.in_main_view = False
         seen = set()
+        candidates = []
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
                 continue
             seen.add(id(p))
-            main = p.data if p.dtype == torch.float32 else p.data.float()
-            self.params.append(p)
-            self._main[id(p)] = main
-            self._compute[id(p)] = main.to(params_dtype)
-            self._main_grad[id(p)] = None
-            p.data = self._compute[id(p)]
+            candidates.append(p)
+        for index, members in enumerate(bucket_layout(candidates, bucket_size or DEFAULT_BUCKET_ELEMENTS)):
+            numel = sum(p.numel() for p in members)
+            device = members[0].device
+            bucket = _Bucket(numel, device, torch.empty(numel, dtype=params_dtype, device=device),
+                             torch.empty(numel, dtype=torch.float32, device=device))
+            self.buckets.append(bucket)
+            offset = 0
+            for p in members:   # one bucket at a time: the parameters' own fp32 storage is freed as they move
+                main = bucket.main[offset:offset + p.numel()].view(p.shape)
+                compute = bucket.compute[offset:offset + p.numel()].view(p.shape)
+                with torch.no_grad():
+                    main.copy_(p.data)
+                    compute.copy_(main)
+                self._where[id(p)] = (index, offset)
+                self._main[id(p)], self._compute[id(p)] = main, compute
+                p.data = compute
+                offset += p.numel()
+        self.params = [p for p in candidates]
+        for p in self.params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
 
     # ------------------------------------------------------------------ gradients
+    def _grad_view(self, p: Tensor) -> Tensor:
+        """A view of ``p``'s slice of its bucket's gradient buffer (allocated here at the bucket's first gradient of
+        the step)."""
+        index, offset = self._where[id(p)]
+        bucket = self.buckets[index]
+        if bucket.grad is None:
+            bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
+        return bucket.grad[offset:offset + p.numel()].view(p.shape)
+
     def _accumulate(self, p: Tensor) -> None:
-        """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32, then free ``p.grad``."""
+        """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32 (the first gradient of the step is copied in,
+        so the buffer needs no zeroing), then free ``p.grad``."""
         if self.in_main_view or p.grad is None:
             return
         key = id(p)
         with torch.no_grad():
-            acc = self._main_grad[key]
-            if acc is None:
-                self._main_grad[key] = p.grad.to(torch.float32)
+            view = self._grads.get(key)
+            if view is not None:
+                view.add_(p.grad)
             else:
-                acc.add_(p.grad)
+                view = self._grads[key] = self._grad_view(p)
+                view.copy_(p.grad)
         p.grad = None
 
     def main_grad(self, p: nn.Parameter) -> Optional[Tensor]:
         """The fp32 gradient of ``p`` accumulated over this step's micro-batches (None before its first one):
         the tensor a data-parallel reduction works on (in the main view it is also ``p.grad``)."""
-        return self._main_grad[id(p)]
+        return self._grads.get(id(p))
 
     def main_param(self, p: nn.Parameter) -> Tensor:
         """The fp32 main parameter of ``p`` (what the optimizer steps and checkpoints hold)."""
@@ -128,22 +213,26 @@ class MainParams:
         for p in self.params:
             p.grad = None
             p.data = self._main[id(p)]
-            p.grad = self._main_grad[id(p)]
+            p.grad = self.main_grad(p)
 
     @torch.no_grad()
     def to_compute(self) -> None:
-        """Copy the fp32 main parameters into the bf16 copies and switch to the compute view (gradients and main
-        gradients dropped: the step is over). Idempotent."""
+        """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets) and switch to the
+        compute view (gradients and main gradients dropped: the step is over). Idempotent."""
         if not self.in_main_view:
             return
-        computes = [self._compute[id(p)] for p in self.params]
-        if computes:
-            torch._foreach_copy_(computes, [self._main[id(p)] for p in self.params])
-        for p, compute in zip(self.params, computes):
+        if self.buckets:
+            torch._foreach_copy_([b.compute for b in self.buckets], [b.main for b in self.buckets])
+        for p in self.params:
             p.grad = None
-            self._main_grad[id(p)] = None
-            p.data = compute
+            p.data = self._compute[id(p)]
+        self._drop_grads()
         self.in_main_view = False
+
+    def _drop_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad = None
+        self._grads = {}
 
     @contextmanager
     def main_view(self) -> Generator[None, None, None]:
@@ -153,13 +242,15 @@ class MainParams:
         if self.in_main_view:
             yield
             return
-        grads = {id(p): self._main_grad[id(p)] for p in self.params}
+        buffers, grads = [b.grad for b in self.buckets], dict(self._grads)
         self.to_main()
         try:
             yield
         finally:
             self.to_compute()
-            self._main_grad.update(grads)
+            for bucket, buffer in zip(self.buckets, buffers):
+                bucket.grad = buffer
+            self._grads = grads
 
     def optimizer_hook(self, *_: Any) -> None:
         """Optimizer step post-hook ``(optimizer, args, kwargs)``: back to the compute view."""

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
+from lightning_megatron.utils.tensors import coalesce, local_tensor
 
 #: what the error tells the user to do
 _FIX = ("lower the learning rate (or warm it up), clip gradients (gradient_clip_val), check the data, or use a "
@@ -54,14 +55,13 @@ def _distributed() -> bool:
 
 def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     """Sum over ``tensors`` of their largest absolute value, in float32 (NaN and inf propagate; an empty list
-    gives 0): finite exactly when every element of every tensor is finite. One fused pass."""
-    from lightning_megatron.parallel.fsdp import local_tensor
-
+    gives 0): finite exactly when every element of every tensor is finite. One fused pass, over the tensors' flat
+    spans (adjacent views of a contiguous buffer count as one)."""
     tensors = [local_tensor(t.detach()) for t in tensors if t is not None and t.is_floating_point()]
     tensors = [t for t in tensors if t.numel() > 0]   # FSDP shards: this rank's part (the check sums over ranks)
     if not tensors:
         return torch.zeros(())
-    norms = torch._foreach_norm(tensors, float("inf"))
+    norms = torch._foreach_norm(coalesce(tensors), float("inf"))
     by_dtype: Dict[torch.dtype, List[Tensor]] = {}
     for n in norms:   # one stack and cast per dtype, not a cast kernel per tensor
         by_dtype.setdefault(n.dtype, []).append(n)
@@ -70,8 +70,6 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
 
 def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
     """``(name, "nan" or "inf")`` of the first tensor holding a non-finite value, or None."""
-    from lightning_megatron.parallel.fsdp import local_tensor
-
     for name, t in named:
         t = local_tensor(t)
         if t is None or not t.is_floating_point():
