@@ -9,7 +9,8 @@ given. While one arm is timed the others sit in a file poll with nothing queued 
 
 The protocol is files in one folder: ``ready-<i>`` when arm ``i`` is warmed up (or gone), ``done-<i>`` when its
 measured steps are over (or it is gone). :func:`run_together` starts the arms and stands in for one that exits, so
-the others never wait on a crashed arm; an arm uses :class:`Turns`.
+the others never wait on a crashed arm; an arm uses :class:`Turns`. Given ``ready_by_s``, it kills the arms not
+warmed up by then, so one slow compile does not cost the others their turns.
 """
 from __future__ import annotations
 
@@ -69,14 +70,16 @@ class ArmRun:
     rc: Optional[int]
     stdout: str
     stderr: str
+    killed_after_s: Optional[float] = None   #: when it was killed (seconds after the start), if it was
 
 
 def run_together(commands: Sequence[List[str]], folder: Path, timeout_s: float, env: Optional[Dict[str, str]] = None,
-                 cwd: Optional[Path] = None) -> List[ArmRun]:
+                 cwd: Optional[Path] = None, ready_by_s: Optional[float] = None) -> List[ArmRun]:
     """Start every command at once, each with ``--turns <folder>:<i>:<n>`` appended, and wait for all of them; an arm
     that exits is marked ready and done for the others. Past ``timeout_s`` seconds in all, or when this process gets
     SIGTERM (then it exits after), the remaining arms are killed with their process groups (``rc`` None, their output
-    so far kept)."""
+    so far kept). Past ``ready_by_s`` seconds, the arms not yet warmed up (no ``ready-<i>`` marker) are killed the
+    same way and the others take their turns."""
     folder.mkdir(parents=True, exist_ok=True)
     n = len(commands)
     procs = [subprocess.Popen([*cmd, "--turns", f"{folder}:{i}:{n}"], stdout=subprocess.PIPE,
@@ -84,7 +87,15 @@ def run_together(commands: Sequence[List[str]], folder: Path, timeout_s: float, 
              for i, cmd in enumerate(commands)]
     outputs: List[Optional[ArmRun]] = [None] * n
     readers = [_Reader(p) for p in procs]
-    deadline = time.perf_counter() + timeout_s
+    began = time.perf_counter()
+    deadline = began + timeout_s
+
+    def kill(i: int) -> None:
+        os.killpg(procs[i].pid, signal.SIGKILL)
+        procs[i].wait()
+        out, err = readers[i].finish()
+        outputs[i] = ArmRun(None, out, err, killed_after_s=round(time.perf_counter() - began, 1))
+
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # so the finally below runs when we are stopped
     try:
         while any(o is None for o in outputs) and time.perf_counter() <= deadline:
@@ -94,17 +105,22 @@ def run_together(commands: Sequence[List[str]], folder: Path, timeout_s: float, 
                     outputs[i] = ArmRun(p.returncode, out, err)
                     mark(folder, "ready", i)
                     mark(folder, "done", i)
+            if ready_by_s is not None and time.perf_counter() - began >= ready_by_s:
+                for i, p in enumerate(procs):
+                    if outputs[i] is None and p.poll() is None and not (folder / f"ready-{i}").exists():
+                        kill(i)
+                        mark(folder, "ready", i)
+                        mark(folder, "done", i)
             time.sleep(0.2)
     finally:   # past the limit, or stopped ourselves: no arm outlives this call, nor its compile workers
         signal.signal(signal.SIGTERM, previous)
         for i, p in enumerate(procs):
             if outputs[i] is None:
-                killed = p.poll() is None
-                if killed:
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-                out, err = readers[i].finish()
-                outputs[i] = ArmRun(None if killed else p.returncode, out, err)
+                if p.poll() is None:
+                    kill(i)
+                else:
+                    out, err = readers[i].finish()
+                    outputs[i] = ArmRun(p.returncode, out, err)
     return [o for o in outputs if o is not None]
 
 

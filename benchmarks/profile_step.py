@@ -5,17 +5,24 @@ families (GEMM, attention, fused elementwise / Triton, optimizer, FP8 casts and 
 time.
 
     python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json] [--together]
+                                      [--no-profile]
+
+With ``--no-profile`` each arm stops after its timed steps (no profiled step): tokens/s and memory only.
+An arm name may carry a ``#<tag>`` suffix to run the same arm again in one call (``peer-compile,peer-compile#2``:
+two runs of the peer, two rows).
 
 With ``--together`` the arms compile and warm up side by side and then take turns for their measured steps
 (``arm_turns.py``): several arms fit into one call's time on a fresh machine, so their ratios come from one call.
 
 Arms (each in a child process of its own):
+  peer-eager          the shared peer's model and loop without ``torch.compile``: ``peer_baseline.py eager``
   peer-compile        the shared peer's model (``peer_baseline.py``'s ``GPT``) under ``torch.compile``, autocast bf16,
                       fused AdamW: the same loop as ``peer_baseline.py compile``
   peer-fp8            the same with torchao float8 (tensorwise, all linears but the head): ``peer_baseline.py fp8``
                       (needs torchao importable)
   ours-bf16-compile   ``ParallelGPTModule(GPTConfig.llama_1b_bench())`` through Trainer + ``MegatronStrategy(compile=True)``
                       + ``MegatronPrecision("bf16-mixed")``
+  ours-bf16-eager     the same with ``MegatronStrategy()`` (no compile)
   ours-bf16-params-compile   + ``params_dtype=torch.bfloat16``
   ours-fp8-compile    + ``fp8="hybrid", fp8_recipe="tensorwise"`` (torch-native FP8)
   ours-fp8-compile-nocheck   the same with ``check_for_nan_in_loss_and_grad=False`` (what the non-finite checks cost)
@@ -38,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -46,6 +53,7 @@ from arm_turns import Turns, run_together  # noqa: E402
 from bench_precision import BASE_ARMS, MODULE_KEYS  # noqa: E402
 
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
+PEERS = ("peer-eager", "peer-compile", "peer-fp8")
 #: our arms -> their MegatronPrecision arguments (bench_precision.py's arms of the same meaning)
 OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compile": BASE_ARMS["bf16-params"],
         "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"],
@@ -53,8 +61,10 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-delayed-compile": BASE_ARMS["fp8-delayed"],
         "ours-fp8-delayed-bf16m-compile": BASE_ARMS["fp8-delayed-bf16-moments"],
         "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16"),
-        "ours-bf16p-bf16m-compile": BASE_ARMS["bf16-params-bf16-moments"]}
+        "ours-bf16p-bf16m-compile": BASE_ARMS["bf16-params-bf16-moments"],
+        "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
 CUDAGRAPH = "-cudagraph"
+EAGER = "-eager"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
     ("nccl", ("nccl",)),
@@ -65,6 +75,19 @@ FAMILIES = (
     ("copy", ("memcpy", "memset", "copy_")),
 )
 WARMUP, TIMED = 4, 10
+
+
+def base_arm(name: str) -> str:
+    """The arm an arm name runs: ``peer-compile#2`` runs ``peer-compile``."""
+    return name.split("#", 1)[0]
+
+
+def known_arm(name: str) -> bool:
+    """Whether ``name`` (``#<tag>`` suffix allowed) is an arm this script runs."""
+    base = base_arm(name)
+    if base in PEERS or base in OURS:
+        return True
+    return base.endswith(CUDAGRAPH) and base[:-len(CUDAGRAPH)] in OURS and not base.endswith(EAGER + CUDAGRAPH)
 
 
 def family(name: str) -> str:
@@ -116,7 +139,7 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
     return row
 
 
-def run_peer(fp8: bool, turns: Optional[Turns] = None) -> dict:
+def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, profiled: bool = True) -> dict:
     import torch
     import peer_baseline as peer
 
@@ -126,7 +149,8 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None) -> dict:
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: fqn != "head")
-    m = torch.compile(m)
+    if compile_:
+        m = torch.compile(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
     def step():
@@ -152,6 +176,10 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None) -> dict:
     c = peer.CFG
     timed = report_timed(c["mbs"] * c["seq"] * TIMED, dt, torch.cuda.max_memory_allocated(),
                          torch.cuda.max_memory_reserved())
+    if not profiled:
+        if turns is not None:
+            turns.done()
+        return timed
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -162,7 +190,7 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None) -> dict:
     return dict(timed, profile=breakdown(prof))
 
 
-def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
+def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -187,11 +215,21 @@ def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
                 torch.cuda.synchronize()
                 turns.wait_for_my_turn()
 
+    def timed_over() -> None:
+        result.update(report_timed(4 * cfg.seq_length * TIMED, timer.times[1] - timer.times[0],
+                                   timer.peak_mem, timer.peak_reserved))
+
+    class TimedOnly(pl.Callback):   # --no-profile: the turn ends with the timed steps (after the timer's stop)
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == WARMUP + TIMED - 1:
+                timed_over()
+                if turns is not None:
+                    turns.done()
+
     class ProfileOne(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == WARMUP + TIMED:
-                result.update(report_timed(4 * cfg.seq_length * TIMED, timer.times[1] - timer.times[0],
-                                           timer.peak_mem, timer.peak_reserved))
+                timed_over()
                 from torch.profiler import ProfilerActivity, profile
 
                 self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -207,12 +245,12 @@ def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
-    strategy = MegatronStrategy(compile=True, enable_cuda_graph=cudagraph,
+    strategy = MegatronStrategy(compile=not name.endswith(EAGER), enable_cuda_graph=cudagraph,
                                 check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
-                         plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + 1, logger=False,
+                         plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + int(profiled), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[WaitForTurn(), timer, ProfileOne()])
+                         callbacks=[WaitForTurn(), timer, ProfileOne() if profiled else TimedOnly()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     from torch._dynamo.utils import counters
 
@@ -220,8 +258,12 @@ def run_ours(name: str, turns: Optional[Turns] = None) -> dict:
     return dict(loss=timer.losses[-1] if timer.losses else None, cudagraph_counters=graphs, **result)
 
 
-def child(name: str, turns: Optional[Turns]) -> None:
-    row = run_peer(name == "peer-fp8", turns) if name.startswith("peer") else run_ours(name, turns)
+def child(name: str, turns: Optional[Turns], profiled: bool = True) -> None:
+    base = base_arm(name)
+    if base.startswith("peer"):
+        row = run_peer(base == "peer-fp8", turns, compile_=base != "peer-eager", profiled=profiled)
+    else:
+        row = run_ours(base, turns, profiled=profiled)
     print("RESULT " + json.dumps(dict(arm=name, **row)), flush=True)
 
 
@@ -238,6 +280,30 @@ def arm_row(arm: str, stdout: str, stderr: str, timed_out: bool, timeout_s: floa
                 stderr_tail=stderr[-3000:], **(json.loads(timed[-1]) if timed else {}))
 
 
+def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
+             ready_by_s: Optional[float] = None) -> List[dict]:
+    """Run ``arms`` together (:func:`arm_turns.run_together`: each in a process group of its own, compiling side by
+    side, then taking turns for the measured steps) under one limit of ``timeout_s`` seconds (and, given
+    ``ready_by_s``, killing the arms not warmed up by then); their rows, each also printed as it is read
+    (``wall_s``: seconds since this call began)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        runs = run_together([[sys.executable, __file__, "--child", arm, *([] if profiled else ["--no-profile"])]
+                             for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
+    rows = []
+    for arm, run in zip(arms, runs):
+        if arm.endswith(CUDAGRAPH):
+            print(run.stderr[-3000:], flush=True)
+        row = arm_row(arm, run.stdout, run.stderr, run.rc is None, run.killed_after_s or timeout_s)
+        if run.killed_after_s is not None and run.killed_after_s < timeout_s and "error" in row:
+            row["error"] = f"not warmed up after {ready_by_s:g} s: killed so the others could take their turns"
+        row["wall_s"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(ARMS))
@@ -248,28 +314,22 @@ def main() -> None:
                    help="start every arm at once: they compile and warm up side by side, then take turns for the "
                         "timed and profiled steps (benchmarks/arm_turns.py); --arm-timeout-s is then the limit for "
                         "all of them")
+    p.add_argument("--no-profile", action="store_true",
+                   help="stop each arm after its timed steps: no profiled step (tokens/s and memory only)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--turns", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, Turns.parse(args.turns))
+        child(args.child, Turns.parse(args.turns), profiled=not args.no_profile)
         return
     rows = []
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
     arms = args.arms.split(",")
+    unknown = [a for a in arms if not known_arm(a)]
+    if unknown:
+        p.error(f"unknown arms: {','.join(unknown)}")
     # one process group per arm, killed at the limit with its compile workers (which would hold its output pipes)
     for batch in [arms] if args.together else [[arm] for arm in arms]:
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as folder:
-            runs = run_together([[sys.executable, __file__, "--child", arm] for arm in batch], Path(folder),
-                                args.arm_timeout_s, env=env, cwd=ROOT)
-        for arm, run in zip(batch, runs):
-            if arm.endswith(CUDAGRAPH):
-                print(run.stderr[-3000:], flush=True)
-            row = arm_row(arm, run.stdout, run.stderr, run.rc is None, args.arm_timeout_s)
-            row["wall_s"] = round(time.perf_counter() - start, 1)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        rows += run_arms(batch, args.arm_timeout_s, profiled=not args.no_profile)
         if args.out:   # after every arm (or all of them together): a run cut short keeps the arms it finished
             Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| arm | tokens/s | step ms | peak GiB allocated / reserved | kernels | device busy ms | idle ms | " +

@@ -75,7 +75,7 @@ def check_bf16_params_options(config: Any, fitting: bool) -> None:
             "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
     """One bucket of the contiguous buffers: ``numel`` elements on ``device``; the bf16 compute copies and fp32 main
     parameters of its parameters (flat, persistent) and their fp32 main gradients (flat, allocated at the step's first
