@@ -32,6 +32,7 @@ Arms (each in a child process of its own):
                              bf16 moments
   ours-fp8-bf16p-bf16m-compile   FP8 tensorwise with bf16 parameters and fp32 main parameters and gradients
                              (``params_dtype=torch.bfloat16``) and bf16 moments
+  ours-fp8-delayed-bf16p-bf16m-compile   the delayed recipe with bf16 parameters and bf16 moments
   ours-bf16p-bf16m-compile   bf16 (no FP8) with bf16 parameters (fp32 main parameters and gradients) and bf16 moments
   <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
@@ -62,6 +63,7 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-delayed-bf16m-compile": BASE_ARMS["fp8-delayed-bf16-moments"],
         "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16"),
         "ours-bf16p-bf16m-compile": BASE_ARMS["bf16-params-bf16-moments"],
+        "ours-fp8-delayed-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16"),
         "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
 CUDAGRAPH = "-cudagraph"
 EAGER = "-eager"
