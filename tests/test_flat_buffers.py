@@ -258,25 +258,36 @@ def test_loaded_state_moves_into_the_flat_layout_and_resumes_exactly(monkeypatch
     assert len(contiguous_spans([opt2.state[p]["exp_avg"] for p in params2])) == 1
 
 
-def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch):
-    """The whole path: MainParams buffers, two parameter groups (matrices decay, vectors not), one run per bucket."""
+@pytest.mark.parametrize("fused_copy", [True, False])
+def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch, fused_copy):
+    """The whole path: MainParams buffers, two parameter groups (matrices decay, vectors not), one run per bucket; the
+    bf16 copies are written by the update itself (``attach``), with no copy over the buckets after it, and equal
+    the stepped fp32 main parameters rounded, as after the copy."""
     torch.manual_seed(0)
     m = Block(depth=4)
     del m.unused
     main = MainParams(m, bucket_size=130)
     decay = [p for p in m.parameters() if p.dim() == 2]
     no_decay = [p for p in m.parameters() if p.dim() < 2]
-    main.to_main()   # the optimizer is built on the main view's tensors (the same Parameter objects)
-    main.to_compute()
     opt = PrecisionAwareAdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    opt.register_step_post_hook(main.optimizer_hook)
+    if fused_copy:
+        main.attach(opt)
+    else:
+        opt.register_step_post_hook(main.optimizer_hook)
     seen = _spy_update(monkeypatch)
-    m(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
-    main.to_main()
-    opt.step()
-    assert seen == [2, 1]   # 4 matrices in 2 buckets of 2; 12 vectors in 1 bucket
-    assert not main.in_main_view and all(p.dtype == torch.bfloat16 for p in m.parameters())
+    copies: List[int] = []
+    original = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda a, b, **k: (copies.append(len(a)), original(a, b, **k))[1])
+    for _ in range(3):
+        m(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+        main.to_main()
+        opt.step()
+        assert not main.in_main_view and all(p.dtype == torch.bfloat16 for p in m.parameters())
+        for p in m.parameters():
+            assert torch.equal(p.detach(), main.main_param(p).to(torch.bfloat16))
+    assert seen == [2, 1] * 3   # 4 matrices in 2 buckets of 2; 12 vectors in 1 bucket
+    assert copies == ([] if fused_copy else [3] * 3)   # no copy over the 3 buckets when the update wrote them
 
 
 # ---------------------------------------------------------------------------------------------- norm, clip, finite

@@ -61,7 +61,7 @@ def optimizer_state_dtype_name(value: Union[str, torch.dtype], name: str = "exp_
 
 def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: Optional[Tensor] = None,
-                  found_inf: Optional[Tensor] = None) -> None:
+                  found_inf: Optional[Tensor] = None, param_copy: Optional[Tensor] = None) -> None:
     """One AdamW step of one tensor, in place, computed in fp32 whatever the dtypes the tensors are stored in.
 
     Args:
@@ -70,6 +70,8 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         lr, beta1, beta2, eps, weight_decay: AdamW's (decoupled weight decay ``param *= 1 - lr * weight_decay``).
         grad_scale: 0-d tensor the gradient is divided by, or None.
         found_inf: 0-d tensor; where it is > 0 nothing changes (the update is computed and discarded), or None.
+        param_copy: a tensor of ``param``'s shape (the bf16 compute copy of an fp32 main parameter) that receives
+            the new parameter rounded to its dtype in the same pass, or None.
     """
     g = grad.float()
     if grad_scale is not None:
@@ -87,6 +89,8 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     param.copy_(p)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
+    if param_copy is not None:
+        param_copy.copy_(p)
 
 
 def count_steps_(steps: List[Tensor], found_inf: Optional[Tensor] = None) -> None:
@@ -105,14 +109,16 @@ def count_steps_(steps: List[Tensor], found_inf: Optional[Tensor] = None) -> Non
 def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                         steps: List[Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                         grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
-                        count_steps: bool = True) -> None:
+                        count_steps: bool = True, param_copies: Optional[List[Tensor]] = None) -> None:
     """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), after adding
-    one to each ``steps`` entry (:func:`count_steps_`) unless ``count_steps`` is False (the caller counted them)."""
+    one to each ``steps`` entry (:func:`count_steps_`) unless ``count_steps`` is False (the caller counted them);
+    ``param_copies``: each parameter's compute copy, written in the same pass, or None."""
     if count_steps:
         count_steps_(steps, found_inf)
-    for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    copies = param_copies if param_copies is not None else [None] * len(params)
+    for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         adamw_update_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                      found_inf)
+                      found_inf, copy)
 
 
 def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.device) -> None:
@@ -169,6 +175,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         #: ``id(p)`` -> the steps taken of ``p`` (host-side, known without reading the device: set when its state is
         #: created or loaded): parameters whose counts differ are not updated as one run (a run has one bias correction)
         self._counts: Dict[int, int] = {}
+        self._param_copy: Optional[Callable[[Tensor], Tensor]] = None
+
+    def write_param_copies(self, param_copy: Optional[Callable[[Tensor], Tensor]]) -> None:
+        """From the next step on, also write each stepped parameter, rounded, into ``param_copy(p)`` (a tensor of
+        its shape: the bf16 compute copy of an fp32 main parameter, :class:`~lightning_megatron.parallel.main_grad.
+        MainParams`) in the same pass as the update, instead of a copy over all parameters after the step. None:
+        stop. Parameters without a gradient in a step are not written (they did not change)."""
+        self._param_copy = param_copy
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: compiled once (all shapes, any hyper-parameter values) for CUDA, eager
@@ -233,13 +247,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         states = [self.state[p] for p in members]
         exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
         exp_avg_sqs = [local_tensor(s["exp_avg_sq"]) for s in states]
+        columns = [params, grads, exp_avgs, exp_avg_sqs]
+        if self._param_copy is not None:
+            columns.append([self._param_copy(p) for p in members])
         counts = [self._counts[id(p)] for p in members]
         cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
-        runs = adjacent_runs([params, grads, exp_avgs, exp_avg_sqs], cuts)
+        runs = adjacent_runs(columns, cuts)
         for p in members:
             self._counts[id(p)] += 1
-        flat = tuple([flat_run(column, a, b) for a, b in runs] for column in (params, grads, exp_avgs, exp_avg_sqs))
-        return flat + ([states[a]["step"] for a, _ in runs], [s["step"] for s in states])
+        flat = [[flat_run(column, a, b) for a, b in runs] for column in columns]
+        copies = flat[4] if len(flat) > 4 else None
+        return tuple(flat[:4]) + ([states[a]["step"] for a, _ in runs], [s["step"] for s in states], copies)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -263,13 +281,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
                 by_device.setdefault(local_tensor(p).device, []).append(p)
             for device, members in by_device.items():
-                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps = self._runs(members, device, group)
+                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies = self._runs(members, device, group)
                 scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
                 self._update_fn(device)(
                     params, grads, exp_avgs, exp_avg_sqs, run_steps, float(group["lr"]), float(beta1), float(beta2),
-                    float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False)
+                    float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False,
+                    param_copies=copies)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

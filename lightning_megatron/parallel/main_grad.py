@@ -48,6 +48,8 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron.optimizer import PrecisionAwareAdamW
+
 __all__ = ["MainParams", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
 #: elements per bucket of the contiguous buffers when ``bucket_size`` is None (Megatron's default floor)
@@ -216,12 +218,13 @@ class MainParams:
             p.grad = self.main_grad(p)
 
     @torch.no_grad()
-    def to_compute(self) -> None:
-        """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets) and switch to the
-        compute view (gradients and main gradients dropped: the step is over). Idempotent."""
+    def to_compute(self, copy: bool = True) -> None:
+        """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets; ``copy=False``: the
+        optimizer wrote them, see :meth:`attach`) and switch to the compute view (gradients and main gradients
+        dropped: the step is over). Idempotent."""
         if not self.in_main_view:
             return
-        if self.buckets:
+        if self.buckets and copy:
             torch._foreach_copy_([b.compute for b in self.buckets], [b.main for b in self.buckets])
         for p in self.params:
             p.grad = None
@@ -255,6 +258,21 @@ class MainParams:
     def optimizer_hook(self, *_: Any) -> None:
         """Optimizer step post-hook ``(optimizer, args, kwargs)``: back to the compute view."""
         self.to_compute()
+
+    def compute_copy(self, p: nn.Parameter) -> Tensor:
+        """The bf16 compute copy of ``p`` (a view of its bucket's compute buffer)."""
+        return self._compute[id(p)]
+
+    def attach(self, optimizer: Any) -> None:
+        """Back to the compute view after every step of ``optimizer``. A :class:`PrecisionAwareAdamW` of its own (not
+        wrapped by the distributed optimizer, whose broadcasts write main parameters the local update did not)
+        writes the bf16 copies in its update's pass (:meth:`PrecisionAwareAdamW.write_param_copies`); any other
+        optimizer is followed by one copy over the buckets."""
+        if isinstance(optimizer, PrecisionAwareAdamW):
+            optimizer.write_param_copies(self.compute_copy)
+            optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
+        else:
+            optimizer.register_step_post_hook(self.optimizer_hook)
 
     def remove(self) -> None:
         """Remove the hooks and leave the parameters holding their fp32 main values."""

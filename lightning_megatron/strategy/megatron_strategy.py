@@ -197,7 +197,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                 self.optimizers, self.lr_scheduler_configs, self.model, parallelized, mesh, cfg, self._param_gather)
             if parallelized.main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
                 for optimizer in self.optimizers:
-                    optimizer.register_step_post_hook(parallelized.main_params.optimizer_hook)
+                    parallelized.main_params.attach(optimizer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
