@@ -1,11 +1,13 @@
 """The optimizer step alone on one GPU, over the parameters of ``GPTConfig.llama_1b_bench()`` (1.26B, fp32 as the
 optimizer sees them: the main parameters): torch's fused AdamW (fp32 moments) against
 :class:`~lightning_megatron.PrecisionAwareAdamW` with bf16 and with fp32 moments (and, as an experiment, with bf16
-moments compiled for the parameter group's fixed shapes). Prints one JSON line per optimizer:
+moments compiled for the parameter group's fixed shapes), and with ``--flat`` the bf16-moment update over
+:class:`~lightning_megatron.parallel.main_grad.MainParams`' contiguous buffers (bf16 parameters: one flat tensor per
+bucket, the bf16 copies written in the same pass) compiled three ways. Prints one JSON line per optimizer:
 device ms per step (CUDA events), host ms per step (the time ``step()`` takes to return, without waiting for the
 GPU) and the optimizer states' GiB.
 
-    python benchmarks/bench_optimizer.py [--steps 20] [--warmup 3]
+    python benchmarks/bench_optimizer.py [--steps 20] [--warmup 3] [--flat]
 """
 from __future__ import annotations
 
@@ -24,10 +26,31 @@ def parameters(device: str):
     return [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(std=0.02)) for p in model.parameters()]
 
 
-def measure(name: str, make, params, steps: int, warmup: int) -> dict:
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+def flat_parameters(device: str):
+    """The benchmark model's parameters as bf16 parameters in MainParams' buffers, in the main view (the fp32 main
+    parameters, as the optimizer sees them), with their main gradients as views of the gradient buckets."""
+    from lightning_megatron import GPTConfig, GPTModel
+    from lightning_megatron.parallel.main_grad import MainParams
+
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig.llama_1b_bench())
+    model.to_empty(device=device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    main = MainParams(model)
+    main.to_main()
+    for p in main.params:
+        p.grad = main._grad_view(p).normal_(std=1e-3)
+    return main
+
+
+def measure(name: str, make, params, steps: int, warmup: int, main=None) -> dict:
+    if main is None:
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
     opt = make(params)
+    if main is not None:   # the update writes the bf16 copies; stay in the main view between steps
+        opt.write_param_copies(main.compute_copy)
     for _ in range(warmup):
         opt.step()
     torch.cuda.synchronize()
@@ -45,8 +68,9 @@ def measure(name: str, make, params, steps: int, warmup: int) -> dict:
                host_ms=round(host * 1e3 / steps, 3),
                state_gib=round(states / 2**30, 2), params=sum(p.numel() for p in params))
     del opt
-    for p in params:
-        p.grad = None
+    if main is None:
+        for p in params:
+            p.grad = None
     torch.cuda.empty_cache()
     return row
 
@@ -58,7 +82,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--flat", action="store_true", help="only the arms over MainParams' contiguous buffers")
     args = ap.parse_args()
+    if args.flat:
+        flat_arms(args)
+        return
     params = parameters("cuda")
 
     class StaticShapes(PrecisionAwareAdamW):
@@ -81,6 +109,42 @@ def main() -> None:
     }
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup)), flush=True)
+
+
+def flat_arms(args) -> None:
+    """The bf16-moment update over the contiguous buffers (about 40 flat tensors for 147 parameters): compiled as one
+    call over the lists (the library's), with Inductor's combo kernels off, and one compiled call per flat tensor."""
+    from lightning_megatron import PrecisionAwareAdamW
+    from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_, adamw_update_
+
+    main = flat_parameters("cuda")
+    params = main.params
+
+    class NoCombo(PrecisionAwareAdamW):
+        def _update_fn(self, device):
+            if self._compiled is None:
+                self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True,
+                                               options={"combo_kernels": False})
+            return self._compiled
+
+    class PerTensor(PrecisionAwareAdamW):
+        def _update_fn(self, device):
+            if self._compiled is None:
+                one = torch.compile(adamw_update_, dynamic=True, fullgraph=True)
+
+                def each(params, grads, exp_avgs, exp_avg_sqs, steps, *hyper, count_steps=True, param_copies=None):
+                    copies = param_copies if param_copies is not None else [None] * len(params)
+                    for p, g, m, v, s, c in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
+                        one(p, g, m, v, s, *hyper, param_copy=c)
+                self._compiled = each
+            return self._compiled
+
+    kw = dict(lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    arms = {"flat buffers: one compiled call over the lists": lambda ps: PrecisionAwareAdamW(ps, **kw),
+            "flat buffers: combo kernels off": lambda ps: NoCombo(ps, **kw),
+            "flat buffers: one compiled call per flat tensor": lambda ps: PerTensor(ps, **kw)}
+    for name, make in arms.items():
+        print(json.dumps(measure(name, make, params, args.steps, args.warmup, main)), flush=True)
 
 
 if __name__ == "__main__":
