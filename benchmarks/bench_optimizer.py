@@ -51,6 +51,7 @@ def measure(name: str, make, params, steps: int, warmup: int, main=None) -> dict
     opt = make(params)
     if main is not None:   # the update writes the bf16 copies; stay in the main view between steps
         opt.write_param_copies(main.compute_copy)
+        opt.found_inf = torch.zeros((), device="cuda")   # as in training: the non-finite guard's device flag
     for _ in range(warmup):
         opt.step()
     torch.cuda.synchronize()
