@@ -26,6 +26,25 @@ def parameters(device: str):
     return [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(std=0.02)) for p in model.parameters()]
 
 
+def list_call(**kwargs):
+    """A :class:`PrecisionAwareAdamW` whose update is compiled as one call over the lists (``dynamic``: for all shapes,
+    else for the fixed ones), not the library's one compiled call per tensor."""
+    from lightning_megatron import PrecisionAwareAdamW
+    from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_
+
+    class ListCall(PrecisionAwareAdamW):
+        def __init__(self, *a, dynamic=True, **k):
+            super().__init__(*a, **k)
+            self.dynamic = dynamic
+
+        def _update_fn(self, device):
+            if self._compiled is None:
+                self._compiled = torch.compile(adamw_multi_update_, dynamic=self.dynamic, fullgraph=True)
+            return self._compiled
+
+    return lambda ps: ListCall(ps, **kwargs)
+
+
 def flat_parameters(device: str):
     """The benchmark model's parameters as bf16 parameters in MainParams' buffers, in the main view (the fp32 main
     parameters, as the optimizer sees them), with their main gradients as views of the gradient buckets."""
@@ -78,7 +97,6 @@ def measure(name: str, make, params, steps: int, warmup: int, main=None) -> dict
 
 def main() -> None:
     from lightning_megatron import PrecisionAwareAdamW
-    from lightning_megatron.optimizer import adamw_multi_update_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -90,60 +108,32 @@ def main() -> None:
         return
     params = parameters("cuda")
 
-    class StaticShapes(PrecisionAwareAdamW):
-        """An experiment: the update compiled for the group's fixed shapes (``dynamic=False``) instead of once for
-        all shapes (the library's), to see what the generic kernels cost on the device. It also specialises on the
-        hyper-parameters (a new compile for every learning rate), which this benchmark keeps fixed."""
-
-        def _update_fn(self, device):
-            if self._compiled is None:
-                self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
-            return self._compiled
-
     arms = {
         "torch AdamW fused, fp32 moments": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
         "PrecisionAwareAdamW, bf16 moments": lambda ps: PrecisionAwareAdamW(
             ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
         "PrecisionAwareAdamW, fp32 moments": lambda ps: PrecisionAwareAdamW(ps, lr=1e-4, weight_decay=0.1),
-        "PrecisionAwareAdamW, bf16 moments, compiled for fixed shapes (experiment)": lambda ps: StaticShapes(
-            ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        "PrecisionAwareAdamW, bf16 moments, one compiled call over the lists": list_call(
+            lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        "PrecisionAwareAdamW, bf16 moments, one call over the lists compiled for fixed shapes (experiment)": list_call(
+            dynamic=False, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
     }
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup)), flush=True)
 
 
 def flat_arms(args) -> None:
-    """The bf16-moment update over the contiguous buffers (about 40 flat tensors for 147 parameters): compiled as one
-    call over the lists (the library's), with Inductor's combo kernels off, and one compiled call per flat tensor."""
+    """The bf16-moment update over the contiguous buffers (about 40 flat tensors for 147 parameters): one compiled call
+    per flat tensor (the library's), one compiled call over the lists, and that compiled for fixed shapes."""
     from lightning_megatron import PrecisionAwareAdamW
-    from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_, adamw_update_
 
     main = flat_parameters("cuda")
     params = main.params
 
-    class NoCombo(PrecisionAwareAdamW):
-        def _update_fn(self, device):
-            if self._compiled is None:
-                self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True,
-                                               options={"combo_kernels": False})
-            return self._compiled
-
-    class PerTensor(PrecisionAwareAdamW):
-        def _update_fn(self, device):
-            if self._compiled is None:
-                one = torch.compile(adamw_update_, dynamic=True, fullgraph=True)
-
-                def each(params, grads, exp_avgs, exp_avg_sqs, steps, *hyper, count_steps=True, param_copies=None):
-                    copies = param_copies if param_copies is not None else [None] * len(params)
-                    for p, g, m, v, s, c in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
-                        one(p, g, m, v, s, *hyper, param_copy=c)
-                self._compiled = each
-            return self._compiled
-
     kw = dict(lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    arms = {"flat buffers: one compiled call over the lists": lambda ps: PrecisionAwareAdamW(ps, **kw),
-            "flat buffers: combo kernels off": lambda ps: NoCombo(ps, **kw),
-            "flat buffers: one compiled call per flat tensor": lambda ps: PerTensor(ps, **kw)}
+    arms = {"flat buffers: one compiled call per flat tensor (the library's)": lambda ps: PrecisionAwareAdamW(ps, **kw),
+            "flat buffers: one compiled call over the lists": list_call(**kw),
+            "flat buffers: one call over the lists, compiled for fixed shapes": list_call(dynamic=False, **kw)}
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup, main)), flush=True)
 
