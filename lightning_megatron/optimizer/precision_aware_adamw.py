@@ -185,29 +185,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._param_copy = param_copy
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
-        """The update of a list of tensors: on CUDA :func:`adamw_update_` compiled once (1-D tensors of any size, any
-        hyper-parameter values) and called once per tensor, so each flat tensor gets a kernel of its own (compiled as
-        one call over the lists, Inductor fuses the updates of equally sized tensors into kernels that read and write
-        a dozen tensors at once, which ran at half the memory bandwidth on an H200); eager elsewhere."""
+        """The update of a list of tensors: compiled once (all shapes, any hyper-parameter values) for CUDA, eager
+        elsewhere."""
         if device.type != "cuda":
             return adamw_multi_update_
         if self._compiled is None:
-            one = torch.compile(adamw_update_, dynamic=True, fullgraph=True)
-
-            def update_each(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
-                            exp_avg_sqs: List[Tensor], steps: List[Tensor], lr: float, beta1: float, beta2: float,
-                            eps: float, weight_decay: float, grad_scale: Optional[Tensor] = None,
-                            found_inf: Optional[Tensor] = None, count_steps: bool = True,
-                            param_copies: Optional[List[Tensor]] = None) -> None:
-                if count_steps:
-                    count_steps_(steps, found_inf)
-                copies = param_copies if param_copies is not None else [None] * len(params)
-                for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps,
-                                                                        copies):
-                    one(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                        found_inf, copy)
-
-            self._compiled = update_each
+            self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True)
         return self._compiled
 
     def _init_state(self, p: Tensor, group: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
