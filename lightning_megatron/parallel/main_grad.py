@@ -25,9 +25,9 @@ one identity that the optimizer, the gradient reductions, clipping and checkpoin
   casts loaded states to the parameter's dtype).
 
 Contiguous buffers (Megatron's ``ParamAndGradBuffer``): the compute copies, the main parameters and the main
-gradients are views into flat buffers, cut into buckets of about ``bucket_size`` elements (Megatron's default 40M)
-in the module's parameter order, with each bucket's matrices first and its vectors (norm weights, biases: no weight
-decay) in one bucket of their own at the end. A bucket's main gradients are one allocation, made when its first
+gradients are views into flat buffers, cut into buckets of about ``bucket_size`` elements (Megatron's default 40M):
+the matrices in the module's parameter order, then the vectors (norm weights, biases: no weight decay) in one bucket
+of their own. A bucket's main gradients are one allocation, made when its first
 gradient of the step arrives (backward fills the buckets from the last to the first, so memory grows as it did per
 parameter) and freed when the step is over. Work over many of these tensors then runs over a few flat ones
 (:func:`~lightning_megatron.utils.tensors.coalesce`): the copy back to bf16 is one operation over the buckets, and
