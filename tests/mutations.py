@@ -67,6 +67,7 @@ GPT = "lightning_megatron/models/gpt.py"
 ROTARY_CALL = "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)\n"
 GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
+FLAT = "tests/test_flat_buffers.py::"
 
 
 def sharp(case: str) -> str:
@@ -139,6 +140,29 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "hf-import-one-key-head", "the Hugging Face import gives every query group key head 0 (GQA grouping lost)",
         (Edit("lightning_megatron/hf/mapping.py", "Rows(k, g * d, (g + 1) * d)", "Rows(k, 0, d)"),),
         ("tests/test_hf.py::test_single_process_round_trip_and_generate",)),
+    Mutation(
+        "flat-spans-across-gaps", "adjacent views are merged by storage alone: a gap between two views of one buffer "
+        "ends up inside a flat span",
+        (Edit("lightning_megatron/utils/tensors.py", "if previous is None or previous != (key, offset):",
+              "if previous is None or previous[0] != key:"),),
+        (FLAT + "test_spans_merge_exactly_the_adjacent_views",)),
+    Mutation(
+        "flat-runs-ignore-step-counts", "PrecisionAwareAdamW updates adjacent parameters as one run even where their "
+        "step counts differ (one bias correction for a parameter that missed a step)",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]", "cuts = []"),),
+        (FLAT + "test_a_group_of_adjacent_parameters_is_one_run",)),
+    Mutation(
+        "flat-bf16-copies-not-written", "the update over the buffers no longer writes the bf16 compute copies (MainParams "
+        "then skips its copy: the model computes with stale weights)",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py", "        param_copy.copy_(p)\n",
+              "        pass\n"),),
+        (FLAT + "test_optimizer_on_main_params_sees_one_tensor_per_bucket",)),
+    Mutation(
+        "flat-dp-average-not-divided", "the data-parallel average of a buffer's span (reduced in place) sums without "
+        "dividing by the group size",
+        (Edit(GRAD_SYNC, "                if average:\n                    bucket[0].div_(size)\n", ""),),
+        (FLAT + "test_data_parallel_average_reduces_the_buffer_in_place",)),
 )
 
 
