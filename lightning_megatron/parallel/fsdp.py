@@ -32,10 +32,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_megatron.contract import RoutedExperts
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.mesh import ParallelMesh
-from lightning_megatron.utils.tensors import local_tensor
 
-__all__ = ["FSDPModel", "apply_fsdp", "mixed_precision_policy", "local_tensor",
-           "distribute_like"]
+__all__ = ["FSDPModel", "apply_fsdp", "mixed_precision_policy", "distribute_like"]
 
 
 def distribute_like(like: Tensor, value: Tensor) -> Tensor:

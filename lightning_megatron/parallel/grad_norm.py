@@ -8,8 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
-from lightning_megatron.utils.tensors import coalesce
-from lightning_megatron.utils.tensors import local_tensor
+from lightning_megatron.utils.tensors import coalesce, local_tensor
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,

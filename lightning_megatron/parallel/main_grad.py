@@ -143,13 +143,12 @@ class MainParams:
         self._hooks: List[Any] = []
         self.in_main_view = False
         seen = set()
-        candidates = []
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
                 continue
             seen.add(id(p))
-            candidates.append(p)
-        for index, members in enumerate(bucket_layout(candidates, bucket_size or DEFAULT_BUCKET_ELEMENTS)):
+            self.params.append(p)
+        for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS)):
             numel = sum(p.numel() for p in members)
             device = members[0].device
             bucket = _Bucket(numel, device, torch.empty(numel, dtype=params_dtype, device=device),
@@ -166,7 +165,6 @@ class MainParams:
                 self._main[id(p)], self._compute[id(p)] = main, compute
                 p.data = compute
                 offset += p.numel()
-        self.params = [p for p in candidates]
         for p in self.params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))

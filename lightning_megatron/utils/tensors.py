@@ -15,8 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["local_tensor", "Span", "contiguous_spans", "span_tensors", "same_partition", "storage_order", "coalesce",
-           "adjacent_runs", "flat_run"]
+__all__ = ["local_tensor", "Span", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run"]
 
 
 def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -55,7 +54,7 @@ def _run_starts(tensors: Sequence[Tensor]) -> List[int]:
     previous = None   # (storage key, element offset where the previous tensor ends) when it is contiguous
     for i, t in enumerate(tensors):
         if t.is_contiguous():
-            key, offset = (t.untyped_storage().data_ptr(), t.dtype, t.device), t.storage_offset()
+            key, offset = _storage_key(t), t.storage_offset()
             if previous is None or previous != (key, offset):
                 starts.append(i)
             previous = (key, offset + t.numel())
@@ -74,19 +73,6 @@ def contiguous_spans(tensors: Sequence[Tensor]) -> List[Span]:
             for a, b in zip(starts, starts[1:] + [len(tensors)])]
 
 
-def span_tensors(spans: Sequence[Span]) -> List[Tensor]:
-    """The flat tensors of ``spans``."""
-    return [s.flat for s in spans]
-
-
-def same_partition(a: Sequence[Span], b: Sequence[Span]) -> bool:
-    """Whether two span lists cut their lists at the same places (the tensors of each span pair correspond element by
-    element: the same entries and sizes)."""
-    return len(a) == len(b) and all(x.start == y.start and x.stop == y.stop and x.sizes == y.sizes
-                                    for x, y in zip(a, b))
-
-
-
 def storage_order(tensors: Sequence[Tensor]) -> List[int]:
     """Indices of ``tensors`` ordered by storage (storages in the order they first appear in the list, each by element
     offset): the order in which views of flat buffers lie end to end. The same on every rank whose tensors have the
@@ -103,8 +89,7 @@ def coalesce(tensors: Sequence[Tensor]) -> List[Tensor]:
     """The flat tensors covering exactly the elements of ``tensors`` (no copy): adjacent views merged, in
     :func:`storage_order`. For work that does not depend on which tensor an element belongs to (norms, scaling,
     finiteness, in-place reductions)."""
-    order = storage_order(tensors)
-    return span_tensors(contiguous_spans([tensors[i] for i in order]))
+    return [s.flat for s in contiguous_spans([tensors[i] for i in storage_order(tensors)])]
 
 
 def adjacent_runs(columns: Sequence[Sequence[Tensor]], cuts: Sequence[int] = ()) -> List[tuple]:
