@@ -26,7 +26,7 @@ def parameters(device: str):
     return [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(std=0.02)) for p in model.parameters()]
 
 
-def list_call(**kwargs):
+def static_shapes(**kwargs):
     """A :class:`PrecisionAwareAdamW` whose update is compiled for the fixed shapes of its lists (an experiment: the
     library compiles it once for all shapes)."""
     from lightning_megatron import PrecisionAwareAdamW
@@ -134,7 +134,7 @@ def main() -> None:
         "PrecisionAwareAdamW, bf16 moments": lambda ps: PrecisionAwareAdamW(
             ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
         "PrecisionAwareAdamW, fp32 moments": lambda ps: PrecisionAwareAdamW(ps, lr=1e-4, weight_decay=0.1),
-        "PrecisionAwareAdamW, bf16 moments, compiled for fixed shapes (experiment)": list_call(
+        "PrecisionAwareAdamW, bf16 moments, compiled for fixed shapes (experiment)": static_shapes(
             lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
     }
     for name, make in arms.items():
@@ -152,7 +152,7 @@ def flat_arms(args) -> None:
     kw = dict(lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
     arms = {"flat buffers: one compiled call over the lists (the library's)": lambda ps: PrecisionAwareAdamW(ps, **kw),
             "flat buffers: one compiled call per flat tensor (experiment)": per_tensor(**kw),
-            "flat buffers: one call over the lists, compiled for fixed shapes (experiment)": list_call(**kw)}
+            "flat buffers: one call over the lists, compiled for fixed shapes (experiment)": static_shapes(**kw)}
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup, main)), flush=True)
 

@@ -170,15 +170,21 @@ def _set_grads(params: List[nn.Parameter], grads: List[torch.Tensor], buffer: bo
             p.grad = x.clone()
 
 
-def _spy_update(monkeypatch) -> List[int]:
+def _spy_lengths(monkeypatch, owner, name: str) -> List[int]:
+    """Replace ``owner.name`` (a function taking a list of tensors first) by a spy that records each call's list
+    length; returns that record."""
     seen: List[int] = []
-    original = paa.adamw_multi_update_
+    original = getattr(owner, name)
 
-    def spy(params, *args, **kwargs):
-        seen.append(len(params))
-        return original(params, *args, **kwargs)
-    monkeypatch.setattr(paa, "adamw_multi_update_", spy)
+    def spy(tensors, *args, **kwargs):
+        seen.append(len(tensors))
+        return original(tensors, *args, **kwargs)
+    monkeypatch.setattr(owner, name, spy)
     return seen
+
+
+def _spy_update(monkeypatch) -> List[int]:
+    return _spy_lengths(monkeypatch, paa, "adamw_multi_update_")
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
@@ -276,9 +282,7 @@ def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch, fused_
     else:
         opt.register_step_post_hook(main.optimizer_hook)
     seen = _spy_update(monkeypatch)
-    copies: List[int] = []
-    original = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda a, b, **k: (copies.append(len(a)), original(a, b, **k))[1])
+    copies = _spy_lengths(monkeypatch, torch, "_foreach_copy_")
     for _ in range(3):
         m(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
         main.to_main()
@@ -291,17 +295,6 @@ def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch, fused_
 
 
 # ---------------------------------------------------------------------------------------------- norm, clip, finite
-def _spy_foreach_norm(monkeypatch) -> List[int]:
-    seen: List[int] = []
-    original = torch._foreach_norm
-
-    def spy(tensors, *args, **kwargs):
-        seen.append(len(tensors))
-        return original(tensors, *args, **kwargs)
-    monkeypatch.setattr(torch, "_foreach_norm", spy)
-    return seen
-
-
 def test_norm_clip_and_finiteness_run_over_the_buffer(monkeypatch):
     torch.manual_seed(0)
     buf = torch.randn(30, dtype=torch.float64)
@@ -313,7 +306,7 @@ def test_norm_clip_and_finiteness_run_over_the_buffer(monkeypatch):
     separate = [nn.Parameter(torch.zeros_like(p)) for p in params]
     for p, q in zip(separate, params):
         p.grad = q.grad.clone()
-    seen = _spy_foreach_norm(monkeypatch)
+    seen = _spy_lengths(monkeypatch, torch, "_foreach_norm")
     norm = global_grad_norm(params, set(), None)
     assert seen == [1]
     assert torch.equal(norm, global_grad_norm(separate, set(), None))
