@@ -26,19 +26,19 @@ def parameters(device: str):
     return [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(std=0.02)) for p in model.parameters()]
 
 
-def static_shapes(**kwargs):
-    """A :class:`PrecisionAwareAdamW` whose update is compiled for the fixed shapes of its lists (an experiment: the
-    library compiles it once for all shapes)."""
+def all_shapes(**kwargs):
+    """A :class:`PrecisionAwareAdamW` whose update is compiled once for all shapes (``dynamic=True``: the library's
+    before it compiled for the lists' fixed shapes)."""
     from lightning_megatron import PrecisionAwareAdamW
     from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_
 
-    class StaticShapes(PrecisionAwareAdamW):
+    class AllShapes(PrecisionAwareAdamW):
         def _update_fn(self, device):
             if self._compiled is None:
-                self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
+                self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True)
             return self._compiled
 
-    return lambda ps: StaticShapes(ps, **kwargs)
+    return lambda ps: AllShapes(ps, **kwargs)
 
 
 def per_tensor(**kwargs):
@@ -134,7 +134,7 @@ def main() -> None:
         "PrecisionAwareAdamW, bf16 moments": lambda ps: PrecisionAwareAdamW(
             ps, lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
         "PrecisionAwareAdamW, fp32 moments": lambda ps: PrecisionAwareAdamW(ps, lr=1e-4, weight_decay=0.1),
-        "PrecisionAwareAdamW, bf16 moments, compiled for fixed shapes (experiment)": static_shapes(
+        "PrecisionAwareAdamW, bf16 moments, compiled for all shapes (the previous library)": all_shapes(
             lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
     }
     for name, make in arms.items():
@@ -142,17 +142,19 @@ def main() -> None:
 
 
 def flat_arms(args) -> None:
-    """The bf16-moment update over the contiguous buffers (about 40 flat tensors for 147 parameters): one compiled call
-    over the lists (the library's), one compiled call per flat tensor, and the list call compiled for fixed shapes."""
+    """The bf16-moment update over the contiguous buffers (about 40 flat tensors for 147 parameters): one call over the
+    lists compiled for their fixed shapes (the library's), one compiled call per flat tensor, and the list call
+    compiled for all shapes (the library's before)."""
     from lightning_megatron import PrecisionAwareAdamW
 
     main = flat_parameters("cuda")
     params = main.params
 
     kw = dict(lr=1e-4, weight_decay=0.1, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    arms = {"flat buffers: one compiled call over the lists (the library's)": lambda ps: PrecisionAwareAdamW(ps, **kw),
+    arms = {"flat buffers: one call over the lists, compiled for their fixed shapes (the library's)":
+            lambda ps: PrecisionAwareAdamW(ps, **kw),
             "flat buffers: one compiled call per flat tensor (experiment)": per_tensor(**kw),
-            "flat buffers: one call over the lists, compiled for fixed shapes (experiment)": static_shapes(**kw)}
+            "flat buffers: one call over the lists, compiled for all shapes (the library's before)": all_shapes(**kw)}
     for name, make in arms.items():
         print(json.dumps(measure(name, make, params, args.steps, args.warmup, main)), flush=True)
 

@@ -391,7 +391,7 @@ def test_several_not_supported_flags_are_all_named(capsys):
 
 
 # Megatron flags that change nothing here, with a value each: the plan with the flag equals the plan without it
-ACCEPTED = {"--use-mcore-models": [], "--transformer-impl": ["transformer_engine"], "--attention-backend": ["flash"],
+ACCEPTED = {"--use-mcore-models": [], "--transformer-impl": ["transformer_engine"],
             "--rotary-percent": ["1.0"], "--cross-entropy-loss-fusion": [], "--calculate-per-token-loss": [],
             "--tiktoken-pattern": ["v2"], "--no-create-attention-mask-in-dataloader": [], "--no-mmap-bin-files": [],
             "--apply-layernorm-1p": []}
@@ -574,6 +574,7 @@ CASES = [
     ([], ["--init-method-std", "0.01"], {"GPTConfig.init_method_std": 0.01}),
     ([], ["--hidden-dropout", "0.1"], {"GPTConfig.hidden_dropout": 0.1}),
     ([], ["--attention-dropout", "0.1"], {"GPTConfig.attention_dropout": 0.1}),
+    ([], ["--attention-backend", "flash"], {"GPTConfig.attention_backend": "flash"}),
     # training
     ([], ["--micro-batch-size", "4"], {"TinyCorpusDataModule.micro_batch_size": 4}),
     (GPT_DATA, ["--micro-batch-size", "4"], {"GPTDataModule.micro_batch_size": 4}),

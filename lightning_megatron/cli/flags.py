@@ -236,6 +236,11 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--init-method-std", "GPTConfig.init_method_std", type=float, default=None)
     add_flag(g, "--hidden-dropout", "GPTConfig.hidden_dropout", type=float, default=None)
     add_flag(g, "--attention-dropout", "GPTConfig.attention_dropout", type=float, default=None)
+    add_flag(g, "--attention-backend", "GPTConfig.attention_backend",
+             choices=("flash", "fused", "unfused", "local", "auto"), default=None,
+             help="default auto: cuDNN's fused attention where it takes the inputs, else torch's choice; fused: "
+                  "cuDNN (an error where it cannot run); flash: the flash kernel; unfused / local: the explicit "
+                  "softmax")
 
     g = p.add_argument_group("training")
     add_flag(g, "--micro-batch-size", ("TinyCorpusDataModule.micro_batch_size", "GPTDataModule.micro_batch_size"),
@@ -383,9 +388,6 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_accepted_flag(g, "--transformer-impl", "the layers are torch modules either way; Transformer Engine is "
                       "used for the FP8 GEMMs only, as --fp8-backend says", choices=("local", "transformer_engine"),
                       default=None)
-    add_accepted_flag(g, "--attention-backend", "attention is torch's scaled_dot_product_attention, which picks its "
-                      "flash / memory-efficient / math kernel itself",
-                      choices=("flash", "fused", "unfused", "local", "auto"), default=None)
     add_accepted_flag(g, "--rotary-percent", "rotary embeddings cover the whole head dimension (only 1.0 is "
                       "accepted)", type=float, default=None)
     add_accepted_flag(g, "--apply-layernorm-1p", "norm weights stay fp32 and, as in Megatron, get no weight decay, "

@@ -600,7 +600,7 @@ def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                        ("normalization", args.normalization), ("norm_epsilon", args.norm_epsilon),
                        ("position_embedding_type", pos), ("rotary_base", args.rotary_base),
                        ("init_method_std", args.init_method_std), ("hidden_dropout", args.hidden_dropout),
-                       ("attention_dropout", args.attention_dropout),
+                       ("attention_dropout", args.attention_dropout), ("attention_backend", args.attention_backend),
                        ("rope_scaling", args.use_rope_scaling or None),
                        ("rope_scaling_factor", args.rope_scaling_factor)):
         if value is not None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.contract import RecomputeTarget
+from lightning_megatron.models.attention import causal_attention
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.kv_cache import KVCache, LayerKVCache
 from lightning_megatron.moe.layer import MoELayer
@@ -117,7 +118,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class SelfAttention(nn.Module):
-    """Causal self-attention with GQA through ``scaled_dot_product_attention`` (flash kernels on GPU).
+    """Causal self-attention with GQA, computed by the kernel ``config.attention_backend`` names
+    (:func:`~lightning_megatron.models.attention.causal_attention`: by default cuDNN's fused attention on the GPU).
 
     ``linear_qkv`` packs queries, keys and values by query group, Megatron's layout: for each of the
     ``g`` groups, ``n/g`` query heads then one key and one value head, ``d`` channels each. A contiguous
@@ -132,6 +134,7 @@ class SelfAttention(nn.Module):
         self.rotary_base = c.rotary_base
         self.use_rope = c.position_embedding_type == "rope"
         self.attention_dropout = c.attention_dropout
+        self.attention_backend = c.attention_backend
         qkv_out = c.num_query_groups * (self.heads_per_group + 2) * c.kv_channels
         self.linear_qkv = nn.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear)
         self.linear_proj = nn.Linear(c.num_attention_heads * c.kv_channels, c.hidden_size, bias=c.add_bias_linear)
@@ -170,8 +173,7 @@ class SelfAttention(nn.Module):
                 if dropout > 0.0:
                     raise NotImplementedError("attention_dropout > 0 is not supported with context parallelism yet")
                 return self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                  enable_gqa=self.heads_per_group > 1)
+            return causal_attention(q, k, v, dropout, self.attention_backend)
 
     def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: LayerKVCache) -> Tensor:
         """Attention of new positions ``q`` ``[b, n, s, d]`` (``k``/``v`` ``[b, g, s, d]``) to the cached ones and

@@ -19,8 +19,10 @@ same element by element. State dicts stay per parameter (each moment a view with
 copies the loaded moments into the flat layout at the next step.
 
 On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
-compiled once for all shapes and hyper-parameter values: one fused kernel per tensor), after the group's step counts
-are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly. Like
+compiled for the shapes of the group's lists, which do not change during a run, so Inductor writes kernels for those
+sizes; the learning rate is a 0-d tensor on the device, so a schedule changes no compiled code), after the group's step
+counts are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly
+with Python numbers. Like
 torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the non-finite guard's device
 flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so it never waits for the
 GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or FSDP, where it updates
@@ -33,7 +35,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lightning_megatron.utils.tensors import adjacent_runs, contiguous_spans, flat_run, local_tensor, storage_order
+from lightning_megatron.utils.tensors import adjacent_runs, flat_run, local_tensor, span_bounds, storage_order
 
 __all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
 
@@ -59,7 +61,8 @@ def optimizer_state_dtype_name(value: Union[str, torch.dtype], name: str = "exp_
     return next(k for k, v in OPTIMIZER_STATE_DTYPES.items() if v == dtype)
 
 
-def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: float,
+def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
+                  lr: Union[float, Tensor],
                   beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: Optional[Tensor] = None,
                   found_inf: Optional[Tensor] = None, param_copy: Optional[Tensor] = None) -> None:
     """One AdamW step of one tensor, in place, computed in fp32 whatever the dtypes the tensors are stored in.
@@ -67,7 +70,8 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     Args:
         param, grad, exp_avg, exp_avg_sq: tensors of one shape (any dtypes; the moments are rounded to theirs).
         step: 0-d fp32 tensor, the step count including this step (bias corrections ``1 - beta ** step``).
-        lr, beta1, beta2, eps, weight_decay: AdamW's (decoupled weight decay ``param *= 1 - lr * weight_decay``).
+        lr, beta1, beta2, eps, weight_decay: AdamW's (decoupled weight decay ``param *= 1 - lr * weight_decay``);
+            ``lr`` may be a 0-d fp32 tensor on the tensors' device (the compiled update's, see the module docstring).
         grad_scale: 0-d tensor the gradient is divided by, or None.
         found_inf: 0-d tensor; where it is > 0 nothing changes (the update is computed and discarded), or None.
         param_copy: a tensor of ``param``'s shape (the bf16 compute copy of an fp32 main parameter) that receives
@@ -107,7 +111,8 @@ def count_steps_(steps: List[Tensor], found_inf: Optional[Tensor] = None) -> Non
 
 
 def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-                        steps: List[Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                        steps: List[Tensor], lr: Union[float, Tensor], beta1: float, beta2: float, eps: float,
+                        weight_decay: float,
                         grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
                         count_steps: bool = True, param_copies: Optional[List[Tensor]] = None) -> None:
     """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), after adding
@@ -176,6 +181,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         #: created or loaded): parameters whose counts differ are not updated as one run (a run has one bias correction)
         self._counts: Dict[int, int] = {}
         self._param_copy: Optional[Callable[[Tensor], Tensor]] = None
+        #: (group index, device) -> (the learning rate it holds, 0-d fp32 tensor on the device): the compiled update's
+        #: learning rate, refilled (one small kernel, no host wait) when the group's changes
+        self._lr_tensors: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
 
     def write_param_copies(self, param_copy: Optional[Callable[[Tensor], Tensor]]) -> None:
         """From the next step on, also write each stepped parameter, rounded, into ``param_copy(p)`` (a tensor of
@@ -185,13 +193,28 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._param_copy = param_copy
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
-        """The update of a list of tensors: compiled once (all shapes, any hyper-parameter values) for CUDA, eager
-        elsewhere."""
+        """The update of a list of tensors: for CUDA compiled for the lists' shapes (a group's flat runs keep theirs
+        for the whole run; another set of shapes compiles once more), eager elsewhere."""
         if device.type != "cuda":
             return adamw_multi_update_
         if self._compiled is None:
-            self._compiled = torch.compile(adamw_multi_update_, dynamic=True, fullgraph=True)
+            self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
         return self._compiled
+
+    def _lr(self, index: int, group: Dict[str, Any], device: torch.device) -> Union[float, Tensor]:
+        """Group ``index``'s learning rate as the update on ``device`` takes it: a Python float off CUDA, else a 0-d
+        fp32 tensor on the device that is refilled only when the value changed (a compiled constant would compile
+        the update again for every value a schedule produces)."""
+        lr = float(group["lr"])
+        if device.type != "cuda":
+            return lr
+        held = self._lr_tensors.get((index, device))
+        if held is None:
+            held = (lr, torch.full((), lr, dtype=torch.float32, device=device))
+        elif held[0] != lr:
+            held = (lr, held[1].fill_(lr))
+        self._lr_tensors[(index, device)] = held
+        return held[1]
 
     def _init_state(self, p: Tensor, group: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
         """The state of ``p`` (its local part on ``device``): what is missing created (at its first step; moments as
@@ -215,19 +238,20 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         parameters' layout: for each run of adjacent parameters one buffer per moment, each parameter's moment a view
         into it (created as zeros, or holding the moment it had: e.g. loaded from a checkpoint). Separate parameters
         keep moments of their own (``zeros_like``, a ``DTensor`` for a ``DTensor`` parameter)."""
-        for span in contiguous_spans(params):
-            ps = members[span.start:span.stop]
-            if span.stop - span.start == 1 or any(local_tensor(p) is not p for p in ps):
+        for start, stop in span_bounds(params):
+            ps = members[start:stop]
+            if stop - start == 1 or any(local_tensor(p) is not p for p in ps):
                 for p in ps:
                     self._init_state(p, group, device)
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
                 current = [self.state[p].get(key) for p in ps]
-                if all(t is not None for t in current) and len(contiguous_spans(current)) == 1:
+                if all(t is not None for t in current) and len(span_bounds(current)) == 1:
                     continue
-                chunk = torch.zeros(sum(span.sizes), dtype=group[key + "_dtype"], device=device)
+                chunk = torch.zeros(sum(p.numel() for p in ps), dtype=group[key + "_dtype"], device=device)
                 offset = 0
-                for p, t, n in zip(ps, current, span.sizes):
+                for p, t in zip(ps, current):
+                    n = p.numel()
                     view = chunk[offset:offset + n].view(p.shape)
                     if t is not None:
                         view.copy_(t)
@@ -271,7 +295,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
         found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             by_device: Dict[torch.device, List[Tensor]] = {}
             for p in group["params"]:
@@ -286,7 +310,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
                 self._update_fn(device)(
-                    params, grads, exp_avgs, exp_avg_sqs, run_steps, float(group["lr"]), float(beta1), float(beta2),
+                    params, grads, exp_avgs, exp_avg_sqs, run_steps, self._lr(index, group, device), float(beta1),
+                    float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False,
                     param_copies=copies)
         return loss

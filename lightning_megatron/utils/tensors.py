@@ -10,12 +10,12 @@ simply form spans of their own: the result is the same, only the number of tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["local_tensor", "Span", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run"]
+__all__ = ["local_tensor", "Span", "span_bounds", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run"]
 
 
 def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -64,13 +64,18 @@ def _run_starts(tensors: Sequence[Tensor]) -> List[int]:
     return starts
 
 
+def span_bounds(tensors: Sequence[Tensor]) -> List[Tuple[int, int]]:
+    """``[(start, stop), ...]``: the list ranges of :func:`contiguous_spans`, without building their flat views."""
+    starts = _run_starts(tensors)
+    return list(zip(starts, starts[1:] + [len(tensors)]))
+
+
 def contiguous_spans(tensors: Sequence[Tensor]) -> List[Span]:
     """The maximal runs of consecutive ``tensors`` that lie end to end in one storage (each contiguous, of one dtype
     and device, the next starting where the previous ends), as :class:`Span` s in list order. Every tensor is in
     exactly one span; a tensor on its own (or a non-contiguous one) is a span of one. No copy, no kernel."""
-    starts = _run_starts(tensors)
     return [Span(flat_run(tensors, a, b), a, b, tuple(t.numel() for t in tensors[a:b]))
-            for a, b in zip(starts, starts[1:] + [len(tensors)])]
+            for a, b in span_bounds(tensors)]
 
 
 def storage_order(tensors: Sequence[Tensor]) -> List[int]:
