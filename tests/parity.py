@@ -237,8 +237,9 @@ def trainer_for(world: int, strategy: MegatronStrategy, steps: int, accelerator:
     if accelerator == "cpu" and not own_precision:
         kwargs["precision"] = CPU_PRECISION
     kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks") or ()))
+    kwargs.setdefault("enable_progress_bar", False)
     return pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
 def parallel_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Dict[str, Any], samples, steps: int,

@@ -49,7 +49,7 @@ def test_every_backend_computes_causal_gqa_attention_on_the_cpu(backend):
 def test_cudnn_is_not_chosen_off_cuda():
     q, k, v = _inputs(torch.bfloat16)
     assert not cudnn_attention_accepts(q, k, 0.0)
-    torch.testing.assert_close(causal_attention(q, k, v, 0.0, "fused"), causal_attention(q, k, v, 0.0, "sdpa"),
+    torch.testing.assert_close(causal_attention(q, k, v, 0.0, "fused"), causal_attention(q, k, v, 0.0, "auto"),
                                rtol=0, atol=0)
 
 
@@ -63,7 +63,7 @@ def test_the_option_is_validated_and_reaches_the_model():
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     unfused = model(ids)
     for layer in model.decoder.layers.values():
-        layer.self_attention.attention_backend = "sdpa"
+        layer.self_attention.attention_backend = "auto"
     torch.testing.assert_close(model(ids), unfused, rtol=1e-10, atol=1e-10)
 
 

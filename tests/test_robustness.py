@@ -134,37 +134,6 @@ def test_non_finite_last_step_decided_on_the_device_raises_before_fit_returns():
     assert torch.isfinite(weights[2]).all()
 
 
-def test_device_verdict_is_settled_after_the_next_forward_and_before_its_checks():
-    """The previous step's device-decided verdict is read inside the next optimizer step, after its forward and
-    backward were queued (the GPU then has that work ahead of it while the host waits) and before its gradients are
-    checked; each step's checks land in their own host buffer, so the next step's loss check cannot overwrite the
-    verdict still to be read."""
-    pl.seed_everything(SEED, verbose=False)
-    cfg = tiny_config()
-    module = new_module(cfg, 3, adamw="fused")
-    events = []
-
-    class Spy(pl.Callback):
-        def on_train_start(self, trainer, pl_module):
-            guard = trainer.strategy._grads.guard
-            settle, note = guard.settle, guard._note
-
-            def settle_spy():
-                events.append(("settle", guard._pending is not None))
-                return settle()
-
-            def note_spy(name, value):
-                events.append(("check", name))
-                return note(name, value)
-
-            guard.settle, guard._note = settle_spy, note_spy
-
-    trainer = trainer_for(1, MegatronStrategy(), 3, callbacks=[Spy()])
-    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 12)), batch_size=4))
-    step = [("check", "loss"), ("settle", True), ("check", "grads")]   # the loss is checked after the backward
-    assert events == [("check", "loss"), ("settle", False), ("check", "grads")] + step * 2 + [("settle", True)], events
-
-
 def test_guard_off_and_grads_off_are_silent():
     net = _net_with_grads()
     NonFiniteGuard(net, enabled=False).check_grads()

@@ -2,20 +2,21 @@
 ``GPTConfig.attention_backend``, Megatron's ``--attention-backend`` with its names.
 
 =========== ====================================================================================================
-``auto``    cuDNN's fused attention where it takes the inputs (:func:`cudnn_attention_accepts`), else torch's own
-            choice. The default: for the benchmark model's grouped-query attention torch's choice is the flash
-            kernel, which takes about 1.8x cuDNN's time on an H200 (``benchmarks/RESULTS.md``).
+``auto``    ``scaled_dot_product_attention`` as torch dispatches it (the default). On an H200 with torch 2.11 that is
+            cuDNN's fused attention for the benchmark model's bf16 grouped-query attention (``benchmarks/RESULTS.md``).
 ``fused``   cuDNN's fused attention (Megatron's ``fused``: cuDNN through Transformer Engine) for CUDA fp16 / bf16
             inputs, ValueError where cuDNN does not take those; CPU and fp32 inputs, which no fused GPU kernel
             takes, get torch's choice (as ``cp_attention_kernel`` does for the context-parallel blocks).
 ``flash``   the flash kernel of ``scaled_dot_product_attention`` only.
 ``unfused`` ``scaled_dot_product_attention``'s math path: the explicit softmax (``local`` is the same here).
-``sdpa``    ``scaled_dot_product_attention`` as torch dispatches it (the library's choice before ``auto``).
 =========== ====================================================================================================
 
-cuDNN gets the keys and values of grouped-query attention as they are (fewer heads than the queries) and the model's
-``[s, b, n, d]`` activations viewed as ``[b, n, s, d]``, so nothing is repeated or copied. The choice is made from the
-inputs' device, dtype and shape only (no trial call), so it is the same when ``torch.compile`` traces it. On the CPU
+With ``fused`` cuDNN gets the keys and values of grouped-query attention as they are (fewer heads than the queries)
+and the model's ``[s, b, n, d]`` activations viewed as ``[b, n, s, d]``, so nothing is repeated or copied; whether it
+applies is decided from the inputs' device, dtype and shape only (no trial call), so it is the same when
+``torch.compile`` traces it. cuDNN's backward did not repeat bit for bit between two runs of the same step on an
+H200 (the GPU tier's CUDA-graph and recompute comparisons, which expect that, fail with ``fused`` forced on their tiny
+models). On the CPU
 every backend but ``fused`` computes what ``scaled_dot_product_attention`` does; nothing here communicates.
 """
 from __future__ import annotations
@@ -25,27 +26,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["ATTENTION_BACKENDS", "cudnn_attention_accepts", "causal_attention"]
+from lightning_megatron.models.config import ATTENTION_BACKENDS
 
-#: Megatron's ``--attention-backend`` values, and ``sdpa`` (torch's own dispatch)
-ATTENTION_BACKENDS = ("auto", "fused", "flash", "unfused", "local", "sdpa")
+__all__ = ["ATTENTION_BACKENDS", "CUDNN_MAX_HEAD_DIM", "cudnn_attention_accepts", "causal_attention"]
 
-#: the head dims cuDNN's fused attention is used for here (a multiple of 8, at most this)
+#: the head dims ``fused`` runs cuDNN's fused attention for (a multiple of 8, at most this)
 CUDNN_MAX_HEAD_DIM = 128
 
 _SDPA_ONLY = {"flash": SDPBackend.FLASH_ATTENTION, "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}
 
 
-def check_attention_backend(backend: str) -> None:
-    """ValueError unless ``backend`` is one of :data:`ATTENTION_BACKENDS`."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}: 'auto' (cuDNN's fused "
-                         "attention where it takes the inputs, else torch's choice), 'fused' (cuDNN), 'flash', "
-                         "'unfused' / 'local' (the explicit softmax), 'sdpa' (torch's own dispatch)")
-
-
 def cudnn_attention_accepts(q: Tensor, k: Tensor, dropout_p: float) -> bool:
-    """Whether cuDNN's fused attention is used for ``q`` ``[b, n, s, d]`` and ``k`` ``[b, g, s, d]``: CUDA fp16 / bf16
+    """Whether ``fused`` runs cuDNN's fused attention for ``q`` ``[b, n, s, d]`` and ``k`` ``[b, g, s, d]``: CUDA fp16 / bf16
     on a GPU of compute capability 8.0 or newer, head dims equal, a multiple of 8 and at most
     :data:`CUDNN_MAX_HEAD_DIM`, no attention dropout."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and dropout_p == 0.0):
@@ -68,15 +60,16 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, ba
     """Causal ``softmax(q k^T / sqrt(d)) v`` with attention dropout ``dropout_p``: ``q`` ``[b, n, s, d]``, ``k`` and
     ``v`` ``[b, g, s, d]`` (``g`` divides ``n``: grouped-query attention) -> ``[b, n, s, d]`` in ``q``'s dtype,
     computed by ``backend`` (see the module docstring)."""
-    if backend in ("auto", "fused"):
-        if cudnn_attention_accepts(q, k, dropout_p):
-            return _cudnn_causal(q, k, v)
-        if backend == "fused" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if backend == "fused" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if not cudnn_attention_accepts(q, k, dropout_p):
             raise ValueError(
                 f"attention_backend='fused': cuDNN's fused attention needs a GPU of compute capability >= 8.0, a head "
-                f"dim that is a multiple of 8 and <= {CUDNN_MAX_HEAD_DIM} and no attention "
-                f"dropout; got {q.dtype} on {q.device}, head dim {q.shape[-1]}, dropout {dropout_p}. Use "
-                "attention_backend='auto' (cuDNN where it applies, else torch's choice)")
+                f"dim that is a multiple of 8 and <= {CUDNN_MAX_HEAD_DIM} and no attention dropout; got {q.dtype} on "
+                f"{q.device}, head dim {q.shape[-1]}, dropout {dropout_p}. Use attention_backend='auto' (torch's "
+                "choice) or 'flash'")
+        return _cudnn_causal(q, k, v)
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}")
     gqa = q.shape[1] != k.shape[1]
     if backend in _SDPA_ONLY:
         with sdpa_kernel(_SDPA_ONLY[backend]):

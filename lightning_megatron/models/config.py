@@ -6,7 +6,6 @@ import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Union
 
-from lightning_megatron.models.attention import check_attention_backend
 from lightning_megatron.utils.keywords import check_keywords
 from lightning_megatron.moe.config import MoEConfig, moe_layer_pattern
 
@@ -61,6 +60,10 @@ def _derive(value: Any, derived: int) -> Any:
     return _Derived(derived) if value is None or isinstance(value, _Derived) else value
 
 
+#: Megatron's ``--attention-backend`` values (:mod:`lightning_megatron.models.attention` says what each computes with)
+ATTENTION_BACKENDS = ("auto", "fused", "flash", "unfused", "local")
+
+
 @dataclass
 class GPTConfig:
     """Decoder-only transformer shape (GPT / LLaMA style), Megatron's ``TransformerConfig`` names.
@@ -109,8 +112,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # the kernel of the causal self-attention (Megatron's ``--attention-backend``; ``"sdpa"``: torch's own dispatch):
-    # see :mod:`lightning_megatron.models.attention`
+    # the kernel of the causal self-attention (Megatron's ``--attention-backend``, :data:`ATTENTION_BACKENDS`; ``auto``:
+    # torch's own dispatch): see :mod:`lightning_megatron.models.attention`
     attention_backend: str = "auto"
     make_vocab_size_divisible_by: int = 128
     # ---- mixture of experts (Megatron's names; the defaults are MoEConfig's, which moe_config() builds)
@@ -173,7 +176,10 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        check_attention_backend(self.attention_backend)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}: 'auto' (torch's "
+                "choice), 'fused' (cuDNN's fused attention), 'flash', 'unfused' / 'local' (the explicit softmax)")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="

@@ -18,6 +18,7 @@ from lightning_megatron.moe.training import pop_aux_loss_sums, set_aux_loss_scal
 from lightning_megatron.optimizer import PrecisionAwareAdamW, optimizer_state_dtype, optimizer_state_dtype_name
 from lightning_megatron.parallel.tensor_parallel.inference import sequence_parallel_disabled
 from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from lightning_megatron.utils.host_value import LaggedHostValue
 
 Batch = Dict[str, Tensor]
 
@@ -166,6 +167,8 @@ class ParallelGPTModule(pl.LightningModule):
         self.config = config
         self.model: Optional[GPTModel] = None
         self._val_totals: Optional[Tensor] = None
+        #: the training loss as the progress bar shows it: a step behind, never waiting for the GPU
+        self._shown_loss = LaggedHostValue()
         self._parallel: Optional[ParallelContext] = None
 
     # ---------------------------------------------------------------- model
@@ -226,8 +229,14 @@ class ParallelGPTModule(pl.LightningModule):
 
     def log_train_step(self, loss: Tensor, num_microbatches: int) -> None:
         """Log ``train_loss`` (the optimizer step's global token-mean, the same on every rank) and the MoE losses,
-        once per optimizer step."""
-        self.log("train_loss", loss, prog_bar=True)
+        once per optimizer step. The progress bar shows ``loss``: the newest step's loss that has reached the host
+        (:class:`~lightning_megatron.utils.host_value.LaggedHostValue`, usually the previous step's), because
+        Lightning reads progress-bar values at every batch's end, which with ``train_loss`` there would make the host
+        wait for the whole step and leave the GPU idle while the host prepares the next one."""
+        self.log("train_loss", loss)
+        shown = self._shown_loss.send(loss)
+        if shown is not None:
+            self.log("loss", shown, prog_bar=True, logger=False)
         self._log_moe_losses(num_microbatches)
 
     # ---------------------------------------------------------------- mixture of experts

@@ -17,11 +17,9 @@ Decided on the device (no host synchronisation): when the optimizer can skip its
 torch optimizer, which reads ``optimizer.found_inf``), :meth:`~NonFiniteGuard.start_step` arms a device flag that the
 step's checks raise and the optimizer reads, so a non-finite step changes no weight and no optimizer state without
 the host waiting for the GPU. The verdict travels to the host behind the step (:meth:`~NonFiniteGuard.end_step`) and is
-read by :meth:`~NonFiniteGuard.settle` inside the next optimizer step (once its forward and backward are queued, before
-its gradients are checked), at the end of training and before a checkpoint is written: the same error (naming the step
-it happened at) or the same skip, one step later in host time. A check that waits for the GPU at every step costs the
-step the time the host then needs to queue work again; read at the next step's start, the host would still wait for
-the previous step's checks while the GPU has only that step's update left to run.
+read by :meth:`~NonFiniteGuard.settle` at the start of the next optimizer step, at the end of training and before a
+checkpoint is written: the same error (naming the step it happened at) or the same skip, one step later in host time.
+A check that waits for the GPU at every step costs the step the time the host then needs to queue work again.
 """
 from __future__ import annotations
 
@@ -139,14 +137,11 @@ class NonFiniteGuard:
         self._values: Dict[str, Tensor] = {}    # this step's checked values, by check
         self._pending: Optional[_Verdict] = None
         self._sent: Optional[_Verdict] = None     # this step's checked values, on their way to the host
-        #: pinned landing places of the values, two: a step's checks are sent while the previous step's verdict,
-        #: in the other one, may still be unread (it is settled inside the next step, after its forward)
-        self._hosts: List[Tensor] = []
-        self._slot = 0
+        self._host: Optional[Tensor] = None      # pinned landing place of the values
 
     # ------------------------------------------------------------------ the device-side verdict
     def start_step(self, optimizer: Any) -> None:
-        """At an optimizer step's start: decide this step's checks on the device when
+        """At an optimizer step's start (after :meth:`settle`): decide this step's checks on the device when
         ``optimizer`` can skip its update there (:func:`skips_on_device`; None: it cannot, e.g. fp16's loss scaler
         owns ``found_inf``). The flag is handed to the optimizer as ``found_inf``."""
         self._values, self._sent = {}, None
@@ -173,9 +168,9 @@ class NonFiniteGuard:
         names = [n for n in _WHAT if n in self._values]
         values = torch.stack([self._values[n] for n in names])
         if values.is_cuda:
-            if not self._hosts:
-                self._hosts = [torch.empty(len(_WHAT), dtype=torch.float32, pin_memory=True) for _ in range(2)]
-            host = self._hosts[self._slot][:len(names)]
+            if self._host is None:
+                self._host = torch.empty(len(_WHAT), dtype=torch.float32, pin_memory=True)
+            host = self._host[:len(names)]
             host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
@@ -188,7 +183,6 @@ class NonFiniteGuard:
         :meth:`settle` reads next."""
         if self.on_device and self._sent is not None:
             self._pending = self._sent
-            self._slot = 1 - self._slot   # the next step's checks land in the other buffer
         self._sent, self._values = None, {}
 
     def settle(self) -> None:

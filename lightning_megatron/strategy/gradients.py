@@ -27,20 +27,18 @@ class GradientHooks:
         """Run the closure (forward + backward), finish the gradients, then let the precision plugin clip and
         step. Lightning calls this once per optimizer step, after the last micro-batch. With a fused optimizer the
         non-finite checks are decided on the device (:meth:`NonFiniteGuard.start_step`): the previous step's verdict
-        is settled after this step's forward and backward are queued and before its gradients are checked, so the
-        host waits for the previous step's checks only once the GPU has this step's work ahead of it (settled before
-        the forward, the host would wait while the GPU runs the previous update, and the GPU would then wait for the
-        host's work between steps)."""
+        is settled first."""
         guard = self._grads.guard if self._grads is not None else None
 
         def closure_then_finalize() -> Any:
             result = closure()
-            if guard is not None:
-                self._settle_in_step()
             self.finalize_gradients()
             return result
 
         if guard is not None:
+            self.settle_non_finite()
+            if self._skips_unlogged:
+                self._log_skipped()
             guard.start_step(None if self._loss_scaled() else optimizer)
         try:
             result = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
@@ -50,13 +48,6 @@ class GradientHooks:
         if guard is not None:
             guard.end_step()
         return result
-
-    def _settle_in_step(self) -> None:
-        """The previous step's verdict, read inside this optimizer step (see :meth:`optimizer_step`); a skip counted
-        outside a step (a checkpoint, the end) is logged here."""
-        self.settle_non_finite()
-        if self._skips_unlogged:
-            self._log_skipped()
 
     def settle_non_finite(self, log_skip: bool = True) -> None:
         """Read the verdict of the last step whose non-finite checks were decided on the device: raises

@@ -44,12 +44,26 @@ class _SyncWatch(pl.Callback):
             self._catch = None
 
 
-def _fit(check, callbacks, steps=4, adamw=None):
+class _SyncWatchAcross(_SyncWatch):
+    """As :class:`_SyncWatch`, from the start of batch ``first`` to the start of batch ``last + 1``: Lightning's own
+    work at each batch's end (the progress-bar values) included."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.last + 1:
+            super().on_train_batch_end(trainer, pl_module, None, batch, batch_idx)
+        if self.first <= batch_idx <= self.last and self._catch is None:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pass
+
+
+def _fit(check, callbacks, steps=4, adamw=None, progress_bar=False):
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     strategy = MegatronStrategy(check_for_nan_in_loss_and_grad=check)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, enable_progress_bar=progress_bar, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks)
     data = DataLoader(ListDataset(make_samples(cfg, 4 * steps)), batch_size=4, pin_memory=True)
     return strategy, trainer, data, new_module(cfg, steps, adamw=adamw)
@@ -91,3 +105,21 @@ def test_finite_steps_make_no_synchronising_call(measured):
     assert watch.seen == [], "\n".join(watch.seen)
     assert len(plain.seen) >= 3, plain.seen   # at least the loss check's read, each step
     assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
+
+
+def test_progress_bar_shows_the_loss_without_waiting_for_the_gpu(measured):
+    """With Lightning's progress bar on, batches 2-4 (each batch's end, where Lightning reads the progress-bar values,
+    included) make no synchronising call; the bar's ``loss`` is an earlier step's ``train_loss``."""
+    losses = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(trainer.callback_metrics["train_loss"].detach().clone())
+
+    watch = _SyncWatchAcross()
+    strategy, trainer, data, module = _fit(True, [watch, Losses()], steps=6, progress_bar=True)
+    trainer.fit(module, data)
+    measured(sync_calls_with_progress_bar=float(len(watch.seen)))
+    assert watch.seen == [], "\n".join(watch.seen)
+    shown = trainer.progress_bar_metrics["loss"]
+    assert isinstance(shown, float) and shown in [float(x) for x in losses], (shown, losses)
