@@ -25,10 +25,21 @@ def test_cpu_values_arrive_at_once_and_copies_start_empty():
 
 
 def test_progress_bar_shows_the_loss_and_loggers_get_the_tensor():
+    """Nothing is logged with the progress bar (Lightning would read it at every batch's end) and nothing as a number
+    (``self.log`` copies a number to the module's device): both make a CUDA host wait."""
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
+    module = new_module(cfg, 2)
+    logged, log = [], module.log
+
+    def spy(name, value, *args, **kwargs):
+        logged.append((name, torch.is_tensor(value), kwargs.get("prog_bar", False)))
+        return log(name, value, *args, **kwargs)
+
+    module.log = spy
     trainer = trainer_for(1, MegatronStrategy(), 2, enable_progress_bar=True)
-    trainer.fit(new_module(cfg, 2), DataLoader(ListDataset(make_samples(cfg, 8)), batch_size=4))
+    trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 8)), batch_size=4))
+    assert logged == [("train_loss", True, False)] * 2, logged
     assert set(trainer.progress_bar_metrics) == {"loss"}
     loss = trainer.callback_metrics["train_loss"]
     assert torch.is_tensor(loss) and trainer.progress_bar_metrics["loss"] == float(loss)

@@ -230,13 +230,14 @@ class ParallelGPTModule(pl.LightningModule):
     def log_train_step(self, loss: Tensor, num_microbatches: int) -> None:
         """Log ``train_loss`` (the optimizer step's global token-mean, the same on every rank) and the MoE losses,
         once per optimizer step. The progress bar shows ``loss``: the newest step's loss that has reached the host
-        (:class:`~lightning_megatron.utils.host_value.LaggedHostValue`, usually the previous step's), because
-        Lightning reads progress-bar values at every batch's end, which with ``train_loss`` there would make the host
-        wait for the whole step and leave the GPU idle while the host prepares the next one."""
+        (:class:`~lightning_megatron.utils.host_value.LaggedHostValue`, usually the previous step's), written into
+        ``trainer.progress_bar_metrics`` as a number. Lightning reads logged progress-bar values at every batch's end,
+        so ``train_loss`` there would make the host wait for the whole step and leave the GPU idle while the host
+        prepares the next one (and ``self.log`` of a number copies it to the GPU, which waits too)."""
         self.log("train_loss", loss)
         shown = self._shown_loss.send(loss)
-        if shown is not None:
-            self.log("loss", shown, prog_bar=True, logger=False)
+        if shown is not None and self._trainer is not None:
+            self.trainer.progress_bar_metrics["loss"] = shown
         self._log_moe_losses(num_microbatches)
 
     # ---------------------------------------------------------------- mixture of experts
