@@ -163,6 +163,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "dividing by the group size",
         (Edit(GRAD_SYNC, "                if average:\n                    bucket[0].div_(size)\n", ""),),
         (FLAT + "test_data_parallel_average_reduces_the_buffer_in_place",)),
+    Mutation(
+        "progress-bar-reads-the-loss", "ParallelGPTModule logs train_loss with prog_bar=True again (Lightning converts "
+        "it to a number at every batch's end: a host wait per step on CUDA)",
+        (Edit("lightning_megatron/models/module.py", '        self.log("train_loss", loss)\n',
+              '        self.log("train_loss", loss, prog_bar=True)\n'),),
+        ("tests/test_host_value.py::test_progress_bar_shows_the_loss_and_loggers_get_the_tensor",)),
+    Mutation(
+        "attention-backend-ignored", "SelfAttention always uses torch's dispatch, whatever attention_backend says",
+        (Edit(GPT, "            return causal_attention(q, k, v, dropout, self.attention_backend)\n",
+              '            return causal_attention(q, k, v, dropout, "auto")\n'),),
+        ("tests/test_attention_backend.py::test_the_option_is_validated_and_reaches_the_kernel_choice",)),
 )
 
 

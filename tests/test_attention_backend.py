@@ -53,18 +53,28 @@ def test_cudnn_is_not_chosen_off_cuda():
                                rtol=0, atol=0)
 
 
-def test_the_option_is_validated_and_reaches_the_model():
+def test_the_option_is_validated_and_reaches_the_kernel_choice(monkeypatch):
+    import lightning_megatron.models.gpt as gpt
+
     with pytest.raises(ValueError, match=r"attention_backend='cudnn' is not one of \('auto', 'fused'"):
         GPTConfig(attention_backend="cudnn")
     torch.manual_seed(0)
     cfg = GPTConfig(num_query_groups=2, attention_backend="unfused")
     model = GPTModel(cfg).double()
-    assert all(layer.self_attention.attention_backend == "unfused" for layer in model.decoder.layers.values())
+    seen = []
+
+    def spy(q, k, v, dropout_p=0.0, backend="auto"):
+        seen.append(backend)
+        return causal_attention(q, k, v, dropout_p, backend)
+
+    monkeypatch.setattr(gpt, "causal_attention", spy)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     unfused = model(ids)
+    assert seen == ["unfused"] * cfg.num_layers, seen
     for layer in model.decoder.layers.values():
         layer.self_attention.attention_backend = "auto"
     torch.testing.assert_close(model(ids), unfused, rtol=1e-10, atol=1e-10)
+    assert seen[cfg.num_layers:] == ["auto"] * cfg.num_layers, seen
 
 
 @pytest.mark.parametrize("value", ["flash", "fused", "unfused", "local", "auto"])
