@@ -16,8 +16,8 @@ and the model's ``[s, b, n, d]`` activations viewed as ``[b, n, s, d]``, so noth
 applies is decided from the inputs' device, dtype and shape only (no trial call), so it is the same when
 ``torch.compile`` traces it. cuDNN's backward did not repeat bit for bit between two runs of the same step on an
 H200 (the GPU tier's CUDA-graph and recompute comparisons, which expect that, fail with ``fused`` forced on their tiny
-models). On the CPU
-every backend but ``fused`` computes what ``scaled_dot_product_attention`` does; nothing here communicates.
+models). On the CPU every backend computes what torch's CPU kernels do (``flash``: its CPU flash kernel, ``unfused``:
+the math path); nothing here communicates.
 """
 from __future__ import annotations
 

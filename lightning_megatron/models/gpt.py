@@ -119,7 +119,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class SelfAttention(nn.Module):
     """Causal self-attention with GQA, computed by the kernel ``config.attention_backend`` names
-    (:func:`~lightning_megatron.models.attention.causal_attention`: by default cuDNN's fused attention on the GPU).
+    (:func:`~lightning_megatron.models.attention.causal_attention`: by default torch's own choice, which is cuDNN's
+    fused attention for bf16 on an H200 with torch 2.11).
 
     ``linear_qkv`` packs queries, keys and values by query group, Megatron's layout: for each of the
     ``g`` groups, ``n/g`` query heads then one key and one value head, ``d`` channels each. A contiguous

@@ -194,7 +194,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: for CUDA compiled for the lists' shapes (a group's flat runs keep theirs
-        for the whole run; another set of shapes compiles once more), eager elsewhere."""
+        for the whole run; another set of shapes compiles once more, up to torch's recompile limit per process,
+        after which it runs eagerly), eager elsewhere."""
         if device.type != "cuda":
             return adamw_multi_update_
         if self._compiled is None:
