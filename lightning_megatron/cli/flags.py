@@ -12,6 +12,7 @@ import argparse
 import ast
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
+from lightning_megatron.models.config import ATTENTION_BACKENDS
 from lightning_megatron.precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_BACKENDS, FP8_FORMATS, FP8_RECIPES
 from lightning_megatron.parallel.config import CP_COMM_TYPES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.layout_rules import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES, SCHEDULE_NAMES
@@ -237,7 +238,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--hidden-dropout", "GPTConfig.hidden_dropout", type=float, default=None)
     add_flag(g, "--attention-dropout", "GPTConfig.attention_dropout", type=float, default=None)
     add_flag(g, "--attention-backend", "GPTConfig.attention_backend",
-             choices=("flash", "fused", "unfused", "local", "auto"), default=None,
+             choices=ATTENTION_BACKENDS, default=None,
              help="default auto: torch's choice (cuDNN for bf16 on an H200 with torch 2.11); fused: cuDNN (an "
                   "error on CUDA where it cannot run); flash: the flash kernel; unfused / local: the explicit softmax")
 
