@@ -34,6 +34,7 @@ Arms (each in a child process of its own):
                              (``params_dtype=torch.bfloat16``) and bf16 moments
   ours-fp8-delayed-bf16p-bf16m-compile   the delayed recipe with bf16 parameters and bf16 moments
   ours-bf16p-bf16m-compile   bf16 (no FP8) with bf16 parameters (fp32 main parameters and gradients) and bf16 moments
+  ours-bf16p-bf16m-compile-nocheck   the same with ``check_for_nan_in_loss_and_grad=False``
   <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
 """
@@ -63,6 +64,7 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-fp8-delayed-bf16m-compile": BASE_ARMS["fp8-delayed-bf16-moments"],
         "ours-fp8-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-tensorwise-bf16-moments"], params_dtype="bfloat16"),
         "ours-bf16p-bf16m-compile": BASE_ARMS["bf16-params-bf16-moments"],
+        "ours-bf16p-bf16m-compile-nocheck": BASE_ARMS["bf16-params-bf16-moments"],
         "ours-fp8-delayed-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16"),
         "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
 CUDAGRAPH = "-cudagraph"
@@ -248,7 +250,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) ->
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
     strategy = MegatronStrategy(compile=not name.endswith(EAGER), enable_cuda_graph=cudagraph,
-                                check_for_nan_in_loss_and_grad=not name.endswith("-nocheck"))
+                                check_for_nan_in_loss_and_grad="-nocheck" not in name)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + int(profiled), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

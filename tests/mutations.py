@@ -174,6 +174,21 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit(GPT, "            return causal_attention(q, k, v, dropout, self.attention_backend)\n",
               '            return causal_attention(q, k, v, dropout, "auto")\n'),),
         ("tests/test_attention_backend.py::test_the_option_is_validated_and_reaches_the_kernel_choice",)),
+    Mutation(
+        "verdict-names-current-gradients", "a device-decided non-finite verdict names the parameter from the gradients "
+        "at hand when it is read (the next step's by then), not from the norms sent with it",
+        (Edit("lightning_megatron/parallel/nonfinite.py",
+              "grad_norms={id(p): v for p, v in zip(pending.params, norms)} if pending.params else None)",
+              "grad_norms=None)"),),
+        ("tests/test_robustness.py::test_device_decided_verdict_is_read_after_the_next_backward_and_still_names_the_"
+         "gradient",)),
+    Mutation(
+        "verdict-read-at-step-start", "the previous step's device-decided verdict is read at the optimizer step's start "
+        "again (the host waits for the GPU before queueing the next forward)",
+        (Edit("lightning_megatron/strategy/gradients.py", "        if guard is not None:\n            if self._skips_unlogged:",
+              "        if guard is not None:\n            self.settle_non_finite()\n            if self._skips_unlogged:"),),
+        ("tests/test_robustness.py::test_device_decided_verdict_is_read_after_the_next_backward_and_still_names_the_"
+         "gradient",)),
 )
 
 

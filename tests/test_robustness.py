@@ -134,6 +134,35 @@ def test_non_finite_last_step_decided_on_the_device_raises_before_fit_returns():
     assert torch.isfinite(weights[2]).all()
 
 
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+def test_device_decided_verdict_is_read_after_the_next_backward_and_still_names_the_gradient(clip):
+    """A fused AdamW (checks decided on the device), a NaN gradient at step 1 only: the verdict is read once step 2's
+    forward and backward have run (the host never waits for the step it has just queued), before step 2 touches the
+    weights, and the error still names step 1 and the parameter, whose gradient is finite again by then (the norms
+    sent with the verdict name it, with and without clipping). The weights after step 1 equal those after step 0."""
+    from tests.parity import PoisonGradientOnce, WeightsAfterStep
+
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    module = new_module(cfg, 4, adamw="fused")
+    weights, backwards = WeightsAfterStep(), []
+
+    class CountBackward(pl.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            backwards.append(trainer.global_step)
+
+    trainer = trainer_for(1, MegatronStrategy(), 4, callbacks=[PoisonGradientOnce(0, 1), weights, CountBackward()],
+                          gradient_clip_val=clip)
+    with pytest.raises(NonFiniteError, match=r"at step 1 \(trainer.global_step\): (a gradient|the global gradient norm) "
+                                             r"is nan.*rank 0: gradient of model\.decoder\.layers\.1\.mlp\.linear_fc2"
+                                             r"\.weight \(nan\)"):
+        trainer.fit(module, DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
+    assert backwards == [0, 1, 2]                    # step 2's backward ran before the verdict was read
+    assert len(weights.after_step) == 2 and torch.equal(weights.after_step[0], weights.after_step[1])
+    assert module.model.decoder.layers["1"].mlp.linear_fc2.weight.grad.isfinite().all()   # step 2's gradient
+    assert torch.equal(torch.cat([p.detach().flatten() for p in module.parameters()]), weights.after_step[1])
+
+
 def test_guard_off_and_grads_off_are_silent():
     net = _net_with_grads()
     NonFiniteGuard(net, enabled=False).check_grads()

@@ -1,7 +1,7 @@
 """Gradient norm and clipping by the true global norm of a model split over TP, PP and EP/ETP."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional, Set
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,8 @@ from lightning_megatron.utils.tensors import coalesce, local_tensor
 def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp_group: Group,
                      model_parallel_groups: Optional[List[Group]] = None, expert: Optional[Set[int]] = None,
                      expert_group: Group = None, shard_group: Group = None,
-                     expert_shard_group: Group = None) -> Tensor:
+                     expert_shard_group: Group = None,
+                     local_norms: Optional[List[Tuple[torch.nn.Parameter, Tensor]]] = None) -> Tensor:
     """L2 norm of the gradients of the whole model, the same value on every rank.
 
     Args:
@@ -30,6 +31,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
         shard_group, expert_shard_group: under FSDP, the groups the gradients are sharded over (dp x cp, and edp
             for the experts): ``DTensor`` gradients count by their local shards, whose squares are summed over
             these groups. None: gradients are whole on every data-parallel rank.
+        local_norms: a list to extend with ``(parameter, norm of its local gradient)`` pairs (0-d tensors, no
+            communication), computed in the same pass over the gradients (per tensor instead of per flat span: the
+            same bytes); None: not wanted.
 
     The norm is accumulated in float32, or float64 when any parameter is float64 (never narrower than the
     gradients). The dtype comes from the parameters, not their gradients, so every rank of a group agrees on
@@ -42,21 +46,21 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], sharded: Set[int], tp
     for p in params:
         if p.grad is None:
             continue
-        grad = local_tensor(p.grad.detach())
+        grad = (p, local_tensor(p.grad.detach()))
         if id(p) in expert:
             grads_expert.append(grad)
         else:
             (grads_sharded if id(p) in sharded else grads_replicated).append(grad)
     every = grads_sharded + grads_replicated + grads_expert
-    device = every[0].device if every else torch.device("cpu")
-    sharded_sq = _sum_squares(grads_sharded, device, acc)
+    device = every[0][1].device if every else torch.device("cpu")
+    sharded_sq = _sum_squares(grads_sharded, device, acc, local_norms)
     if group_size(tp_group) > 1:
         dist.all_reduce(sharded_sq, group=tp_group)
-    total = sharded_sq + _sum_squares(grads_replicated, device, acc)
+    total = sharded_sq + _sum_squares(grads_replicated, device, acc, local_norms)
     if shard_group is not None and group_size(shard_group) > 1:
         dist.all_reduce(total, group=shard_group)
     if expert:
-        expert_sq = _sum_squares(grads_expert, device, acc)
+        expert_sq = _sum_squares(grads_expert, device, acc, local_norms)
         if group_size(expert_group) > 1:
             dist.all_reduce(expert_sq, group=expert_group)
         if expert_shard_group is not None and group_size(expert_shard_group) > 1:
@@ -73,12 +77,19 @@ def _norm_dtype(params: List[torch.nn.Parameter]) -> torch.dtype:
     return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
 
-def _sum_squares(grads: List[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Sum of the squares of every element of ``grads``, over their flat spans (adjacent views of a contiguous
-    gradient buffer count as one tensor: one norm per bucket, not per parameter)."""
+def _sum_squares(grads: List[Tuple[torch.nn.Parameter, Tensor]], device: torch.device, dtype: torch.dtype,
+                 local_norms: Optional[List[Tuple[torch.nn.Parameter, Tensor]]] = None) -> Tensor:
+    """Sum of the squares of every element of the gradients of ``grads`` (``(parameter, local gradient)`` pairs), over
+    their flat spans (adjacent views of a contiguous gradient buffer count as one tensor: one norm per bucket, not per
+    parameter); with ``local_norms``, per gradient, each norm appended there with its parameter."""
     if not grads:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = torch._foreach_norm(coalesce(grads), 2.0)
+    tensors = [g for _, g in grads]
+    if local_norms is None:
+        norms = torch._foreach_norm(coalesce(tensors), 2.0)
+    else:
+        norms = torch._foreach_norm(tensors, 2.0)
+        local_norms.extend(zip([p for p, _ in grads], norms))
     return torch.stack([n.to(dtype) for n in norms]).pow(2).sum()
 
 
@@ -93,20 +104,22 @@ def clip_coefficient(norm: Tensor, max_norm: float, eps: float = 1e-6) -> Tensor
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
                     model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
                     expert: Optional[Set[int]] = None, expert_group: Group = None,
-                    check: Optional[Callable[[Tensor], None]] = None, shard_group: Group = None,
+                    check: Optional[Callable[[Tensor, list], None]] = None, shard_group: Group = None,
                     expert_shard_group: Group = None) -> Tensor:
     """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
     but with the norm from :func:`global_grad_norm` (``shard_group`` / ``expert_shard_group``: FSDP's, see there;
-    ``DTensor`` gradients are scaled shard by shard). ``check(norm)`` runs before any gradient is scaled (the
-    non-finite guard raises there, so a NaN norm never reaches the gradients).
+    ``DTensor`` gradients are scaled shard by shard). ``check(norm, local_norms)`` runs before any gradient is scaled
+    (the non-finite guard raises there, so a NaN norm never reaches the gradients; ``local_norms``: each parameter's
+    local gradient norm, see :func:`global_grad_norm`).
     """
     params = list(params)
+    local_norms: Optional[list] = [] if check is not None else None
     norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group, shard_group,
-                            expert_shard_group)
+                            expert_shard_group, local_norms)
     if check is not None:
-        check(norm)
+        check(norm, local_norms)
     params = [p for p in params if p.grad is not None]
     coef = clip_coefficient(norm, max_norm, eps)
     if params:   # over the gradients' flat spans (one tensor per contiguous bucket)

@@ -16,10 +16,14 @@ checkpoint is written.
 Decided on the device (no host synchronisation): when the optimizer can skip its own update on the device (a fused
 torch optimizer, which reads ``optimizer.found_inf``), :meth:`~NonFiniteGuard.start_step` arms a device flag that the
 step's checks raise and the optimizer reads, so a non-finite step changes no weight and no optimizer state without
-the host waiting for the GPU. The verdict travels to the host behind the step (:meth:`~NonFiniteGuard.end_step`) and is
-read by :meth:`~NonFiniteGuard.settle` at the start of the next optimizer step, at the end of training and before a
-checkpoint is written: the same error (naming the step it happened at) or the same skip, one step later in host time.
-A check that waits for the GPU at every step costs the step the time the host then needs to queue work again.
+the host waiting for the GPU. The verdict travels to the host behind the step (:meth:`~NonFiniteGuard.end_step`), with
+each parameter's local gradient norm (the per-tensor norms the checks compute anyway, so the failing parameter is
+still named once its gradient is gone), and is read by :meth:`~NonFiniteGuard.settle` after the next optimizer step's
+forward and backward are queued (before its gradients are reduced, checked or applied), at the end of training and
+before a checkpoint is written: the same error (naming the step it happened at) or the same skip, one step later in
+host time. By then the GPU has long finished that step's checks, so the host does not wait and the GPU always has a
+step's work queued. A check that waits for the GPU at every step costs the step the time the host then needs to
+queue work again.
 """
 from __future__ import annotations
 
@@ -68,6 +72,29 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     return torch.stack([torch.stack(group).float().sum() for group in by_dtype.values()]).sum()
 
 
+def per_tensor_max_abs(params: List[nn.Parameter]) -> Tuple[List[nn.Parameter], Tensor]:
+    """``(order, values)``: each gradient's largest absolute value (its local part, float32 ``[n]``; NaN and inf
+    propagate) for the parameters of ``params`` that hold a floating-point gradient, in the order ``order`` of
+    ``values``. One fused pass over the gradients (the same bytes as over their flat spans), one stack and cast per
+    dtype. No communication."""
+    pairs = [(p, local_tensor(p.grad.detach())) for p in params if p.grad is not None]
+    pairs = [(p, g) for p, g in pairs if g.is_floating_point() and g.numel() > 0]
+    if not pairs:
+        return [], torch.zeros(0)
+    return _float_vector([p for p, _ in pairs], torch._foreach_norm([g for _, g in pairs], float("inf")))
+
+
+def _float_vector(params: List[nn.Parameter], values: List[Tensor]) -> Tuple[List[nn.Parameter], Tensor]:
+    """``values`` (0-d tensors, one per parameter of ``params``) as one float32 vector: one stack and one cast per dtype
+    (not a cast kernel per tensor), so the parameters come back reordered by dtype."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, v in enumerate(values):
+        by_dtype.setdefault(v.dtype, []).append(i)
+    order = [i for group in by_dtype.values() for i in group]
+    vector = torch.cat([torch.stack([values[i] for i in group]).float() for group in by_dtype.values()])
+    return [params[i] for i in order], vector
+
+
 def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
     """``(name, "nan" or "inf")`` of the first tensor holding a non-finite value, or None."""
     for name, t in named:
@@ -96,11 +123,12 @@ def skips_on_device(optimizer: Any) -> bool:
 
 @dataclass
 class _Verdict:
-    """A step's checked values on their way to the host: ``values[i]`` of check ``names[i]``, readable once ``ready``
-    has passed."""
+    """A step's checked values on their way to the host, readable once ``ready`` has passed: ``values[i]`` of check
+    ``names[i]``, then the local gradient norm of each parameter of ``params`` (in that order)."""
 
     step: Optional[int]
     names: List[str]
+    params: List[nn.Parameter]
     values: Tensor
     ready: Any
 
@@ -135,16 +163,20 @@ class NonFiniteGuard:
         self.on_device = False
         self._found: Optional[Tensor] = None     # the device flag the optimizer reads
         self._values: Dict[str, Tensor] = {}    # this step's checked values, by check
+        self._per_param: Tuple[List[nn.Parameter], Optional[Tensor]] = ([], None)   # this step's gradient norms
         self._pending: Optional[_Verdict] = None
         self._sent: Optional[_Verdict] = None     # this step's checked values, on their way to the host
-        self._host: Optional[Tensor] = None      # pinned landing place of the values
+        # pinned landing places of the values, used in turn: the last step's stay readable while this one's land
+        self._host: List[Optional[Tensor]] = [None, None]
+        self._turn = 0
 
     # ------------------------------------------------------------------ the device-side verdict
     def start_step(self, optimizer: Any) -> None:
         """At an optimizer step's start (after :meth:`settle`): decide this step's checks on the device when
         ``optimizer`` can skip its update there (:func:`skips_on_device`; None: it cannot, e.g. fp16's loss scaler
         owns ``found_inf``). The flag is handed to the optimizer as ``found_inf``."""
-        self._values, self._sent = {}, None
+        self._values, self._sent, self._per_param = {}, None, ([], None)
+        self._turn = 1 - self._turn
         self.on_device = self.enabled and optimizer is not None and skips_on_device(optimizer)
         if not self.on_device:
             if optimizer is not None and self._found is not None and getattr(optimizer, "found_inf", None) is self._found:
@@ -157,26 +189,34 @@ class NonFiniteGuard:
             self._found.zero_()
         optimizer.found_inf = self._found
 
-    def _note(self, name: str, value: Tensor) -> None:
-        """Record a checked value, raise the device flag when it is not finite and send the values so far to the host
-        (no host synchronisation). The last check's copy is the one :meth:`settle` waits for: it is queued before the
+    def _note(self, name: str, value: Tensor,
+              per_param: Optional[Tuple[List[nn.Parameter], Tensor]] = None) -> None:
+        """Record a checked value (and ``per_param``: the parameters and their local gradient norms ``[n]`` it was
+        computed from), raise the device flag when it is not finite and send the values so far to the host (no host
+        synchronisation). The last check's copy is the one :meth:`settle` waits for: it is queued before the
         optimizer's kernels, so settling waits for the checks only, not for the optimizer step behind them."""
         assert self._found is not None
         value = value.detach().to(self._found.device, torch.float32).reshape(())
         self._values[name] = value
         torch.maximum(self._found, (~torch.isfinite(value)).float(), out=self._found)
+        if per_param is not None:
+            self._per_param = (per_param[0], per_param[1].detach().to(self._found.device, torch.float32))
         names = [n for n in _WHAT if n in self._values]
+        params, norms = self._per_param
         values = torch.stack([self._values[n] for n in names])
+        if norms is not None:
+            values = torch.cat([values, norms])
         if values.is_cuda:
-            if self._host is None:
-                self._host = torch.empty(len(_WHAT), dtype=torch.float32, pin_memory=True)
-            host = self._host[:len(names)]
+            host = self._host[self._turn]
+            if host is None or host.numel() < values.numel():
+                host = self._host[self._turn] = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
+            host = host[:values.numel()]
             host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         else:
             host, ready = values, None
-        self._sent = _Verdict(self.step, names, host, ready)
+        self._sent = _Verdict(self.step, names, list(params), host, ready)
 
     def end_step(self) -> None:
         """After the optimizer step: this step's verdict (sent to the host by its last check) is the one
@@ -187,19 +227,23 @@ class NonFiniteGuard:
 
     def settle(self) -> None:
         """Read the last device-decided step's verdict (waits for that step's checks only, not for the work queued
-        after them): a non-finite value raises as the synchronous checks do, naming that step (the optimizer has
-        already skipped its update). Collective on the failure path: every rank calls it at the same point."""
+        after them): a non-finite value raises as the synchronous checks do, naming that step and the parameter whose
+        gradient norm sent with the verdict is not finite (the optimizer has already skipped its update; the
+        gradients themselves may be the next step's by now). Collective on the failure path: every rank calls it at
+        the same point."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending.ready is not None:
             pending.ready.synchronize()
         values = pending.values.tolist()
-        bad = [(n, v) for n, v in zip(pending.names, values) if not math.isfinite(v)]
+        checks, norms = values[:len(pending.names)], values[len(pending.names):]
+        bad = [(n, v) for n, v in zip(pending.names, checks) if not math.isfinite(v)]
         if bad:
             name, value = bad[0]
             self.step = pending.step
-            self._raise(_WHAT[name].format(_kind(value)), grads=True)
+            self._raise(_WHAT[name].format(_kind(value)), grads=True,
+                        grad_norms={id(p): v for p, v in zip(pending.params, norms)} if pending.params else None)
 
     # ------------------------------------------------------------------ checks
     def check_loss(self, loss: Tensor) -> None:
@@ -210,11 +254,13 @@ class NonFiniteGuard:
         elif self.enabled and not bool(torch.isfinite(loss.detach()).all()):
             self._raise(f"the loss is {_kind(float(loss))}", grads=True)
 
-    def check_grad_norm(self, norm: Tensor) -> None:
+    def check_grad_norm(self, norm: Tensor, local_norms: Optional[List[Tuple[nn.Parameter, Tensor]]] = None) -> None:
         """``norm``: the global gradient norm, the same on every rank (before clipping scales anything); on the device
-        as :meth:`check_loss`."""
+        as :meth:`check_loss`, where ``local_norms`` (``(parameter, its local gradient's norm)`` pairs, from
+        :func:`~lightning_megatron.parallel.grad_norm.global_grad_norm`) go with the verdict to name the parameter."""
         if self.enabled and self.grads and self.on_device:
-            self._note("norm", norm)
+            per_param = _float_vector([p for p, _ in local_norms], [n for _, n in local_norms]) if local_norms else None
+            self._note("norm", norm, per_param)
         elif self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):
             self._raise(f"the global gradient norm is {_kind(float(norm))}", grads=True)
 
@@ -226,7 +272,9 @@ class NonFiniteGuard:
             return
         params = list(self.module.parameters()) if params is None else params
         if self.on_device:
-            self._note("grads", self._world_sum_tensor(local_max_abs(p.grad for p in params)))
+            order, values = per_tensor_max_abs(params)
+            local = values.sum() if order else torch.zeros(())
+            self._note("grads", self._world_sum_tensor(local), (order, values) if order else None)
             return
         value = float(self._world_sum_tensor(local_max_abs(p.grad for p in params)))
         if not math.isfinite(value):
@@ -249,14 +297,19 @@ class NonFiniteGuard:
             dist.all_reduce(value)
         return value
 
-    def _raise(self, what: str, grads: bool) -> None:
+    def _raise(self, what: str, grads: bool, grad_norms: Optional[Dict[int, float]] = None) -> None:
         """Name the first non-finite weight (and gradient) on every rank, then raise (collective over the world:
-        every rank gets here together)."""
+        every rank gets here together). ``grad_norms``: the step's local gradient norms by parameter ``id`` (a
+        device-decided step, whose gradients are gone by now); None: the gradients are read."""
         named = list(self.module.named_parameters())
         found = first_non_finite(named)
         weight = f"weight {found[0]} ({found[1]})" if found else None
         grad = None
-        if grads:
+        if grads and grad_norms is not None:
+            found = next(((name, _kind(grad_norms[id(p)])) for name, p in named
+                          if id(p) in grad_norms and not math.isfinite(grad_norms[id(p)])), None)
+            grad = f"gradient of {found[0]} ({found[1]})" if found else None
+        elif grads:
             found = first_non_finite((name, p.grad) for name, p in named)
             grad = f"gradient of {found[0]} ({found[1]})" if found else None
         if weight is None and grads:

@@ -27,16 +27,18 @@ class GradientHooks:
         """Run the closure (forward + backward), finish the gradients, then let the precision plugin clip and
         step. Lightning calls this once per optimizer step, after the last micro-batch. With a fused optimizer the
         non-finite checks are decided on the device (:meth:`NonFiniteGuard.start_step`): the previous step's verdict
-        is settled first."""
+        is settled once this step's forward and backward are queued, before its gradients are finished (by then the
+        GPU is past the previous step's checks, so the host does not wait for it)."""
         guard = self._grads.guard if self._grads is not None else None
 
         def closure_then_finalize() -> Any:
             result = closure()
+            if guard is not None:
+                self.settle_non_finite()
             self.finalize_gradients()
             return result
 
         if guard is not None:
-            self.settle_non_finite()
             if self._skips_unlogged:
                 self._log_skipped()
             guard.start_step(None if self._loss_scaled() else optimizer)
