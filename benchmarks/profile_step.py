@@ -135,6 +135,54 @@ def host_time(prof) -> dict:
                 top_self=[[k[:80], round(ms, 3), n] for k, ms, n in top])
 
 
+class HostLead:
+    """How far the host runs ahead of the GPU at points of a step, over the timed steps: at each point a CUDA event is
+    recorded with the host's clock; once the steps are over, the GPU's time at each event (from a reference event
+    recorded right after a synchronisation) minus the host's time is how long the GPU took to reach work the host had
+    queued. Near 0 at a point: the GPU waited for the host there. Median per point (ms); no synchronisation while
+    the steps run (the events are read at the end)."""
+
+    POINTS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_train_batch_end")
+
+    def __init__(self) -> None:
+        self.marks: list = []
+        self.ref = None
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.ref, self.t0 = torch.cuda.Event(enable_timing=True), time.perf_counter()
+        self.ref.record()
+
+    def mark(self, point: str) -> None:
+        import torch
+
+        if self.ref is None:
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((point, time.perf_counter(), event))
+
+    def report(self) -> dict:
+        import statistics
+
+        import torch
+
+        torch.cuda.synchronize()
+        lead: dict = {}
+        starts = [(host, event) for point, host, event in self.marks if point == self.POINTS[0]]
+        for point, host, event in self.marks:
+            lead.setdefault(point, []).append(self.ref.elapsed_time(event) - (host - self.t0) * 1e3)
+        self.marks, self.ref = [], None
+        out = {p: round(statistics.median(v), 2) for p, v in lead.items()}
+        # a step's length on each side, between consecutive batch starts
+        out["host_step_ms"] = round(statistics.median((b[0] - a[0]) * 1e3 for a, b in zip(starts, starts[1:])), 2)
+        out["gpu_step_ms"] = round(statistics.median(a[1].elapsed_time(b[1]) for a, b in zip(starts, starts[1:])), 2)
+        return out
+
+
 def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
     """The timed steps' figures, printed at once as a ``TIMED`` line (an arm cut short while profiling keeps them)."""
     row = dict(tokens_per_s=round(tokens / seconds), step_ms=round(seconds / TIMED * 1e3, 2),
@@ -219,6 +267,28 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) ->
                 torch.cuda.synchronize()
                 turns.wait_for_my_turn()
 
+    lead = HostLead()
+
+    class LeadMarks(pl.Callback):   # after the timer's start sync (callbacks run in order): the timed steps
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == WARMUP:
+                lead.start()
+            lead.mark("on_train_batch_start")
+
+        def on_before_backward(self, trainer, module, loss):
+            lead.mark("on_before_backward")
+
+        def on_after_backward(self, trainer, module):
+            lead.mark("on_after_backward")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            lead.mark("on_before_optimizer_step")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            lead.mark("on_train_batch_end")
+            if batch_idx == WARMUP + TIMED - 1:
+                result["host_lead_ms"] = lead.report()
+
     def timed_over() -> None:
         result.update(report_timed(4 * cfg.seq_length * TIMED, timer.times[1] - timer.times[0],
                                    timer.peak_mem, timer.peak_reserved))
@@ -254,7 +324,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) ->
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + int(profiled), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[WaitForTurn(), timer, ProfileOne() if profiled else TimedOnly()])
+                         callbacks=[WaitForTurn(), timer, LeadMarks(), ProfileOne() if profiled else TimedOnly()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     from torch._dynamo.utils import counters
 
