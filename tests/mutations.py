@@ -175,6 +175,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
               '            return causal_attention(q, k, v, dropout, "auto")\n'),),
         ("tests/test_attention_backend.py::test_the_option_is_validated_and_reaches_the_kernel_choice",)),
     Mutation(
+        "main-grads-copied-per-parameter", "MainParams copies each first bf16 gradient into its main gradient on its own "
+        "(a copy kernel per parameter) instead of one multi-tensor copy per bucket",
+        (Edit("lightning_megatron/parallel/main_grad.py", "                if len(bucket.pending) >= bucket.expecting:\n",
+              "                if True:\n"),),
+        (FLAT + "test_first_gradients_are_copied_per_bucket_and_accumulate_in_fp32",)),
+    Mutation(
         "verdict-names-current-gradients", "a device-decided non-finite verdict names the parameter from the gradients "
         "at hand when it is read (the next step's by then), not from the norms sent with it",
         (Edit("lightning_megatron/parallel/nonfinite.py",

@@ -183,6 +183,58 @@ def _spy_lengths(monkeypatch, owner, name: str) -> List[int]:
     return seen
 
 
+def _spy_copies_to(monkeypatch, dtype: torch.dtype) -> List[int]:
+    """Record the list length of each ``torch._foreach_copy_`` call whose destinations are ``dtype``."""
+    seen: List[int] = []
+    original = torch._foreach_copy_
+
+    def spy(dst, src, *args, **kwargs):
+        if dst and dst[0].dtype == dtype:
+            seen.append(len(dst))
+        return original(dst, src, *args, **kwargs)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    return seen
+
+
+def test_first_gradients_are_copied_per_bucket_and_accumulate_in_fp32(monkeypatch):
+    """A step's first bf16 gradients reach the fp32 main gradients in one multi-tensor copy per bucket, once the
+    bucket's gradients are all there; a bucket with a parameter that never gets one (``unused``) is copied when its
+    other parameter's second micro-batch arrives, and reading a main gradient mid-step copies its bucket first. The
+    main gradients equal the fp32 sums of each micro-batch's bf16 gradients exactly."""
+    torch.manual_seed(0)
+    m = Block(depth=3)
+    main = MainParams(m, bucket_size=130)      # buckets: [l0.w, l1.w], [l2.w, unused.w], the 9 vectors
+    ref = Block(depth=3).to(torch.bfloat16)
+    ref.load_state_dict(m.state_dict())
+    xs = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(2)]
+    expected = {}
+    for x in xs:
+        ref.zero_grad(set_to_none=True)
+        ref(x).square().sum().backward()
+        for (name, q) in ref.named_parameters():
+            if q.grad is not None:
+                expected[name] = q.grad.float() if name not in expected else expected[name] + q.grad.float()
+    copies = _spy_copies_to(monkeypatch, torch.float32)
+    for x in xs:
+        m(x).square().sum().backward()
+    assert sorted(copies) == [1, 2, 9]
+    params = dict(m.named_parameters())
+    assert main.main_grad(params["unused.weight"]) is None
+    for name, value in expected.items():
+        assert torch.equal(main.main_grad(params[name]), value), name
+    main.to_main()
+    main.to_compute()
+    copies.clear()                             # one micro-batch, then a mid-step read of the waiting bucket
+    m(xs[0]).square().sum().backward()
+    assert sorted(copies) == [2, 9]
+    ref.zero_grad(set_to_none=True)
+    ref(xs[0]).square().sum().backward()
+    assert torch.equal(main.main_grad(params["layers.2.weight"]), ref.layers[2].weight.grad.float())
+    assert sorted(copies) == [1, 2, 9]
+    main.to_main()
+    assert torch.equal(params["layers.2.weight"].grad, ref.layers[2].weight.grad.float())
+
+
 def _spy_update(monkeypatch) -> List[int]:
     return _spy_lengths(monkeypatch, paa, "adamw_multi_update_")
 
@@ -282,7 +334,7 @@ def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch, fused_
     else:
         opt.register_step_post_hook(main.optimizer_hook)
     seen = _spy_update(monkeypatch)
-    copies = _spy_lengths(monkeypatch, torch, "_foreach_copy_")
+    copies = _spy_copies_to(monkeypatch, torch.bfloat16)
     for _ in range(3):
         m(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
         main.to_main()

@@ -12,7 +12,10 @@ one identity that the optimizer, the gradient reductions, clipping and checkpoin
 * Forward and backward run on the bf16 copy: no per-forward fp32 -> bf16 cast under autocast (for a bf16 weight
   autocast's cast is a no-op), activations and GEMMs as in Megatron's ``Float16Module``.
 * A post-accumulate-grad hook on every parameter adds its bf16 gradient into the fp32 ``main_grad`` (created at
-  the first micro-batch of a step) and frees it, so micro-batches accumulate in fp32.
+  the first micro-batch of a step) and frees it, so micro-batches accumulate in fp32. A step's first gradients are
+  copied in per bucket, once all of the bucket's have arrived: one multi-tensor copy (``torch._foreach_copy_``, which
+  converts bf16 to fp32 with vectorised loads) instead of one copy kernel per parameter; the bf16 gradients wait
+  for it (at most about a bucket of them) and anything that reads a main gradient first copies its bucket's.
 * :meth:`to_main` (the first thing of ``GradientFinalizer.finalize``) switches to the main view: everything after it
   (data / sequence / expert parallel reductions, the tied-embedding sum, the global-norm clip, the non-finite
   guard, the optimizer and the distributed optimizer's states and broadcasts) sees fp32 parameters and fp32
@@ -42,7 +45,7 @@ torch DDP around a module with main parameters: its reducer would own the bf16 g
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
@@ -81,13 +84,16 @@ def check_bf16_params_options(config: Any, fitting: bool) -> None:
 class _Bucket:
     """One bucket of the contiguous buffers: ``numel`` elements on ``device``; the bf16 compute copies and fp32 main
     parameters of its parameters (flat, persistent) and their fp32 main gradients (flat, allocated at the step's first
-    gradient into the bucket, None between steps)."""
+    gradient into the bucket, None between steps). ``pending``: this step's first bf16 gradients not yet copied into
+    their main-gradient views (``(view, gradient)``), copied together once ``expecting`` of them have arrived."""
 
     numel: int
     device: torch.device
     compute: Tensor
     main: Tensor
     grad: Optional[Tensor] = None
+    expecting: int = 0
+    pending: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 def bucket_layout(params: List[nn.Parameter], bucket_size: int) -> List[List[nn.Parameter]]:
@@ -165,6 +171,7 @@ class MainParams:
                 self._main[id(p)], self._compute[id(p)] = main, compute
                 p.data = compute
                 offset += p.numel()
+            bucket.expecting = sum(1 for p in members if p.requires_grad)
         for p in self.params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
@@ -180,23 +187,41 @@ class MainParams:
         return bucket.grad[offset:offset + p.numel()].view(p.shape)
 
     def _accumulate(self, p: Tensor) -> None:
-        """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32 (the first gradient of the step is copied in,
-        so the buffer needs no zeroing), then free ``p.grad``."""
+        """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32, then drop ``p.grad``. The first gradient of the
+        step is copied in (the buffer needs no zeroing), together with the rest of its bucket's once they are all
+        there (:meth:`_copy_pending`)."""
         if self.in_main_view or p.grad is None:
             return
         key = id(p)
+        index = self._where[key][0]
         with torch.no_grad():
             view = self._grads.get(key)
             if view is not None:
+                self._copy_pending(index)   # its first gradient may still wait for the bucket
                 view.add_(p.grad)
             else:
-                view = self._grads[key] = self._grad_view(p)
-                view.copy_(p.grad)
+                self._grads[key] = view = self._grad_view(p)
+                bucket = self.buckets[index]
+                bucket.pending.append((view, p.grad))
+                if len(bucket.pending) >= bucket.expecting:
+                    self._copy_pending(index)
         p.grad = None
+
+    def _copy_pending(self, index: int) -> None:
+        """Copy bucket ``index``'s waiting first gradients into their main-gradient views (one multi-tensor copy)."""
+        bucket = self.buckets[index]
+        if bucket.pending:
+            views, grads = zip(*bucket.pending)
+            bucket.pending = []
+            with torch.no_grad():
+                torch._foreach_copy_(list(views), list(grads))
 
     def main_grad(self, p: nn.Parameter) -> Optional[Tensor]:
         """The fp32 gradient of ``p`` accumulated over this step's micro-batches (None before its first one):
         the tensor a data-parallel reduction works on (in the main view it is also ``p.grad``)."""
+        where = self._where.get(id(p))
+        if where is not None:
+            self._copy_pending(where[0])
         return self._grads.get(id(p))
 
     def main_param(self, p: nn.Parameter) -> Tensor:
@@ -210,6 +235,8 @@ class MainParams:
         if self.in_main_view:
             return
         self.in_main_view = True
+        for index in range(len(self.buckets)):   # buckets some parameter of which had no gradient this step
+            self._copy_pending(index)
         for p in self.params:
             p.grad = None
             p.data = self._main[id(p)]
@@ -232,7 +259,7 @@ class MainParams:
 
     def _drop_grads(self) -> None:
         for bucket in self.buckets:
-            bucket.grad = None
+            bucket.grad, bucket.pending = None, []
         self._grads = {}
 
     @contextmanager
