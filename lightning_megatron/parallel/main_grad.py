@@ -34,9 +34,9 @@ of their own. A bucket's main gradients are one allocation, made when its first
 gradient of the step arrives (backward fills the buckets from the last to the first, so memory grows as it did per
 parameter) and freed when the step is over. Work over many of these tensors then runs over a few flat ones
 (:func:`~lightning_megatron.utils.tensors.coalesce`): the copy back to bf16 is one operation over the buckets, and
-the optimizer (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`), the global norm and clipping, the
-non-finite check and the data-parallel reduction each see one flat tensor per bucket and parameter group instead of
-one per parameter.
+the optimizer (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`), clipping and the data-parallel
+reduction each see one flat tensor per bucket and parameter group instead of one per parameter (the global norm and
+the non-finite check, one multi-tensor pass either way, keep per-parameter norms for the non-finite verdict).
 
 Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step), Megatron's.
 No communication here; the gradients are reduced by the caller over its groups (the step path does not wrap
