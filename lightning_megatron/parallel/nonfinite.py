@@ -172,7 +172,8 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ the device-side verdict
     def start_step(self, optimizer: Any) -> None:
-        """At an optimizer step's start (after :meth:`settle`): decide this step's checks on the device when
+        """At an optimizer step's start (the previous step's verdict is settled later, behind this step's backward):
+        decide this step's checks on the device when
         ``optimizer`` can skip its update there (:func:`skips_on_device`; None: it cannot, e.g. fp16's loss scaler
         owns ``found_inf``). The flag is handed to the optimizer as ``found_inf``."""
         self._values, self._sent, self._per_param = {}, None, ([], None)
