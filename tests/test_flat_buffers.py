@@ -10,7 +10,7 @@ count mixed up) fails here.
 from __future__ import annotations
 
 import copy
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -170,29 +170,17 @@ def _set_grads(params: List[nn.Parameter], grads: List[torch.Tensor], buffer: bo
             p.grad = x.clone()
 
 
-def _spy_lengths(monkeypatch, owner, name: str) -> List[int]:
+def _spy_lengths(monkeypatch, owner, name: str, dtype: Optional[torch.dtype] = None) -> List[int]:
     """Replace ``owner.name`` (a function taking a list of tensors first) by a spy that records each call's list
-    length; returns that record."""
+    length (only of the calls whose first list holds ``dtype`` tensors, when given); returns that record."""
     seen: List[int] = []
     original = getattr(owner, name)
 
     def spy(tensors, *args, **kwargs):
-        seen.append(len(tensors))
+        if dtype is None or (tensors and tensors[0].dtype == dtype):
+            seen.append(len(tensors))
         return original(tensors, *args, **kwargs)
     monkeypatch.setattr(owner, name, spy)
-    return seen
-
-
-def _spy_copies_to(monkeypatch, dtype: torch.dtype) -> List[int]:
-    """Record the list length of each ``torch._foreach_copy_`` call whose destinations are ``dtype``."""
-    seen: List[int] = []
-    original = torch._foreach_copy_
-
-    def spy(dst, src, *args, **kwargs):
-        if dst and dst[0].dtype == dtype:
-            seen.append(len(dst))
-        return original(dst, src, *args, **kwargs)
-    monkeypatch.setattr(torch, "_foreach_copy_", spy)
     return seen
 
 
@@ -214,7 +202,7 @@ def test_first_gradients_are_copied_per_bucket_and_accumulate_in_fp32(monkeypatc
         for (name, q) in ref.named_parameters():
             if q.grad is not None:
                 expected[name] = q.grad.float() if name not in expected else expected[name] + q.grad.float()
-    copies = _spy_copies_to(monkeypatch, torch.float32)
+    copies = _spy_lengths(monkeypatch, torch, "_foreach_copy_", torch.float32)
     for x in xs:
         m(x).square().sum().backward()
     assert sorted(copies) == [1, 2, 9]
@@ -334,7 +322,7 @@ def test_optimizer_on_main_params_sees_one_tensor_per_bucket(monkeypatch, fused_
     else:
         opt.register_step_post_hook(main.optimizer_hook)
     seen = _spy_update(monkeypatch)
-    copies = _spy_copies_to(monkeypatch, torch.bfloat16)
+    copies = _spy_lengths(monkeypatch, torch, "_foreach_copy_", torch.bfloat16)
     for _ in range(3):
         m(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
         main.to_main()

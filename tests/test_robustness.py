@@ -38,6 +38,8 @@ from tests._dist import run_distributed
 from tests.parity import (
     SEED,
     ListDataset,
+    PoisonGradientOnce,
+    WeightsAfterStep,
     collate,
     lightning_train_order,
     make_samples,
@@ -140,8 +142,6 @@ def test_device_decided_verdict_is_read_after_the_next_backward_and_still_names_
     forward and backward have run (the host never waits for the step it has just queued), before step 2 touches the
     weights, and the error still names step 1 and the parameter, whose gradient is finite again by then (the norms
     sent with the verdict name it, with and without clipping). The weights after step 1 equal those after step 0."""
-    from tests.parity import PoisonGradientOnce, WeightsAfterStep
-
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     module = new_module(cfg, 4, adamw="fused")
