@@ -181,6 +181,25 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "                if True:\n"),),
         (FLAT + "test_first_gradients_are_copied_per_bucket_and_accumulate_in_fp32",)),
     Mutation(
+        "update-plan-ignores-membership", "PrecisionAwareAdamW uses its previous update plan again when as many "
+        "parameters have gradients as then, even if they are other ones",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        if len(ids) != len(self.members) or any(id(p) not in ids for p in self.members):\n",
+              "        if len(ids) != len(self.members):\n"),),
+        (FLAT + "test_update_plan_is_kept_while_its_layout_holds_and_rebuilt_when_it_changes",)),
+    Mutation(
+        "update-plan-ignores-gradient-layout", "PrecisionAwareAdamW uses its previous update plan again without "
+        "checking that the gradients are still adjacent views over its runs",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        return span_starts(grads) == self.grad_starts\n", "        return True\n"),),
+        (FLAT + "test_update_plan_is_kept_while_its_layout_holds_and_rebuilt_when_it_changes",)),
+    Mutation(
+        "update-plan-ignores-swapped-data", "PrecisionAwareAdamW uses its previous update plan again after a "
+        "parameter's data was swapped for another tensor (it would update the old one)",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        return addresses == self.held[1] and all(", "        return all("),),
+        (FLAT + "test_update_plan_is_kept_while_its_layout_holds_and_rebuilt_when_it_changes",)),
+    Mutation(
         "verdict-names-current-gradients", "a device-decided non-finite verdict names the parameter from the gradients "
         "at hand when it is read (the next step's by then), not from the norms sent with it",
         (Edit("lightning_megatron/parallel/nonfinite.py",

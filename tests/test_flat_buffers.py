@@ -279,6 +279,51 @@ def test_a_group_of_adjacent_parameters_is_one_run(monkeypatch):
         assert len(contiguous_spans([flat_opt.state[p][key] for p in flat_params])) == 1
 
 
+def test_update_plan_is_kept_while_its_layout_holds_and_rebuilt_when_it_changes(monkeypatch):
+    """The update lists are planned once and used again while nothing they were built from changed; any change (a
+    different set of parameters with gradients, of the same size too; gradients no longer adjacent, or adjacent
+    again; loaded states; a parameter's data swapped) plans again, and every step equals the per-parameter update."""
+    torch.manual_seed(0)
+    buf = torch.randn(40)
+    flat_params = [nn.Parameter(buf[i * 8:(i + 1) * 8].view(2, 4)) for i in range(5)]
+    separate = [nn.Parameter(p.detach().clone()) for p in flat_params]
+    kw = dict(lr=1e-2, weight_decay=0.1, exp_avg_dtype="bf16")
+    flat_opt, ref_opt = PrecisionAwareAdamW(flat_params, **kw), PrecisionAwareAdamW(separate, **kw)
+    plans: List[int] = []
+    original = PrecisionAwareAdamW._plan
+
+    def spy(self, *args, **kwargs):
+        if self is flat_opt:
+            plans.append(len(args[0]))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(PrecisionAwareAdamW, "_plan", spy)
+    seen = _spy_update(monkeypatch)
+    # per step: (parameter without gradient, gradients as one buffer, swap a parameter's data first)
+    schedule = [(None, True, False), (None, True, False), (4, True, False), (3, True, False), (None, True, False),
+                (None, True, False), (None, False, False), (None, False, False), (None, True, False),
+                (None, True, True), (None, True, False)]
+    expected_plans = [5, 4, 4, 5, 5, 5, 5]   # steps 0, 2, 3, 4, 6, 8, 9 plan; 1, 5, 7, 10 reuse
+    for step, (skip, buffer, swap) in enumerate(schedule):
+        if swap:   # the first parameter moves out of the buffer (its values kept): no longer adjacent
+            flat_params[0].data = flat_params[0].data.clone()
+        grads = [torch.randn(2, 4) for _ in flat_params]
+        for ps, opt in ((flat_params, flat_opt), (separate, ref_opt)):
+            _set_grads(ps, grads, buffer)
+            if skip is not None:
+                ps[skip].grad = None
+            opt.step()
+        for a, b in zip(flat_params, separate):
+            assert torch.equal(a.detach(), b.detach()), step
+    assert plans == expected_plans
+    # runs: one while all counts agree; then parameter 4 and parameter 3 fell behind, one step each (a run of 3 and one
+    # of 2); separate gradients: runs of one; after the swap parameter 0 is a run of its own
+    assert seen[::2] == [1, 1, 1, 2, 2, 2, 5, 5, 2, 3, 3]
+    flat_opt.load_state_dict(copy.deepcopy(flat_opt.state_dict()))
+    _set_grads(flat_params, [torch.randn(2, 4) for _ in flat_params], True)
+    flat_opt.step()
+    assert len(plans) == len(expected_plans) + 1
+
+
 def test_loaded_state_moves_into_the_flat_layout_and_resumes_exactly(monkeypatch):
     torch.manual_seed(0)
     buf = torch.randn(24)
@@ -362,6 +407,14 @@ def test_norm_clip_and_finiteness_run_over_the_buffer(monkeypatch):
     for p, q in zip(params, separate):
         assert torch.equal(p.grad, q.grad)
     assert abs(float(buf.norm()) - 0.5) < 1e-6
+    received: list = []                         # a check that does not use per-parameter norms gets none computed
+    seen.clear()
+    clip_grad_norm_(params, 0.5, set(), None, check=lambda n, local: received.append(local), check_local_norms=False)
+    assert received == [None] and seen == [1]
+    seen.clear()
+    clip_grad_norm_(params, 0.5, set(), None, check=lambda n, local: received.append(local))
+    assert [p for p, _ in received[1]] == params and seen == [3]
+    assert torch.allclose(torch.stack([n for _, n in received[1]]), torch.stack([p.grad.norm() for p in params]))
 
 
 # ---------------------------------------------------------------------------------------------- reduction

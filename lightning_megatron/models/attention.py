@@ -21,6 +21,8 @@ the math path); nothing here communicates.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -71,7 +73,5 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, ba
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}")
     gqa = q.shape[1] != k.shape[1]
-    if backend in _SDPA_ONLY:
-        with sdpa_kernel(_SDPA_ONLY[backend]):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    with sdpa_kernel(_SDPA_ONLY[backend]) if backend in _SDPA_ONLY else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)

@@ -13,7 +13,10 @@ Where the parameters (and their gradients) are views laid end to end in one buff
 :class:`~lightning_megatron.parallel.main_grad.MainParams`' bucketed main parameters and gradients are, the moments
 are allocated the same way (one buffer per run of adjacent parameters, each parameter's moments a view into it), and
 the update sees one flat tensor per run: a handful of tensors for a 1.3B model instead of one per parameter, so a
-handful of kernels and no host work per parameter beyond building the lists. Weight decay is the group's, so each
+handful of kernels. The lists are built once (an update plan per parameter group and device) and kept while what
+they were built from holds: the same parameters with gradients, the same parameter data, moment and step tensors,
+and gradients laid out as before; a step then costs the host a pass of identity checks and one flat view of the
+gradients per run, not the planning per parameter. Weight decay is the group's, so each
 group's runs are updated together. Parameters that are separate allocations are runs of one: the arithmetic is the
 same element by element. State dicts stay per parameter (each moment a view with the parameter's shape); loading
 copies the loaded moments into the flat layout at the next step.
@@ -30,12 +33,14 @@ the local part of each ``DTensor``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lightning_megatron.utils.tensors import adjacent_runs, flat_run, local_tensor, span_bounds, storage_order
+from lightning_megatron.utils.tensors import (adjacent_runs, flat_run, local_tensor, span_bounds, span_starts,
+                                              storage_order)
 
 __all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
 
@@ -139,6 +144,50 @@ def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.d
             state[key] = state[key].to(dtype)
 
 
+def _held(members: List[Tensor], state: Dict[Any, Dict[str, Any]]) -> Tuple[List[Tensor], Tuple[int, ...]]:
+    """What an update plan of ``members`` is built from: per parameter its moment and step tensors, and the address
+    of its local data (``p.data`` may be swapped for another tensor)."""
+    tensors: List[Tensor] = []
+    for p in members:
+        s = state[p]
+        tensors += [s.get("exp_avg"), s.get("exp_avg_sq"), s.get("step")]
+    return tensors, tuple(local_tensor(p).data_ptr() for p in members)
+
+
+@dataclass(eq=False)
+class _UpdatePlan:
+    """The flat update lists of one parameter group's parameters on one device (:meth:`PrecisionAwareAdamW._plan`):
+    ``members`` in storage order; the ``runs`` ``(start, stop)`` of adjacent views over them; ``grad_starts``, where
+    the gradients' spans started (:func:`span_starts`); one flat tensor per run of the parameters, moments and
+    compute copies; each run's step count (its first parameter's) and every parameter's. ``held``: what it was built
+    from (:func:`_held`)."""
+
+    members: List[Tensor]
+    held: Tuple[List[Tensor], Tuple[int, ...]]
+    runs: List[Tuple[int, int]]
+    grad_starts: List[int]
+    params: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+    copies: Optional[List[Tensor]]
+    run_steps: List[Tensor]
+    steps: List[Tensor]
+
+    def holds(self, members: List[Tensor], state: Dict[Any, Dict[str, Any]]) -> bool:
+        """Whether the plan still serves ``members`` (this step's parameters with gradients, any order): the same
+        parameters, holding the same data, with the same moment and step tensors."""
+        ids = {id(p) for p in members}
+        if len(ids) != len(self.members) or any(id(p) not in ids for p in self.members):
+            return False
+        tensors, addresses = _held(self.members, state)
+        return addresses == self.held[1] and all(a is b for a, b in zip(tensors, self.held[0]))
+
+    def fits(self, grads: List[Tensor]) -> bool:
+        """Whether ``grads`` (the members' gradients, in plan order) lie as those the plan was built with did: adjacent
+        views over the same spans (so over every run, and merging no more than then)."""
+        return span_starts(grads) == self.grad_starts
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's and Megatron's formula) with its moments stored in
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and the update computed in fp32 (see the module docstring).
@@ -184,6 +233,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         #: (group index, device) -> (the learning rate it holds, 0-d fp32 tensor on the device): the compiled update's
         #: learning rate, refilled (one small kernel, no host wait) when the group's changes
         self._lr_tensors: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
+        #: (group index, device) -> the plan of its last update (:meth:`_runs`)
+        self._plans: Dict[Tuple[int, torch.device], _UpdatePlan] = {}
 
     def write_param_copies(self, param_copy: Optional[Callable[[Tensor], Tensor]]) -> None:
         """From the next step on, also write each stepped parameter, rounded, into ``param_copy(p)`` (a tensor of
@@ -191,6 +242,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         MainParams`) in the same pass as the update, instead of a copy over all parameters after the step. None:
         stop. Parameters without a gradient in a step are not written (they did not change)."""
         self._param_copy = param_copy
+        self._plans.clear()
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: for CUDA compiled for the lists' shapes (a group's flat runs keep theirs
@@ -210,12 +262,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if device.type != "cuda":
             return lr
         held = self._lr_tensors.get((index, device))
-        if held is None:
-            held = (lr, torch.full((), lr, dtype=torch.float32, device=device))
-        elif held[0] != lr:
-            held = (lr, held[1].fill_(lr))
-        self._lr_tensors[(index, device)] = held
-        return held[1]
+        if held is not None and held[0] == lr:
+            return held[1]
+        value = held[1].fill_(lr) if held is not None else torch.full((), lr, dtype=torch.float32, device=device)
+        self._lr_tensors[(index, device)] = (lr, value)
+        return value
 
     def _init_state(self, p: Tensor, group: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
         """The state of ``p`` (its local part on ``device``): what is missing created (at its first step; moments as
@@ -261,10 +312,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             for p in ps:
                 self._init_state(p, group, device)
 
-    def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any]) -> Tuple[List[Tensor], ...]:
-        """The flat update lists of ``members`` (parameters with gradients, on ``device``): parameters, gradients,
-        moments and step counts, one entry per run over which all four are adjacent views and the step counts are
-        equal (the count of a run is its first parameter's)."""
+    def _plan(self, members: List[Tensor], device: torch.device, group: Dict[str, Any]) -> _UpdatePlan:
+        """The update plan of ``members`` (parameters with gradients, on ``device``; moments created or homed here):
+        one run wherever parameters, gradients, moments (and compute copies) are all adjacent views and the step
+        counts are equal (the count of a run is its first parameter's)."""
         members = [members[i] for i in storage_order([local_tensor(p) for p in members])]
         params = [local_tensor(p) for p in members]
         self._home_moments(params, members, group, device)
@@ -278,11 +329,32 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         counts = [self._counts[id(p)] for p in members]
         cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
         runs = adjacent_runs(columns, cuts)
-        for p in members:
-            self._counts[id(p)] += 1
         flat = [[flat_run(column, a, b) for a, b in runs] for column in columns]
-        copies = flat[4] if len(flat) > 4 else None
-        return tuple(flat[:4]) + ([states[a]["step"] for a, _ in runs], [s["step"] for s in states], copies)
+        return _UpdatePlan(members=members, held=_held(members, self.state), runs=runs,
+                           grad_starts=span_starts(grads), params=flat[0], exp_avgs=flat[2],
+                           exp_avg_sqs=flat[3], copies=flat[4] if len(flat) > 4 else None,
+                           run_steps=[states[a]["step"] for a, _ in runs], steps=[s["step"] for s in states])
+
+    def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any],
+              index: int = 0) -> Tuple[Any, ...]:
+        """The flat update lists of ``members`` (parameters with gradients of group ``index``, on ``device``):
+        ``(params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies)``, one entry per run (``steps``: one per
+        parameter). The plan of the previous step is used again when it still holds (the same parameters with
+        gradients, the same parameter and state tensors, the gradients adjacent over its runs): then the host work
+        is a few checks and one flat view of the gradients per run, not the planning per parameter."""
+        plan = self._plans.get((index, device))
+        grads: Optional[List[Tensor]] = None
+        if plan is not None and len(plan.members) == len(members) and plan.holds(members, self.state):
+            grads = [local_tensor(p.grad) for p in plan.members]
+            if not plan.fits(grads):
+                grads = None
+        if grads is None:
+            plan = self._plans[(index, device)] = self._plan(members, device, group)
+            grads = [local_tensor(p.grad) for p in plan.members]
+        for p in plan.members:
+            self._counts[id(p)] += 1
+        return (plan.params, [flat_run(grads, a, b) for a, b in plan.runs], plan.exp_avgs, plan.exp_avg_sqs,
+                plan.run_steps, plan.steps, plan.copies)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -306,7 +378,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
                 by_device.setdefault(local_tensor(p).device, []).append(p)
             for device, members in by_device.items():
-                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies = self._runs(members, device, group)
+                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies = self._runs(members, device, group,
+                                                                                            index)
                 scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
@@ -323,6 +396,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         to an fp32 tensor on the parameter's device."""
         dtypes = [(g["exp_avg_dtype"], g["exp_avg_sq_dtype"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._plans.clear()
         for group, (exp_avg_dtype, exp_avg_sq_dtype) in zip(self.param_groups, dtypes):
             group["exp_avg_dtype"], group["exp_avg_sq_dtype"] = exp_avg_dtype, exp_avg_sq_dtype
             for p in group["params"]:

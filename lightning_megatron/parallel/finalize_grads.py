@@ -124,7 +124,7 @@ class GradientFinalizer:
         fsdp = self.fsdp is not None
         norm = clip_grad_norm_(counted, float(max_norm), self.parallelized.sharded_params, mesh.group("tp"),
                                pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"),
-                               check=self.guard.check_grad_norm,
+                               check=self.guard.check_grad_norm, check_local_norms=self.guard.sends_grad_norms,
                                shard_group=mesh.group("dp_cp") if fsdp else None,
                                expert_shard_group=mesh.group("edp") if fsdp and self.fsdp.experts_sharded else None)
         excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]

@@ -104,18 +104,19 @@ def clip_coefficient(norm: Tensor, max_norm: float, eps: float = 1e-6) -> Tensor
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, sharded: Set[int], tp_group: Group,
                     model_parallel_groups: Optional[List[Group]] = None, eps: float = 1e-6,
                     expert: Optional[Set[int]] = None, expert_group: Group = None,
-                    check: Optional[Callable[[Tensor, list], None]] = None, shard_group: Group = None,
-                    expert_shard_group: Group = None) -> Tensor:
+                    check: Optional[Callable[[Tensor, Optional[list]], None]] = None, shard_group: Group = None,
+                    expert_shard_group: Group = None, check_local_norms: bool = True) -> Tensor:
     """Scale gradients in place so the global norm is at most ``max_norm``; returns the norm before clipping.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``, clamped at 1)
     but with the norm from :func:`global_grad_norm` (``shard_group`` / ``expert_shard_group``: FSDP's, see there;
     ``DTensor`` gradients are scaled shard by shard). ``check(norm, local_norms)`` runs before any gradient is scaled
     (the non-finite guard raises there, so a NaN norm never reaches the gradients; ``local_norms``: each parameter's
-    local gradient norm, see :func:`global_grad_norm`).
+    local gradient norm, see :func:`global_grad_norm`, when ``check_local_norms``, else None: the norm is then taken
+    over the gradients' flat spans).
     """
     params = list(params)
-    local_norms: Optional[list] = [] if check is not None else None
+    local_norms: Optional[list] = [] if check is not None and check_local_norms else None
     norm = global_grad_norm(params, sharded, tp_group, model_parallel_groups, expert, expert_group, shard_group,
                             expert_shard_group, local_norms)
     if check is not None:

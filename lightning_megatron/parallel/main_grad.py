@@ -235,9 +235,7 @@ class MainParams:
         if self.in_main_view:
             return
         self.in_main_view = True
-        for index in range(len(self.buckets)):   # buckets some parameter of which had no gradient this step
-            self._copy_pending(index)
-        for p in self.params:
+        for p in self.params:   # main_grad copies the bucket's waiting gradients (also for a parameter without one)
             p.grad = None
             p.data = self._main[id(p)]
             p.grad = self.main_grad(p)

@@ -65,11 +65,8 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     tensors = [t for t in tensors if t.numel() > 0]   # FSDP shards: this rank's part (the check sums over ranks)
     if not tensors:
         return torch.zeros(())
-    norms = torch._foreach_norm(coalesce(tensors), float("inf"))
-    by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-    for n in norms:   # one stack and cast per dtype, not a cast kernel per tensor
-        by_dtype.setdefault(n.dtype, []).append(n)
-    return torch.stack([torch.stack(group).float().sum() for group in by_dtype.values()]).sum()
+    flats = coalesce(tensors)
+    return _float_vector(flats, torch._foreach_norm(flats, float("inf")))[1].sum()
 
 
 def per_tensor_max_abs(params: List[nn.Parameter]) -> Tuple[List[nn.Parameter], Tensor]:
@@ -84,15 +81,16 @@ def per_tensor_max_abs(params: List[nn.Parameter]) -> Tuple[List[nn.Parameter], 
     return _float_vector([p for p, _ in pairs], torch._foreach_norm([g for _, g in pairs], float("inf")))
 
 
-def _float_vector(params: List[nn.Parameter], values: List[Tensor]) -> Tuple[List[nn.Parameter], Tensor]:
-    """``values`` (0-d tensors, one per parameter of ``params``) as one float32 vector: one stack and one cast per dtype
-    (not a cast kernel per tensor), so the parameters come back reordered by dtype."""
+def _float_vector(keys: List[Any], values: List[Tensor]) -> Tuple[List[Any], Tensor]:
+    """``values`` (0-d tensors, one per entry of ``keys``: parameters, or the tensors they were computed from) as one
+    float32 vector: one stack and one cast per dtype (not a cast kernel per tensor), so the keys come back reordered
+    by dtype."""
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
     order = [i for group in by_dtype.values() for i in group]
     vector = torch.cat([torch.stack([values[i] for i in group]).float() for group in by_dtype.values()])
-    return [params[i] for i in order], vector
+    return [keys[i] for i in order], vector
 
 
 def first_non_finite(named: Iterable[Tuple[str, Optional[Tensor]]]) -> Optional[Tuple[str, str]]:
@@ -255,11 +253,17 @@ class NonFiniteGuard:
         elif self.enabled and not bool(torch.isfinite(loss.detach()).all()):
             self._raise(f"the loss is {_kind(float(loss))}", grads=True)
 
+    @property
+    def sends_grad_norms(self) -> bool:
+        """Whether :meth:`check_grad_norm` uses the per-parameter norms (the device-decided check, which sends them
+        with its verdict): callers compute them only then."""
+        return self.enabled and self.grads and self.on_device
+
     def check_grad_norm(self, norm: Tensor, local_norms: Optional[List[Tuple[nn.Parameter, Tensor]]] = None) -> None:
         """``norm``: the global gradient norm, the same on every rank (before clipping scales anything); on the device
         as :meth:`check_loss`, where ``local_norms`` (``(parameter, its local gradient's norm)`` pairs, from
         :func:`~lightning_megatron.parallel.grad_norm.global_grad_norm`) go with the verdict to name the parameter."""
-        if self.enabled and self.grads and self.on_device:
+        if self.sends_grad_norms:
             per_param = _float_vector([p for p, _ in local_norms], [n for _, n in local_norms]) if local_norms else None
             self._note("norm", norm, per_param)
         elif self.enabled and self.grads and not bool(torch.isfinite(norm.detach()).all()):

@@ -15,12 +15,19 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["local_tensor", "Span", "span_bounds", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run"]
+__all__ = ["local_tensor", "Span", "span_bounds", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run",
+           "span_starts"]
+
+
+#: tensor types that are never a ``DTensor``
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
     """This rank's part of ``t``: the local shard of a ``DTensor`` (FSDP's parameters, gradients and states), any other
     tensor (or None) as it is."""
+    if t is None or type(t) in _PLAIN:   # the common case, without the import below
+        return t
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -48,7 +55,7 @@ def _flat_over(first: Tensor, numel: int) -> Tensor:
     return first.as_strided((numel,), (1,), first.storage_offset())
 
 
-def _run_starts(tensors: Sequence[Tensor]) -> List[int]:
+def span_starts(tensors: Sequence[Tensor]) -> List[int]:
     """The indices where :func:`contiguous_spans` starts a span (no views built)."""
     starts: List[int] = []
     previous = None   # (storage key, element offset where the previous tensor ends) when it is contiguous
@@ -66,7 +73,7 @@ def _run_starts(tensors: Sequence[Tensor]) -> List[int]:
 
 def span_bounds(tensors: Sequence[Tensor]) -> List[Tuple[int, int]]:
     """``[(start, stop), ...]``: the list ranges of :func:`contiguous_spans`, without building their flat views."""
-    starts = _run_starts(tensors)
+    starts = span_starts(tensors)
     return list(zip(starts, starts[1:] + [len(tensors)]))
 
 
@@ -104,7 +111,7 @@ def adjacent_runs(columns: Sequence[Sequence[Tensor]], cuts: Sequence[int] = ())
     n = len(columns[0]) if columns else 0
     starts = set(cuts) | {0}
     for column in columns:
-        starts.update(_run_starts(column))
+        starts.update(span_starts(column))
     bounds = sorted(s for s in starts if s < n) + [n]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b] if n else []
 
