@@ -336,7 +336,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                            run_steps=[states[a]["step"] for a, _ in runs], steps=[s["step"] for s in states])
 
     def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any],
-              index: int = 0) -> Tuple[Any, ...]:
+              index: int) -> Tuple[Any, ...]:
         """The flat update lists of ``members`` (parameters with gradients of group ``index``, on ``device``):
         ``(params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies)``, one entry per run (``steps``: one per
         parameter). The plan of the previous step is used again when it still holds (the same parameters with
@@ -344,7 +344,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         is a few checks and one flat view of the gradients per run, not the planning per parameter."""
         plan = self._plans.get((index, device))
         grads: Optional[List[Tensor]] = None
-        if plan is not None and len(plan.members) == len(members) and plan.holds(members, self.state):
+        if plan is not None and plan.holds(members, self.state):
             grads = [local_tensor(p.grad) for p in plan.members]
             if not plan.fits(grads):
                 grads = None

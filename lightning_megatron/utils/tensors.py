@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["local_tensor", "Span", "span_bounds", "contiguous_spans", "storage_order", "coalesce", "adjacent_runs", "flat_run",
-           "span_starts"]
+__all__ = ["local_tensor", "Span", "span_starts", "span_bounds", "contiguous_spans", "storage_order", "coalesce",
+           "adjacent_runs", "flat_run"]
 
 
 #: tensor types that are never a ``DTensor``
