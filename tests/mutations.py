@@ -200,6 +200,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        return addresses == self.held[1] and all(", "        return all("),),
         (FLAT + "test_update_plan_is_kept_while_its_layout_holds_and_rebuilt_when_it_changes",)),
     Mutation(
+        "swiglu-backward-halves-swapped", "SwiGLU's one-pass backward writes the up gradient into the gate half and the "
+        "gate gradient into the up half",
+        (Edit("lightning_megatron/models/swiglu.py",
+              "    return torch.cat([g * up * s * (1 + gate * (1 - s)), g * gate * s], dim=-1).to(h.dtype)\n",
+              "    return torch.cat([g * gate * s, g * up * s * (1 + gate * (1 - s))], dim=-1).to(h.dtype)\n"),),
+        ("tests/test_swiglu.py::test_backward_is_autograds_gradient",
+         "tests/test_swiglu.py::test_half_precision_is_computed_in_fp32_and_rounded_once")),
+    Mutation(
         "verdict-names-current-gradients", "a device-decided non-finite verdict names the parameter from the gradients "
         "at hand when it is read (the next step's by then), not from the norms sent with it",
         (Edit("lightning_megatron/parallel/nonfinite.py",

@@ -30,6 +30,7 @@ from lightning_megatron.contract import RecomputeTarget
 from lightning_megatron.models.attention import causal_attention
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.kv_cache import KVCache, LayerKVCache
+from lightning_megatron.models.swiglu import swiglu
 from lightning_megatron.moe.layer import MoELayer
 from lightning_megatron.moe.router import TopKRouter
 from lightning_megatron.parallel.deferred_wgrad import DeferredWgrad
@@ -205,7 +206,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``linear_fc2(act(linear_fc1(x)))``; SwiGLU packs ``[gate; up]`` in ``linear_fc1``."""
+    """``linear_fc2(act(linear_fc1(x)))``; SwiGLU packs ``[gate; up]`` in ``linear_fc1``
+    (:func:`~lightning_megatron.models.swiglu.swiglu`, whose backward writes both halves' gradients in one pass)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -219,8 +221,7 @@ class MLP(nn.Module):
         linear = wgrad.linear if wgrad is not None else (lambda module, t: module(t))
         h = linear(self.linear_fc1, x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = F.gelu(h)
         return linear(self.linear_fc2, h)
