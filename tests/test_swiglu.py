@@ -56,3 +56,25 @@ def test_mlp_backward_goes_through_the_one_pass_backward(monkeypatch):
     x = torch.randn(8, 2, 16, dtype=torch.float64, requires_grad=True)
     mlp(x).sum().backward()
     assert calls == [(8, 2, 48)]
+
+
+def test_backward_keeps_only_the_packed_input():
+    """What autograd keeps for the backward: ``h`` alone (``[..., 2f]``), not also ``silu(gate)`` as ``silu(gate) * up``
+    does eagerly (a third less of the SwiGLU's activation memory without ``torch.compile``)."""
+    def saved_bytes(fn, h):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(h)
+        return sum(storages.values())
+
+    h = torch.randn(64, 2 * 32, dtype=torch.bfloat16, requires_grad=True)
+
+    def plain(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    assert saved_bytes(swiglu, h) == h.numel() * 2
+    assert saved_bytes(plain, h) == h.numel() * 3

@@ -7,8 +7,9 @@ inputs twice. :func:`swiglu`'s backward instead computes, for each ``(row, colum
 ``d gate = g * up * s * (1 + gate * (1 - s))`` and ``d up = g * silu(gate)`` (``s = sigmoid(gate)``, fp32) from one
 read of ``gate``, ``up`` and ``g``: on CUDA a Triton kernel (:func:`swiglu_backward`, a ``torch.library`` Triton op,
 so ``torch.compile`` and CUDA graphs take it as it is), elsewhere the same formula in torch operations (in fp32 for
-half-precision inputs, rounded once). The forward is left to torch (and Inductor's fusion). No communication: under
-tensor parallelism each rank's ``[gate; up]`` is its own shard's.
+half-precision inputs, rounded once). The forward is left to torch (and Inductor's fusion); what autograd keeps for
+the backward is ``h`` alone (eagerly, ``silu(gate) * up`` also keeps ``silu(gate)``). No communication: under tensor
+parallelism each rank's ``[gate; up]`` is its own shard's.
 """
 from __future__ import annotations
 
