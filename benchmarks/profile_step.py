@@ -8,6 +8,9 @@ time.
                                       [--no-profile]
 
 With ``--no-profile`` each arm stops after its timed steps (no profiled step): tokens/s and memory only.
+With ``--profiled-steps N`` the profile covers N steps in a row (its figures are per step, averaged over them), so
+the time between steps shows: ``gaps`` lists the longest stretches with no kernel running and the kernels on either
+side of each.
 An arm name may carry a ``#<tag>`` suffix to run the same arm again in one call (``peer-compile,peer-compile#2``:
 two runs of the peer, two rows).
 
@@ -102,8 +105,10 @@ def family(name: str) -> str:
     return "other eager"
 
 
-def breakdown(prof) -> dict:
-    """Device time per kernel family (ms), the step's device window and idle time (ms), the top kernels."""
+def breakdown(prof, steps: int = 1) -> dict:
+    """Device time per kernel family (ms), the step's device window and idle time (ms), the top kernels: per step,
+    over the ``steps`` profiled steps. ``gaps``: the longest stretches of the whole window without a kernel (ms from
+    the window's start, length in ms, the kernels before and after)."""
     from bench_tp import _merged, device_kernels
 
     kern = device_kernels(prof)
@@ -118,10 +123,25 @@ def breakdown(prof) -> dict:
     busy = sum(b - a for a, b in _merged([(a, b) for a, b, _ in kern])) / 1e3
     window = (kern[-1][1] - kern[0][0]) / 1e3 if kern else 0.0
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
-    return dict(window_ms=round(window, 2), busy_ms=round(busy, 2), idle_ms=round(window - busy, 2), kernels=len(kern),
-                families_ms={k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-                top_kernels=[[n, round(v[0], 3), v[1], v[2]] for n, v in top], host=host_time(prof),
-                all_kernels=sorted([[n, v[1], round(v[0], 3)] for n, v in per_kernel.items()], key=lambda r: -r[1]))
+    return dict(window_ms=round(window / steps, 2), busy_ms=round(busy / steps, 2),
+                idle_ms=round((window - busy) / steps, 2), kernels=round(len(kern) / steps),
+                families_ms={k: round(v / steps, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+                top_kernels=[[n, round(v[0] / steps, 3), v[1] // steps, v[2]] for n, v in top], host=host_time(prof),
+                all_kernels=sorted([[n, v[1] // steps, round(v[0] / steps, 3)] for n, v in per_kernel.items()],
+                                   key=lambda r: -r[1]),
+                profiled_steps=steps, gaps=longest_gaps(kern))
+
+
+def longest_gaps(kern: list, count: int = 12) -> list:
+    """The ``count`` longest stretches without a kernel between the first and the last of ``kern`` (``(start_us,
+    end_us, name)``, sorted by start): ``[ms from the first kernel's start, length ms, kernel before, kernel after]``."""
+    gaps, end, last = [], kern[0][1] if kern else 0, kern[0][2] if kern else ""
+    for a, b, n in kern[1:]:
+        if a > end:
+            gaps.append([round((end - kern[0][0]) / 1e3, 3), round((a - end) / 1e3, 3), last[:60], n[:60]])
+        if b > end:
+            end, last = b, n
+    return sorted(gaps, key=lambda g: -g[1])[:count]
 
 
 def host_time(prof) -> dict:
@@ -191,7 +211,8 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
     return row
 
 
-def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, profiled: bool = True) -> dict:
+def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, profiled: bool = True,
+             profiled_steps: int = 1) -> dict:
     import torch
     import peer_baseline as peer
 
@@ -235,14 +256,15 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(profiled_steps):
+            step()
         torch.cuda.synchronize()
     if turns is not None:
         turns.done()
-    return dict(timed, profile=breakdown(prof))
+    return dict(timed, profile=breakdown(prof, profiled_steps))
 
 
-def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) -> dict:
+def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, profiled_steps: int = 1) -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -310,19 +332,20 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) ->
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx == WARMUP + TIMED:
+            if batch_idx == WARMUP + TIMED + profiled_steps - 1:
                 torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
                 if turns is not None:
                     turns.done()
-                result["profile"] = breakdown(self.prof)
+                result["profile"] = breakdown(self.prof, profiled_steps)
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
     strategy = MegatronStrategy(compile=not name.endswith(EAGER), enable_cuda_graph=cudagraph,
                                 check_for_nan_in_loss_and_grad="-nocheck" not in name)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
-                         plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + int(profiled), logger=False,
+                         plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + (profiled_steps if profiled else 0),
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[WaitForTurn(), timer, LeadMarks(), ProfileOne() if profiled else TimedOnly()])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
@@ -332,12 +355,13 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True) ->
     return dict(loss=timer.losses[-1] if timer.losses else None, cudagraph_counters=graphs, **result)
 
 
-def child(name: str, turns: Optional[Turns], profiled: bool = True) -> None:
+def child(name: str, turns: Optional[Turns], profiled: bool = True, profiled_steps: int = 1) -> None:
     base = base_arm(name)
     if base.startswith("peer"):
-        row = run_peer(base == "peer-fp8", turns, compile_=base != "peer-eager", profiled=profiled)
+        row = run_peer(base == "peer-fp8", turns, compile_=base != "peer-eager", profiled=profiled,
+                       profiled_steps=profiled_steps)
     else:
-        row = run_ours(base, turns, profiled=profiled)
+        row = run_ours(base, turns, profiled=profiled, profiled_steps=profiled_steps)
     print("RESULT " + json.dumps(dict(arm=name, **row)), flush=True)
 
 
@@ -355,7 +379,7 @@ def arm_row(arm: str, stdout: str, stderr: str, timed_out: bool, timeout_s: floa
 
 
 def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
-             ready_by_s: Optional[float] = None) -> List[dict]:
+             ready_by_s: Optional[float] = None, profiled_steps: int = 1) -> List[dict]:
     """Run ``arms`` together (:func:`arm_turns.run_together`: each in a process group of its own, compiling side by
     side, then taking turns for the measured steps) under one limit of ``timeout_s`` seconds (and, given
     ``ready_by_s``, killing the arms not warmed up by then); their rows, each also printed as it is read
@@ -363,8 +387,8 @@ def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}:{os.environ.get('PYTHONPATH', '')}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        runs = run_together([[sys.executable, __file__, "--child", arm, *([] if profiled else ["--no-profile"])]
-                             for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
+        runs = run_together([[sys.executable, __file__, "--child", arm, "--profiled-steps", str(profiled_steps),
+                              *([] if profiled else ["--no-profile"])] for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
     rows = []
     for arm, run in zip(arms, runs):
         if arm.endswith(CUDAGRAPH):
@@ -390,20 +414,25 @@ def main() -> None:
                         "all of them")
     p.add_argument("--no-profile", action="store_true",
                    help="stop each arm after its timed steps: no profiled step (tokens/s and memory only)")
+    p.add_argument("--profiled-steps", type=int, default=1,
+                   help="steps in a row in the profile (its figures per step; the gaps between steps show)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--turns", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, Turns.parse(args.turns), profiled=not args.no_profile)
+        child(args.child, Turns.parse(args.turns), profiled=not args.no_profile, profiled_steps=args.profiled_steps)
         return
     rows = []
     arms = args.arms.split(",")
+    if args.profiled_steps < 1:
+        p.error(f"--profiled-steps {args.profiled_steps}: profile at least one step (or use --no-profile)")
     unknown = [a for a in arms if not known_arm(a)]
     if unknown:
         p.error(f"unknown arms: {','.join(unknown)}")
     # one process group per arm, killed at the limit with its compile workers (which would hold its output pipes)
     for batch in [arms] if args.together else [[arm] for arm in arms]:
-        rows += run_arms(batch, args.arm_timeout_s, profiled=not args.no_profile)
+        rows += run_arms(batch, args.arm_timeout_s, profiled=not args.no_profile,
+                         profiled_steps=args.profiled_steps)
         if args.out:   # after every arm (or all of them together): a run cut short keeps the arms it finished
             Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| arm | tokens/s | step ms | peak GiB allocated / reserved | kernels | device busy ms | idle ms | " +

@@ -89,6 +89,29 @@ def test_three_gemms_match_float64_at_fp8_error(recipe, fmt, grad_bound):
         assert gemm(x, w).dtype == torch.bfloat16   # the compute dtype of the step
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weight_gradient_leaves_the_gemm_in_the_weights_dtype(recipe):
+    """fp32 weights under bf16 autocast (one scale per tensor): the weight gradient is the FP8 GEMM's fp32 output as
+    it is, bit for bit ``torch._scaled_mm(..., out_dtype=float32)`` of the operands the layer quantised, not rounded
+    to bf16 on the way (most of its values are not bf16 numbers); the input gradient is bf16, the step's dtype."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 96, generator=g).requires_grad_()
+    w = (torch.randn(48, 96, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(64, 48, generator=g).bfloat16()
+    gemm = Float8Gemm(Float8Config(recipe=recipe, backend="torch"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gemm(x, w)
+    y.backward(dy)
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32   # leaves keep their dtype
+    cfg = gemm.config
+    sx, sg = scale_from_amax(x.detach().abs().amax(), cfg.forward_dtype), scale_from_amax(dy.float().abs().amax(),
+                                                                                           cfg.grad_dtype)
+    xq = (x.detach() * sx).clamp(-FP8_MAX[cfg.forward_dtype], FP8_MAX[cfg.forward_dtype]).to(cfg.forward_dtype)
+    gq = (dy.float() * sg).clamp(-FP8_MAX[cfg.grad_dtype], FP8_MAX[cfg.grad_dtype]).to(cfg.grad_dtype)
+    want = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=sg.reciprocal(),
+                            scale_b=sx.reciprocal(), out_dtype=torch.float32)
+    assert torch.equal(w.grad, want)
+    assert (w.grad != w.grad.bfloat16().float()).float().mean() > 0.9
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_token_count_not_a_multiple_of_16(recipe):
     """21 tokens: the weight-gradient GEMM (reduction over tokens) pads them with zeros to 32 (cuBLAS FP8 needs

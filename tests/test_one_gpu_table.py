@@ -231,17 +231,26 @@ def test_profile_step_help_and_arm_names(mods):
 def test_profile_step_child_runs_the_base_arm(mods, monkeypatch, capsys):
     _, ps, _ = mods
     calls = []
-    monkeypatch.setattr(ps, "run_peer", lambda fp8, turns, compile_=True, profiled=True:
-                        calls.append(("peer", fp8, compile_, profiled)) or dict(tokens_per_s=1))
-    monkeypatch.setattr(ps, "run_ours", lambda name, turns, profiled=True:
-                        calls.append(("ours", name, profiled)) or dict(tokens_per_s=2))
+    monkeypatch.setattr(ps, "run_peer", lambda fp8, turns, compile_=True, profiled=True, profiled_steps=1:
+                        calls.append(("peer", fp8, compile_, profiled, profiled_steps)) or dict(tokens_per_s=1))
+    monkeypatch.setattr(ps, "run_ours", lambda name, turns, profiled=True, profiled_steps=1:
+                        calls.append(("ours", name, profiled, profiled_steps)) or dict(tokens_per_s=2))
     for arm in ("peer-compile#2", "peer-eager", "peer-fp8#2", "ours-bf16-eager", "ours-bf16-compile#2"):
-        ps.child(arm, None, profiled=False)
-    assert calls == [("peer", False, True, False), ("peer", False, False, False), ("peer", True, True, False),
-                     ("ours", "ours-bf16-eager", False), ("ours", "ours-bf16-compile", False)]
+        ps.child(arm, None, profiled=False, profiled_steps=3)
+    assert calls == [("peer", False, True, False, 3), ("peer", False, False, False, 3), ("peer", True, True, False, 3),
+                     ("ours", "ours-bf16-eager", False, 3), ("ours", "ours-bf16-compile", False, 3)]
     results = [json.loads(line[7:]) for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
     assert [r["arm"] for r in results] == ["peer-compile#2", "peer-eager", "peer-fp8#2", "ours-bf16-eager",
                                            "ours-bf16-compile#2"]
+
+
+def test_profile_step_lists_the_longest_stretches_without_a_kernel(mods):
+    """Kernels ``(start_us, end_us, name)``: the gaps are measured from the latest end so far (a kernel inside an
+    earlier one's span leaves no gap), longest first, with the kernels on either side."""
+    _, ps, _ = mods
+    kern = [(0, 100, "a"), (20, 50, "inner"), (400, 500, "b"), (510, 900, "c"), (2900, 3000, "d")]
+    assert ps.longest_gaps(kern) == [[0.9, 2.0, "c", "d"], [0.1, 0.3, "a", "b"], [0.5, 0.01, "b", "c"]]
+    assert ps.longest_gaps(kern, count=1) == [[0.9, 2.0, "c", "d"]] and ps.longest_gaps([]) == []
 
 
 ARM = """

@@ -182,6 +182,10 @@ class _UpdatePlan:
         tensors, addresses = _held(self.members, state)
         return addresses == self.held[1] and all(a is b for a, b in zip(tensors, self.held[0]))
 
+    def grads(self) -> List[Tensor]:
+        """The members' gradients (their local tensors), in plan order."""
+        return [local_tensor(p.grad) for p in self.members]
+
     def fits(self, grads: List[Tensor]) -> bool:
         """Whether ``grads`` (the members' gradients, in plan order) lie as those the plan was built with did: adjacent
         views over the same spans (so over every run, and merging no more than then)."""
@@ -345,12 +349,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         plan = self._plans.get((index, device))
         grads: Optional[List[Tensor]] = None
         if plan is not None and plan.holds(members, self.state):
-            grads = [local_tensor(p.grad) for p in plan.members]
+            grads = plan.grads()
             if not plan.fits(grads):
                 grads = None
         if grads is None:
             plan = self._plans[(index, device)] = self._plan(members, device, group)
-            grads = [local_tensor(p.grad) for p in plan.members]
+            grads = plan.grads()
         for p in plan.members:
             self._counts[id(p)] += 1
         return (plan.params, [flat_run(grads, a, b) for a, b in plan.runs], plan.exp_avgs, plan.exp_avg_sqs,

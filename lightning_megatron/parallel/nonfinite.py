@@ -310,12 +310,12 @@ class NonFiniteGuard:
         found = first_non_finite(named)
         weight = f"weight {found[0]} ({found[1]})" if found else None
         grad = None
-        if grads and grad_norms is not None:
-            found = next(((name, _kind(grad_norms[id(p)])) for name, p in named
-                          if id(p) in grad_norms and not math.isfinite(grad_norms[id(p)])), None)
-            grad = f"gradient of {found[0]} ({found[1]})" if found else None
-        elif grads:
-            found = first_non_finite((name, p.grad) for name, p in named)
+        if grads:
+            if grad_norms is not None:
+                found = next(((name, _kind(grad_norms[id(p)])) for name, p in named
+                              if id(p) in grad_norms and not math.isfinite(grad_norms[id(p)])), None)
+            else:
+                found = first_non_finite((name, p.grad) for name, p in named)
             grad = f"gradient of {found[0]} ({found[1]})" if found else None
         if weight is None and grads:
             buffers = first_non_finite(self.module.named_buffers())

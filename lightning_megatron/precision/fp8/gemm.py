@@ -248,16 +248,18 @@ def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tens
 def _per_tensor_backward(ctx: Any, g2: Tensor, need_x: bool,
                          need_w: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The two backward GEMMs with one scale per tensor (tensorwise, delayed) from the FP8 operands the forward
-    saved (``xq, wq`` and the reciprocals of their scales): ``dx = dy @ W`` ``[N, in]`` and ``dW = dy^T @ x``
-    ``[out, in]`` in ``ctx.out_dtype`` (None where not needed); ``g2`` is the output gradient ``[N, out]``, quantised
-    here."""
+    saved (``xq, wq`` and the reciprocals of their scales): ``dx = dy @ W`` ``[N, in]`` in ``ctx.out_dtype`` and
+    ``dW = dy^T @ x`` ``[out, in]`` in the weight's dtype ``ctx.w_dtype`` (None where not needed); ``g2`` is the
+    output gradient ``[N, out]``, quantised here. The weight gradient leaves the GEMM in the weight's dtype: fp32
+    weights under bf16 autocast get the GEMM's fp32 accumulation as it is, with no bf16 rounding and no cast kernel
+    after it (cuBLAS writes fp32 output for one scale per tensor)."""
     gemm: Float8Gemm = ctx.gemm
     bwd = gemm.config.grad_dtype
     xq, wq, inv_x, inv_w = ctx.saved_tensors
     sg, inv_g = gemm.scale_and_inverse(_GRAD, g2, bwd, ctx.record)
     gq = quantize(g2, sg, bwd)
     grad_x = _scaled_mm(gq, _col_major(wq), inv_g, inv_w, ctx.out_dtype) if need_x else None
-    grad_w = (_scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), inv_g, inv_x), ctx.out_dtype)
+    grad_w = (_scaled_mm(*_pad_tokens(gq.t().contiguous(), _col_major(xq), inv_g, inv_x), ctx.w_dtype)
               if need_w else None)
     return grad_x, grad_w
 
