@@ -24,7 +24,8 @@ def main() -> None:
     torch.set_num_threads(1)
     config = Float8Config(recipe="delayed", backend="torch")
     gemms = [Float8Gemm(config) for _ in range(args.gemms)]
-    layers = Float8Layers(config=config, gemms=gemms, converted=[f"layer{i}" for i in range(args.gemms)])
+    layers = Float8Layers(config=config, gemms=gemms, converted=[f"layer{i}" for i in range(args.gemms)],
+                          gemm_names=[f"layer{i}" for i in range(args.gemms)])
     layers.allocate(torch.device("cpu"), ring=args.pipeline)
     last = 1 if args.pipeline else None
     amax = torch.tensor(1.0)

@@ -192,7 +192,8 @@ def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
         cfg = Float8Config(fp8_format=fmt, recipe="delayed", backend="torch", margin=margin, amax_history_len=3,
                            amax_compute_algo=algo)
         gemms = [Float8Gemm(cfg) for _ in range(3)]
-        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(3)])
+        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(3)],
+                              gemm_names=[f"layer{i}" for i in range(3)])
         layers.allocate(torch.device("cpu"), static=static)
         for step in range(4):
             for i, gemm in enumerate(gemms):
@@ -214,7 +215,8 @@ def test_delayed_scales_are_computed_once_per_step_for_all_gemms():
         # a checkpoint's histories: their scales at once (and records allocated after that mark them too)
         saved = layers.state_dict()
         fresh = [Float8Gemm(cfg) for _ in range(3)]
-        loaded = Float8Layers(config=cfg, gemms=fresh, converted=[f"layer{i}" for i in range(3)])
+        loaded = Float8Layers(config=cfg, gemms=fresh, converted=[f"layer{i}" for i in range(3)],
+                              gemm_names=[f"layer{i}" for i in range(3)])
         loaded.load_state_dict(saved)
         loaded.allocate(torch.device("cpu"), static=static)
         for old, new in zip(gemms, fresh):
@@ -291,6 +293,45 @@ def test_without_first_last_every_transformer_linear_converts_and_the_head_never
     assert "not a multiple of 16" in result.kept["0"]
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_swiglu_hands_linear_fc1_its_output_gradient_amax(ring):
+    """Delayed recipe: each SwiGLU MLP's ``linear_fc1`` GEMM records the amax of its output gradient that SwiGLU's
+    backward took in its own pass, and does not read the gradient for it again (an amax planted in the hand-over is
+    what gets recorded); the record is the one the GEMM takes itself, so the histories are the same. With a ring of
+    uses (pipeline schedules) the GEMM records itself."""
+    cfg = tiny_config(num_layers=2)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    records = {}
+    for wired in (True, False):
+        torch.manual_seed(1)
+        model = GPTModel(cfg)
+        result = apply_fp8(model, Float8Config(recipe="delayed", backend="torch"))
+        result.allocate(torch.device("cpu"), ring=ring)
+        mlps = [model.decoder.layers[k].mlp for k in ("0", "1")]
+        fc1 = [mlp.linear_fc1.fp8_gemm if hasattr(mlp.linear_fc1, "fp8_gemm") else None for mlp in mlps]
+        assert all(g is not None and g.grad_amax_from_producer for g in fc1)
+        assert all(mlp.fc1_grad_amax == g.record_grad_amax for mlp, g in zip(mlps, fc1))
+        if not wired:
+            for mlp, g in zip(mlps, fc1):
+                mlp.fc1_grad_amax, g.grad_amax_from_producer = None, False
+        for _ in range(3):   # the first step scales from current amaxes, the later ones from the history
+            model(tokens).float().pow(2).mean().backward()
+            records[wired] = [g.running.clone() for g in fc1]
+            result.end_step()
+        records[wired] = (records[wired], [g.history.clone() for g in result.gemms])
+        if wired:   # a planted amax is what the GEMM records: it did not take its own
+            for mlp, g in zip(mlps, fc1):
+                mlp.fc1_grad_amax = lambda amax, g=g: g.record_grad_amax(torch.full_like(amax, 1e-30))
+            model(tokens).float().pow(2).mean().backward()
+            planted = [float(g.running[2]) for g in fc1]
+            tiny = float(torch.tensor(1e-30))
+            assert planted == ([float(r[2]) for r in records[True][0]] if ring else [tiny, tiny]), planted
+    assert all(torch.equal(a, b) for a, b in zip(records[True][0], records[False][0]))
+    assert all(torch.equal(a, b) for a, b in zip(records[True][1], records[False][1]))
+    assert all(float(r[2]) > 0 for r in records[True][0])
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_routed_experts_run_their_gemms_in_fp8_per_expert(recipe):
     """Each local expert gets its own pair of FP8 GEMMs (named by global expert index); the experts' output and
@@ -305,6 +346,11 @@ def test_routed_experts_run_their_gemms_in_fp8_per_expert(recipe):
     assert {f"decoder.layers.{i}.mlp.experts" for i in range(2)} <= set(result.converted)
     assert result.expert_gemm_names == [f"decoder.layers.{i}.mlp.experts.{e}.{w}" for i in range(2) for e in range(4)
                                         for w in ("fc1", "fc2")]
+    # each linear's GEMM under its own name (the experts' module names in `converted` have no GEMM of that list)
+    modules = dict(model.named_modules())
+    assert len(result.gemm_names) == len(result.gemms) and not any("experts" in n.split(".")[-1] for n in
+                                                                       result.gemm_names)
+    assert all(modules[n].fp8_gemm is g for n, g in zip(result.gemm_names, result.gemms))
     experts, reference = model.decoder.layers["0"].mlp.experts, plain.decoder.layers["0"].mlp.experts
     counts = torch.tensor([10, 0, 25, 5])
     tokens = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).requires_grad_()
@@ -640,7 +686,8 @@ def test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms(pipe
     for n in (4, 40):
         cfg = Float8Config(recipe="delayed", backend="torch", amax_history_len=3)
         gemms = [Float8Gemm(cfg) for _ in range(n)]
-        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(n)])
+        layers = Float8Layers(config=cfg, gemms=gemms, converted=[f"layer{i}" for i in range(n)],
+                              gemm_names=[f"layer{i}" for i in range(n)])
         layers.allocate(torch.device("cpu"), ring=pipeline)
         assert all((gemm.uses is not None) == pipeline for gemm in gemms)   # the ring only for pipeline schedules
         g = torch.Generator().manual_seed(n)

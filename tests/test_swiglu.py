@@ -78,3 +78,24 @@ def test_backward_keeps_only_the_packed_input():
         return F.silu(gate) * up
     assert saved_bytes(swiglu, h) == h.numel() * 2
     assert saved_bytes(plain, h) == h.numel() * 3
+
+
+def test_backward_hands_over_the_largest_gradient_value():
+    """``swiglu(h, grad_amax)``: the backward calls ``grad_amax`` once with the largest ``|d h|`` of the gradient it
+    returns (as rounded to ``h``'s dtype, 0-d fp32); the gradient is the same as without it. A NaN gradient gives a
+    NaN amax (as ``amax`` would)."""
+    torch.manual_seed(3)
+    h = torch.randn(6, 2 * 10).to(torch.bfloat16)
+    g = torch.randn(6, 10).to(torch.bfloat16)
+    seen = []
+    x = h.clone().requires_grad_()
+    swiglu(x, seen.append).backward(g)
+    plain = h.clone().requires_grad_()
+    swiglu(plain).backward(g)
+    assert torch.equal(x.grad, plain.grad) and len(seen) == 1
+    assert seen[0].dtype == torch.float32 and seen[0].dim() == 0
+    assert float(seen[0]) == float(plain.grad.float().abs().max())
+    g[2, 3] = float("nan")
+    seen.clear()
+    swiglu(h.clone().requires_grad_(), seen.append).backward(g)
+    assert torch.isnan(seen[0])

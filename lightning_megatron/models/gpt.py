@@ -207,7 +207,10 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """``linear_fc2(act(linear_fc1(x)))``; SwiGLU packs ``[gate; up]`` in ``linear_fc1``
-    (:func:`~lightning_megatron.models.swiglu.swiglu`, whose backward writes both halves' gradients in one pass)."""
+    (:func:`~lightning_megatron.models.swiglu.swiglu`, whose backward writes both halves' gradients in one pass).
+
+    ``fc1_grad_amax``: None, or (SwiGLU only) a callable that SwiGLU's backward hands the largest absolute value of
+    ``linear_fc1``'s output gradient, taken in the same pass (FP8's delayed recipe sets it to record that amax)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -215,13 +218,14 @@ class MLP(nn.Module):
         fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.fc1_grad_amax: Optional[Callable[[Tensor], None]] = None
 
     def forward(self, x: Tensor, wgrad: Optional[DeferredWgrad] = None) -> Tensor:
         """``wgrad``: delay both linears' weight gradients into it (see :class:`DeferredWgrad`)."""
         linear = wgrad.linear if wgrad is not None else (lambda module, t: module(t))
         h = linear(self.linear_fc1, x)
         if self.swiglu:
-            h = swiglu(h)
+            h = swiglu(h, self.fc1_grad_amax)
         else:
             h = F.gelu(h)
         return linear(self.linear_fc2, h)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_megatron.models.swiglu import swiglu, swiglu_backward, swiglu_backward_reference
+from lightning_megatron.models.swiglu import (swiglu, swiglu_backward, swiglu_backward_reference,
+                                               swiglu_backward_with_amax)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -70,3 +71,19 @@ def test_other_inputs_take_the_torch_formula_with_the_same_values():
     wide = torch.randn(2 * 96, 64, device="cuda", generator=g).to(torch.bfloat16).t()   # not contiguous
     grad16 = grad.to(torch.bfloat16)
     assert torch.equal(swiglu_backward(wide, grad16), swiglu_backward(wide.contiguous(), grad16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_amax_is_the_largest_value_it_wrote(dtype):
+    """The kernel's per-program maxima give exactly ``out.abs().amax()`` of the gradient it wrote (ragged column
+    blocks included), eagerly and compiled; a NaN anywhere makes it NaN."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(37, 2 * 1500, device="cuda", generator=g).to(dtype)
+    grad = torch.randn(37, 1500, device="cuda", generator=g).to(dtype)
+    for fn in (swiglu_backward_with_amax, torch.compile(swiglu_backward_with_amax, fullgraph=True)):
+        out, amax = fn(h, grad)
+        assert torch.equal(out, swiglu_backward(h, grad))
+        assert amax.dtype == torch.float32 and float(amax) == float(out.float().abs().max())
+    grad[20, 1499] = float("nan")
+    assert torch.isnan(swiglu_backward_with_amax(h, grad)[1])
+    assert any("swiglu_backward_kernel" in k for k in _kernels(lambda: swiglu_backward_with_amax(h, grad)))

@@ -108,6 +108,9 @@ class Float8Gemm:
         self.scales: Optional[Tuple[Tensor, ...]] = None
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
+        #: the op that produces this GEMM's output gradient hands its amax to :meth:`record_grad_amax` (SwiGLU before
+        #: ``linear_fc1``: :func:`apply_fp8` sets it), so the backward does not read that gradient for it again
+        self.grad_amax_from_producer = False
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return self._apply(_Float8LinearFn, x, weight, bias)
@@ -149,7 +152,7 @@ class Float8Gemm:
         (:func:`_refresh_scales`, in the kind's format): two tensors read, no kernel."""
         cfg = self.config
         if self.scales is not None:   # delayed, with a history
-            if record:
+            if record and not (kind == _GRAD and self._producer_records()):
                 self._record(kind, t.detach().abs().amax().float())
             return self.scales[kind], self.scales[3 + kind]
         current = t.detach().abs().amax().float()
@@ -163,6 +166,20 @@ class Float8Gemm:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
         scale = scale_from_amax(amax, dtype, cfg.margin)
         return scale, scale.reciprocal()
+
+    def _producer_records(self) -> bool:
+        """Whether this step's output-gradient amaxes come from :meth:`record_grad_amax`: the producer hands them
+        over, the recipe has a history (the scale does not wait for the amax) and the records keep no ring of uses
+        (whose order the backward's own record keeps)."""
+        return (self.grad_amax_from_producer and self.scales is not None and self.running is not None
+                and self.uses is None)
+
+    def record_grad_amax(self, amax: Tensor) -> None:
+        """Record ``amax`` (0-d fp32), the largest absolute value of this GEMM's output gradient, handed over by the
+        op that produced that gradient in the backward (before this GEMM's backward runs), when
+        :meth:`_producer_records`; otherwise the backward records it itself and this does nothing."""
+        if self._producer_records():
+            self._record(_GRAD, amax)
 
     def allocate(self, device: torch.device, ring: bool = False, capacity: int = AMAX_RING,
                  static: bool = False) -> None:

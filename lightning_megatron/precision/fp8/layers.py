@@ -44,7 +44,10 @@ class Float8Layers:
     config: Float8Config
     converted: List[str] = field(default_factory=list)
     kept: Dict[str, str] = field(default_factory=dict)
+    #: the converted linear layers' GEMMs and, in the same order, those layers' names (``converted`` also names the
+    #: routed-expert modules, whose GEMMs are ``expert_gemms``)
     gemms: List[Any] = field(default_factory=list)
+    gemm_names: List[str] = field(default_factory=list)
     amax_groups: List[Any] = field(default_factory=list)
     #: the routed experts' FP8 GEMMs (torch backend), each with its name ``<experts module>.<global expert>.fc1|fc2``
     expert_gemms: List["Float8Gemm"] = field(default_factory=list)
@@ -68,9 +71,10 @@ class Float8Layers:
     def retain(self, module: nn.Module) -> None:
         """Forget the converted layers no longer in ``module`` (the other pipeline stages' after the split)."""
         present = {name for name, _ in module.named_modules()}
-        keep = [i for i, name in enumerate(self.converted) if name in present]
-        self.converted = [self.converted[i] for i in keep]
+        self.converted = [name for name in self.converted if name in present]
+        keep = [i for i, name in enumerate(self.gemm_names) if name in present]
         self.gemms = [self.gemms[i] for i in keep]
+        self.gemm_names = [self.gemm_names[i] for i in keep]
         self.kept = {name: why for name, why in self.kept.items() if name in present}
         experts = [i for i, name in enumerate(self.expert_gemm_names) if name.rsplit(".", 2)[0] in present]
         self.expert_gemms = [self.expert_gemms[i] for i in experts]
@@ -86,7 +90,7 @@ class Float8Layers:
                 gemm.allocate(device, ring=ring, static=static)
 
     def _named_gemms(self) -> List[Tuple[str, Any]]:
-        return list(zip(self.converted, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
+        return list(zip(self.gemm_names, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
 
     def state_dict(self) -> Dict[str, Tensor]:
         """The delayed recipe's amax histories ``[3, amax_history_len]`` (input, weight, output gradient) by
@@ -234,6 +238,7 @@ def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any
         gemm = (Float8Gemm(config, result.amax_groups) if config.backend == "torch"
                 else TransformerEngineGemm(in_features, out_features))
         result.gemms.append(gemm)
+        result.gemm_names.append(name)
         if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
             layer.fp8_gemm = gemm
         else:
@@ -241,7 +246,23 @@ def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any
             parent = module.get_submodule(parent_name) if parent_name else module
             setattr(parent, child, Float8Linear(layer, gemm))
         result.converted.append(name)
+    _activation_records_fc1_grad_amax(module, result)
     return result
+
+
+def _activation_records_fc1_grad_amax(module: nn.Module, result: Float8Layers) -> None:
+    """For the delayed recipe (torch backend): every SwiGLU MLP (an ``fc1_grad_amax`` attribute) whose
+    ``linear_fc1`` was converted hands the amax of ``linear_fc1``'s output gradient, taken in SwiGLU's backward pass,
+    to that GEMM's record (:meth:`Float8Gemm.record_grad_amax`) instead of the GEMM's backward reading the gradient
+    once more for it. The amax is the same value; the step records the same histories."""
+    if result.config.recipe != "delayed" or result.config.backend != "torch":
+        return
+    gemms = dict(zip(result.gemm_names, result.gemms))
+    for name, mlp in module.named_modules():
+        gemm = gemms.get(f"{name}.linear_fc1" if name else "linear_fc1")
+        if isinstance(gemm, Float8Gemm) and getattr(mlp, "swiglu", False) and hasattr(mlp, "fc1_grad_amax"):
+            mlp.fc1_grad_amax = gemm.record_grad_amax
+            gemm.grad_amax_from_producer = True
 
 
 def fp8_forward_context(config: Optional[Float8Config], amax_group: Any = None) -> Callable[[], ContextManager]:
