@@ -159,8 +159,8 @@ class HostLead:
     """How far the host runs ahead of the GPU at points of a step, over the timed steps: at each point a CUDA event is
     recorded with the host's clock; once the steps are over, the GPU's time at each event (from a reference event
     recorded right after a synchronisation) minus the host's time is how long the GPU took to reach work the host had
-    queued. Near 0 at a point: the GPU waited for the host there. Median per point (ms); no synchronisation while
-    the steps run (the events are read at the end)."""
+    queued. Near 0 at a point: the GPU waited for the host there. Median per point (ms), and every step's
+    (``each_ms``, ``gpu_steps_ms``); no synchronisation while the steps run (the events are read at the end)."""
 
     POINTS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
               "on_train_batch_end")
@@ -199,7 +199,11 @@ class HostLead:
         out = {p: round(statistics.median(v), 2) for p, v in lead.items()}
         # a step's length on each side, between consecutive batch starts
         out["host_step_ms"] = round(statistics.median((b[0] - a[0]) * 1e3 for a, b in zip(starts, starts[1:])), 2)
-        out["gpu_step_ms"] = round(statistics.median(a[1].elapsed_time(b[1]) for a, b in zip(starts, starts[1:])), 2)
+        steps = [a[1].elapsed_time(b[1]) for a, b in zip(starts, starts[1:])]
+        out["gpu_step_ms"] = round(statistics.median(steps), 2)
+        out["gpu_steps_ms"] = [round(t, 2) for t in steps]   # each step, in order: a slow first step shows
+        out["host_steps_ms"] = [round((b[0] - a[0]) * 1e3, 2) for a, b in zip(starts, starts[1:])]
+        out["each_ms"] = {p: [round(t, 1) for t in v] for p, v in lead.items()}
         return out
 
 
