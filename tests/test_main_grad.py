@@ -141,21 +141,35 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
 
 
 def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int,
-               moments: str = "fp32"):
+               moments: str = "fp32", fp32_main_grads: bool = False, clip: Optional[float] = None):
     """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task, Adam's moments in ``moments`` ("fp32" / "bf16"):
-    per-step losses, initial and final full states."""
+    per-step losses, initial and final full states, and per step whether bf16 parameters kept their bf16 gradients
+    (``direct``). ``fp32_main_grads``: never keep them (every step through fp32 main gradients)."""
     from lightning_megatron import ParallelGPTModule
     from tests.parity import InitialState
+
+    if fp32_main_grads:
+        start_step = MainParams.start_step
+        MainParams.start_step = lambda self, direct: start_step(self, False)
+    direct = []
+
+    class Direct(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            main = trainer.strategy.parallelized.main_params
+            direct.append(main is not None and main.direct and all(b.grad is None for b in main.buckets))
 
     pl.seed_everything(SEED, verbose=False)
     module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0, exp_avg_dtype=moments,
                                exp_avg_sq_dtype=moments)
     recorder, initial = StepLossRecorder(accumulate), InitialState()
-    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial],
-                          plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate)
+    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial, Direct()],
+                          plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate,
+                          gradient_clip_val=clip)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro))
+    if fp32_main_grads:
+        MainParams.start_step = start_step
     final = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "initial": initial.state,
+    return {"losses": recorder.losses, "initial": initial.state, "direct": direct,
             "final": {k: v.detach().cpu().clone() for k, v in final.items()}}
 
 
@@ -170,6 +184,10 @@ def _one_process() -> Dict[str, Any]:
     runs = [(name, (_learn_run, (cfg, long, precision, 8, 1))) for name, precision in
             (("autocast", dict(precision="bf16-mixed")), ("bf16p", BF16P), ("fp32", dict(precision="32-true")))]
     runs += [("accumulate2", (_learn_run, (cfg, long, BF16P, 4, 2)))]
+    runs += [("bf16p-bf16m", (_learn_run, (cfg, long, BF16P, 8, 1, "bf16"))),
+             ("bf16p-bf16m-fp32-main-grads", (_learn_run, (cfg, long, BF16P, 8, 1, "bf16", True))),
+             ("bf16p-bf16m-accumulate2", (_learn_run, (cfg, long, BF16P, 4, 2, "bf16"))),
+             ("bf16p-bf16m-clip", (_learn_run, (cfg, long, BF16P, 8, 1, "bf16", False, 1e9)))]
     runs += [(f"ref-mb{mb}", (plugin_layout_run, (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)))
              for mb in (2, 4)]
     runs += [(f"ref-mb{mb}-{name}", (plugin_layout_run, (tiny_config(num_query_groups=4, **overrides), {}, BF16P,
@@ -206,6 +224,62 @@ def test_bf16_params_follow_autocast_and_fp32_over_20_steps():
     assert all(v.dtype == torch.float32 for v in out["bf16p"]["final"].values())
     # bf16 parameters are not the fp32 run: the losses differ at bf16's level, not fp32's
     assert _worst(bf16p, fp32) > 1e-6
+
+
+def test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result():
+    """bf16 moments (``PrecisionAwareAdamW``), one micro-batch, no clipping, one process: the bf16 gradients stay as
+    the backward left them (no fp32 main gradient is allocated) and the run is bit for bit the one through fp32 main
+    gradients (every loss, every final weight): converting a bf16 gradient to fp32 is exact, so the update sees the
+    same numbers. Accumulating two micro-batches, clipping, or torch's AdamW (fp32 moments, which steps whatever the
+    parameter holds) go through fp32 main gradients."""
+    out = _one_process()
+    direct, fp32 = out["bf16p-bf16m"], out["bf16p-bf16m-fp32-main-grads"]
+    assert direct["direct"] == [True] * LONG_STEPS and fp32["direct"] == [False] * LONG_STEPS
+    for other in ("bf16p-bf16m-accumulate2", "bf16p-bf16m-clip", "bf16p", "accumulate2"):
+        assert out[other]["direct"] == [False] * LONG_STEPS, other
+    assert direct["losses"] == fp32["losses"] and direct["losses"][-1] < 0.9 * direct["losses"][0]
+    for k, v in direct["final"].items():
+        assert torch.equal(v, fp32["final"][k]), k
+    assert out["bf16p-bf16m-clip"]["losses"] == direct["losses"]   # a clip that never bites: the same numbers
+
+
+def test_direct_step_falls_back_to_fp32_accumulation_on_a_second_gradient():
+    """A direct step that gets a second gradient of a parameter after all: the kept gradients become fp32 main
+    gradients and the second one is added in fp32, as in a step that was never direct; ``finish_backward`` then
+    switches to the main view."""
+    x = torch.full((1, 4), 1 + 2 ** -7, dtype=torch.bfloat16)
+    mains = []
+    for direct in (True, False):
+        lin = nn.Linear(4, 3)
+        main = MainParams(lin)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+        main._optimizer_steps_main = True   # what attach sets for PrecisionAwareAdamW
+        main.start_step(direct)
+        lin(x).sum().backward()
+        if direct:
+            assert main.direct and lin.weight.grad is None and main.main_grad(lin.weight) is None
+        lin(x * 3).sum().backward()
+        assert not main.direct
+        main.finish_backward()
+        assert main.in_main_view and lin.weight.grad.dtype == torch.float32
+        mains.append([main.main_grad(p).clone() for p in (lin.weight, lin.bias)])
+        del opt
+    assert all(torch.equal(a, b) for a, b in zip(*mains))
+
+
+def test_direct_step_needs_an_optimizer_that_steps_the_main_parameters():
+    """``start_step(direct=True)`` is taken only once a :class:`PrecisionAwareAdamW` is attached (it steps the fp32
+    main parameters in the compute view); another optimizer would step the bf16 copies."""
+    from lightning_megatron.optimizer import PrecisionAwareAdamW
+
+    lin = nn.Linear(4, 3)
+    main = MainParams(lin)
+    main.attach(torch.optim.SGD(lin.parameters(), lr=0.1))
+    main.start_step(True)
+    assert not main.direct
+    main.attach(PrecisionAwareAdamW(lin.parameters(), lr=0.1))
+    main.start_step(True)
+    assert main.direct
 
 
 def test_accumulating_two_micro_batches_equals_one_twice_the_size():

@@ -144,14 +144,15 @@ def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.d
             state[key] = state[key].to(dtype)
 
 
-def _held(members: List[Tensor], state: Dict[Any, Dict[str, Any]]) -> Tuple[List[Tensor], Tuple[int, ...]]:
+def _held(members: List[Tensor], state: Dict[Any, Dict[str, Any]],
+          stepped: Callable[[Tensor], Tensor]) -> Tuple[List[Tensor], Tuple[int, ...]]:
     """What an update plan of ``members`` is built from: per parameter its moment and step tensors, and the address
-    of its local data (``p.data`` may be swapped for another tensor)."""
+    of the tensor the update writes for it, ``stepped(p)`` (``p.data`` may be swapped for another tensor)."""
     tensors: List[Tensor] = []
     for p in members:
         s = state[p]
         tensors += [s.get("exp_avg"), s.get("exp_avg_sq"), s.get("step")]
-    return tensors, tuple(local_tensor(p).data_ptr() for p in members)
+    return tensors, tuple(stepped(p).data_ptr() for p in members)
 
 
 @dataclass(eq=False)
@@ -173,13 +174,15 @@ class _UpdatePlan:
     run_steps: List[Tensor]
     steps: List[Tensor]
 
-    def holds(self, members: List[Tensor], state: Dict[Any, Dict[str, Any]]) -> bool:
+    def holds(self, members: List[Tensor], state: Dict[Any, Dict[str, Any]],
+              stepped: Callable[[Tensor], Tensor]) -> bool:
         """Whether the plan still serves ``members`` (this step's parameters with gradients, any order): the same
-        parameters, holding the same data, with the same moment and step tensors."""
+        parameters, their stepped tensors (``stepped(p)``) holding the same data, with the same moment and step
+        tensors."""
         ids = {id(p) for p in members}
         if len(ids) != len(self.members) or any(id(p) not in ids for p in self.members):
             return False
-        tensors, addresses = _held(self.members, state)
+        tensors, addresses = _held(self.members, state, stepped)
         return addresses == self.held[1] and all(a is b for a, b in zip(tensors, self.held[0]))
 
     def grads(self) -> List[Tensor]:
@@ -234,6 +237,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         #: created or loaded): parameters whose counts differ are not updated as one run (a run has one bias correction)
         self._counts: Dict[int, int] = {}
         self._param_copy: Optional[Callable[[Tensor], Tensor]] = None
+        self._main_param: Optional[Callable[[Tensor], Tensor]] = None
         #: (group index, device) -> (the learning rate it holds, 0-d fp32 tensor on the device): the compiled update's
         #: learning rate, refilled (one small kernel, no host wait) when the group's changes
         self._lr_tensors: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
@@ -247,6 +251,19 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         stop. Parameters without a gradient in a step are not written (they did not change)."""
         self._param_copy = param_copy
         self._plans.clear()
+
+    def step_main_params(self, main_param: Optional[Callable[[Tensor], Tensor]]) -> None:
+        """From the next step on, update ``main_param(p)`` (a tensor of ``p``'s shape: the fp32 main parameter of a
+        bf16 parameter, :class:`~lightning_megatron.parallel.main_grad.MainParams`) instead of the tensor ``p``
+        holds, with ``p.grad`` as the gradient: the step is then the same whether ``p`` holds its main parameter
+        (and ``p.grad`` the fp32 main gradient) or its bf16 compute copy (and ``p.grad`` the bf16 gradient as the
+        backward left it). None: update what ``p`` holds."""
+        self._main_param = main_param
+        self._plans.clear()
+
+    def _stepped(self, p: Tensor) -> Tensor:
+        """The tensor the update writes for parameter ``p`` (its local part): :meth:`step_main_params`' or ``p``'s."""
+        return local_tensor(self._main_param(p) if self._main_param is not None else p)
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: for CUDA compiled for the lists' shapes (a group's flat runs keep theirs
@@ -320,8 +337,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """The update plan of ``members`` (parameters with gradients, on ``device``; moments created or homed here):
         one run wherever parameters, gradients, moments (and compute copies) are all adjacent views and the step
         counts are equal (the count of a run is its first parameter's)."""
-        members = [members[i] for i in storage_order([local_tensor(p) for p in members])]
-        params = [local_tensor(p) for p in members]
+        members = [members[i] for i in storage_order([self._stepped(p) for p in members])]
+        params = [self._stepped(p) for p in members]
         self._home_moments(params, members, group, device)
         grads = [local_tensor(p.grad) for p in members]
         states = [self.state[p] for p in members]
@@ -334,7 +351,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
         runs = adjacent_runs(columns, cuts)
         flat = [[flat_run(column, a, b) for a, b in runs] for column in columns]
-        return _UpdatePlan(members=members, held=_held(members, self.state), runs=runs,
+        return _UpdatePlan(members=members, held=_held(members, self.state, self._stepped), runs=runs,
                            grad_starts=span_starts(grads), params=flat[0], exp_avgs=flat[2],
                            exp_avg_sqs=flat[3], copies=flat[4] if len(flat) > 4 else None,
                            run_steps=[states[a]["step"] for a, _ in runs], steps=[s["step"] for s in states])
@@ -348,7 +365,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         is a few checks and one flat view of the gradients per run, not the planning per parameter."""
         plan = self._plans.get((index, device))
         grads: Optional[List[Tensor]] = None
-        if plan is not None and plan.holds(members, self.state):
+        if plan is not None and plan.holds(members, self.state, self._stepped):
             grads = plan.grads()
             if not plan.fits(grads):
                 grads = None

@@ -73,6 +73,14 @@ class GradientFinalizer:
             dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
             self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
 
+    def reduces_grads(self) -> bool:
+        """Whether :meth:`finalize` changes gradients in this layout: a data-parallel reduction (dp x cp, FSDP's, a
+        pipeline's), the experts' over expert data parallel, the sequence-parallel parameters' over tp."""
+        p, mesh = self.parallelized, self.mesh
+        return (mesh.size("dp_cp") > 1 or self.fsdp is not None or p.pipeline is not None
+                or (bool(p.expert_params) and mesh.size("edp") > 1)
+                or (bool(p.sequence_parallel_params) and mesh.size("tp") > 1))
+
     def start_step(self, num_microbatches: int) -> None:
         """Before a step's forward and backward passes (``num_microbatches`` of them per pipeline chunk): arm the
         overlapped reduction of pipeline stages, if on (the schedule divides gradients by ``num_microbatches``)."""
@@ -80,14 +88,14 @@ class GradientFinalizer:
             self.reducer.start_step(num_microbatches, num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
-        """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient), reduce what DDP
-        does not (the dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp /
+        """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient; a step that kept its bf16
+        gradients: those, in the compute view, :meth:`MainParams.finish_backward`), reduce what DDP does not (the dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp /
         tp / embedding groups as they apply), then the FP8 delayed-scaling amax update (over tp and dp_cp;
         ``num_microbatches``: the step's micro-batches, under pipeline parallelism, whose schedule may run extra
         metadata-inference passes)."""
         p, mesh = self.parallelized, self.mesh
         if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
-            p.main_params.to_main()
+            p.main_params.finish_backward()
         if self.reducer is not None:
             self.reducer.finish()
         elif (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:

@@ -16,6 +16,14 @@ one identity that the optimizer, the gradient reductions, clipping and checkpoin
   copied in per bucket, once all of the bucket's have arrived: one multi-tensor copy (``torch._foreach_copy_``, which
   converts bf16 to fp32 with vectorised loads) instead of one copy kernel per parameter; the bf16 gradients wait
   for it (at most about a bucket of them) and anything that reads a main gradient first copies its bucket's.
+* A step whose gradients nothing accumulates, reduces or scales (one micro-batch, no data-parallel, expert,
+  sequence-parallel or embedding reduction, no clipping, no loss scaling: :meth:`start_step` with ``direct=True``)
+  keeps the bf16 gradients as the backward left them: no fp32 main gradients, no copy. The step then runs in the
+  compute view with ``p.grad`` the bf16 gradient (:meth:`finish_backward`), and the optimizer steps the fp32 main
+  parameters (:meth:`PrecisionAwareAdamW.step_main_params`) with each gradient converted to fp32 in its update,
+  exactly as it would step them with the fp32 copy of that gradient: the same numbers, without the copy's pass over
+  the gradients and with half the bytes for the checks to read. Should a second gradient of a parameter arrive in
+  such a step after all, the kept ones become fp32 main gradients first and the step accumulates in fp32 as usual.
 * :meth:`to_main` (the first thing of ``GradientFinalizer.finalize``) switches to the main view: everything after it
   (data / sequence / expert parallel reductions, the tied-embedding sum, the global-norm clip, the non-finite
   guard, the optimizer and the distributed optimizer's states and broadcasts) sees fp32 parameters and fp32
@@ -38,7 +46,8 @@ the optimizer (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`), clip
 reduction each see one flat tensor per bucket and parameter group instead of one per parameter (the global norm and
 the non-finite check, one multi-tensor pass either way, keep per-parameter norms for the non-finite verdict).
 
-Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step), Megatron's.
+Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step that accumulates,
+reduces or clips; a direct step keeps the 2-byte bf16 gradient instead), Megatron's.
 No communication here; the gradients are reduced by the caller over its groups (the step path does not wrap
 torch DDP around a module with main parameters: its reducer would own the bf16 gradients).
 """
@@ -148,6 +157,12 @@ class MainParams:
         self._grads: Dict[int, Tensor] = {}
         self._hooks: List[Any] = []
         self.in_main_view = False
+        #: this step keeps its gradients as the backward left them (:meth:`start_step`)
+        self.direct = False
+        #: ``id(p)`` -> ``(p, its gradient)`` of a direct step, as the backward left them
+        self._direct: Dict[int, Tuple[nn.Parameter, Tensor]] = {}
+        #: an optimizer that steps the main parameters whatever the view (:meth:`attach`): direct steps need one
+        self._optimizer_steps_main = False
         seen = set()
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
@@ -186,13 +201,26 @@ class MainParams:
             bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
         return bucket.grad[offset:offset + p.numel()].view(p.shape)
 
+    def start_step(self, direct: bool) -> None:
+        """Before a step's first backward: whether its gradients stay as the backward leaves them (``direct``: the
+        caller knows nothing will accumulate, reduce or scale them; taken only with an optimizer that steps the main
+        parameters, see :meth:`attach`) or go into fp32 main gradients."""
+        self.direct = direct and self._optimizer_steps_main
+        self._direct = {}
+
     def _accumulate(self, p: Tensor) -> None:
         """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32, then drop ``p.grad``. The first gradient of the
         step is copied in (the buffer needs no zeroing), together with the rest of its bucket's once they are all
-        there (:meth:`_copy_pending`)."""
+        there (:meth:`_copy_pending`). In a direct step the first gradient is kept as it is instead."""
         if self.in_main_view or p.grad is None:
             return
         key = id(p)
+        if self.direct:
+            if key not in self._direct:
+                self._direct[key] = (p, p.grad)
+                p.grad = None
+                return
+            self._leave_direct()   # a second gradient after all: this step accumulates in fp32
         index = self._where[key][0]
         with torch.no_grad():
             view = self._grads.get(key)
@@ -206,6 +234,27 @@ class MainParams:
                 if len(bucket.pending) >= bucket.expecting:
                     self._copy_pending(index)
         p.grad = None
+
+    def _leave_direct(self) -> None:
+        """End direct mode for this step: the gradients kept so far become the first gradients of fp32 main
+        gradients (copied in per bucket)."""
+        kept, self._direct, self.direct = self._direct, {}, False
+        with torch.no_grad():
+            for p, grad in kept.values():
+                index = self._where[id(p)][0]
+                self._grads[id(p)] = view = self._grad_view(p)
+                self.buckets[index].pending.append((view, grad))
+        for index in range(len(self.buckets)):
+            self._copy_pending(index)
+
+    def finish_backward(self) -> None:
+        """After the step's last backward (the first thing of ``GradientFinalizer.finalize``): a direct step puts its
+        bf16 gradients back on the parameters (``p.grad``, compute view); otherwise :meth:`to_main`."""
+        if self.direct:
+            for p, grad in self._direct.values():
+                p.grad = grad
+            return
+        self.to_main()
 
     def _copy_pending(self, index: int) -> None:
         """Copy bucket ``index``'s waiting first gradients into their main-gradient views (one multi-tensor copy)."""
@@ -244,8 +293,12 @@ class MainParams:
     def to_compute(self, copy: bool = True) -> None:
         """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets; ``copy=False``: the
         optimizer wrote them, see :meth:`attach`) and switch to the compute view (gradients and main gradients
-        dropped: the step is over). Idempotent."""
+        dropped: the step is over). Idempotent. A direct step's gradients are dropped too."""
         if not self.in_main_view:
+            if self._direct:
+                for p, _ in self._direct.values():
+                    p.grad = None
+                self._direct = {}
             return
         if self.buckets and copy:
             torch._foreach_copy_([b.compute for b in self.buckets], [b.main for b in self.buckets])
@@ -268,7 +321,8 @@ class MainParams:
         if self.in_main_view:
             yield
             return
-        buffers, grads = [b.grad for b in self.buckets], dict(self._grads)
+        buffers, grads, direct = [b.grad for b in self.buckets], dict(self._grads), dict(self._direct)
+        held = [(p, p.grad) for p, _ in direct.values()]   # a direct step's gradients, on their parameters or not
         self.to_main()
         try:
             yield
@@ -276,7 +330,9 @@ class MainParams:
             self.to_compute()
             for bucket, buffer in zip(self.buckets, buffers):
                 bucket.grad = buffer
-            self._grads = grads
+            self._grads, self._direct = grads, direct
+            for p, grad in held:
+                p.grad = grad
 
     def optimizer_hook(self, *_: Any) -> None:
         """Optimizer step post-hook ``(optimizer, args, kwargs)``: back to the compute view."""
@@ -289,11 +345,14 @@ class MainParams:
     def attach(self, optimizer: Any) -> None:
         """Back to the compute view after every step of ``optimizer``. A :class:`PrecisionAwareAdamW` of its own (not
         wrapped by the distributed optimizer, whose broadcasts write main parameters the local update did not)
-        writes the bf16 copies in its update's pass (:meth:`PrecisionAwareAdamW.write_param_copies`); any other
-        optimizer is followed by one copy over the buckets."""
+        writes the bf16 copies in its update's pass (:meth:`PrecisionAwareAdamW.write_param_copies`) and steps the
+        main parameters in either view (:meth:`PrecisionAwareAdamW.step_main_params`), which direct steps need; any
+        other optimizer is followed by one copy over the buckets."""
         if isinstance(optimizer, PrecisionAwareAdamW):
             optimizer.write_param_copies(self.compute_copy)
+            optimizer.step_main_params(self.main_param)
             optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
+            self._optimizer_steps_main = True
         else:
             optimizer.register_step_post_hook(self.optimizer_hook)
 

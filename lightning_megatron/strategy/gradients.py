@@ -91,6 +91,15 @@ class GradientHooks:
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
             self._grads.guard.check_grads()
 
+    def keeps_grads_as_computed(self, num_microbatches: int) -> bool:
+        """Whether a step of ``num_microbatches`` leaves the gradients as the backward computed them: one micro-batch,
+        no clipping, no loss scaling and no reduction in this layout (:meth:`GradientFinalizer.reduces_grads`). bf16
+        parameters then keep their bf16 gradients instead of fp32 main gradients (:meth:`MainParams.start_step`),
+        with the same update."""
+        trainer = self.lightning_module.trainer
+        return (num_microbatches == 1 and not trainer.gradient_clip_val and not self._loss_scaled()
+                and self._grads is not None and not self._grads.reduces_grads())
+
     def _clips_by_norm(self) -> bool:
         trainer = self.lightning_module.trainer
         return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")

@@ -88,6 +88,7 @@ class StepPath:
         main_params = strategy.parallelized.main_params
         if main_params is not None:   # bf16 parameters (a skipped optimizer step left the fp32 main view on)
             main_params.to_compute()
+            main_params.start_step(direct=strategy.keeps_grads_as_computed(m))
         for optimizer in strategy.optimizers:   # Lightning's zero_grad is off with its backward
             optimizer.zero_grad(set_to_none=True)
         scaler = getattr(strategy.precision_plugin, "scaler", None)   # fp16: the aux losses get the loss scale too
