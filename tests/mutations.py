@@ -222,6 +222,34 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        if guard is not None:\n            self.settle_non_finite()\n            if self._skips_unlogged:"),),
         ("tests/test_robustness.py::test_device_decided_verdict_is_read_after_the_next_backward_and_still_names_the_"
          "gradient",)),
+    Mutation(
+        "direct-step-updates-the-bf16-copies", "a step that keeps its bf16 gradients steps what the parameters hold "
+        "(the bf16 compute copies) instead of the fp32 main parameters",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        return local_tensor(self._main_param(p) if self._main_param is not None else p)\n",
+              "        return local_tensor(p)\n"),),
+        ("tests/test_main_grad.py::test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result",)),
+    Mutation(
+        "fc1-grad-amax-handed-over-and-dropped", "linear_fc1's GEMM leaves its output gradient's amax to SwiGLU's "
+        "backward, which does not record it",
+        (Edit("lightning_megatron/precision/fp8/gemm.py",
+              "        if self._producer_records():\n            self._record(_GRAD, amax)\n",
+              "        if self._producer_records():\n            pass\n"),),
+        ("tests/test_fp8.py::test_swiglu_hands_linear_fc1_its_output_gradient_amax",)),
+    Mutation(
+        "fp8-weight-gradient-rounded-to-bf16", "the FP8 weight-gradient GEMM of fp32 weights writes bf16 (rounded), "
+        "then casts to fp32",
+        (Edit("lightning_megatron/precision/fp8/gemm.py",
+              "gq.t().contiguous(), _col_major(xq), inv_g, inv_x), ctx.w_dtype)",
+              "gq.t().contiguous(), _col_major(xq), inv_g, inv_x), ctx.out_dtype)"),),
+        ("tests/test_fp8.py::test_weight_gradient_leaves_the_gemm_in_the_weights_dtype",)),
+    Mutation(
+        "max-abs-drops-the-order", "the per-tensor max-abs pass returns its values in another order than the tensors'",
+        (Edit("lightning_megatron/utils/max_abs.py",
+              "            return torch.stack([v.float() for v in torch._foreach_norm(tensors, float(\"inf\"))])\n",
+              "            return torch.stack([v.float() for v in torch._foreach_norm(tensors, float(\"inf\"))][::-1])\n"),),
+        ("tests/test_max_abs.py::test_each_tensors_largest_absolute_value_in_order",
+         "tests/test_max_abs.py::test_guards_per_gradient_values_name_the_parameters_in_order")),
 )
 
 

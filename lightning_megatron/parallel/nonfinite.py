@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
+from lightning_megatron.utils.max_abs import MaxAbsPerTensor
 from lightning_megatron.utils.tensors import coalesce, local_tensor
 
 #: what the error tells the user to do
@@ -69,16 +70,17 @@ def local_max_abs(tensors: Iterable[Tensor]) -> Tensor:
     return _float_vector(flats, torch._foreach_norm(flats, float("inf")))[1].sum()
 
 
-def per_tensor_max_abs(params: List[nn.Parameter]) -> Tuple[List[nn.Parameter], Tensor]:
+def per_tensor_max_abs(params: List[nn.Parameter],
+                       max_abs: Optional[MaxAbsPerTensor] = None) -> Tuple[List[nn.Parameter], Tensor]:
     """``(order, values)``: each gradient's largest absolute value (its local part, float32 ``[n]``; NaN and inf
     propagate) for the parameters of ``params`` that hold a floating-point gradient, in the order ``order`` of
-    ``values``. One fused pass over the gradients (the same bytes as over their flat spans), one stack and cast per
-    dtype. No communication."""
+    ``values``. One pass over the gradients (:class:`~lightning_megatron.utils.max_abs.MaxAbsPerTensor`: on CUDA one
+    kernel per dtype; ``max_abs``: one that keeps its tables between calls). No communication."""
     pairs = [(p, local_tensor(p.grad.detach())) for p in params if p.grad is not None]
     pairs = [(p, g) for p, g in pairs if g.is_floating_point() and g.numel() > 0]
     if not pairs:
         return [], torch.zeros(0)
-    return _float_vector([p for p, _ in pairs], torch._foreach_norm([g for _, g in pairs], float("inf")))
+    return [p for p, _ in pairs], (max_abs or MaxAbsPerTensor())([g for _, g in pairs])
 
 
 def _float_vector(keys: List[Any], values: List[Tensor]) -> Tuple[List[Any], Tensor]:
@@ -167,6 +169,7 @@ class NonFiniteGuard:
         # pinned landing places of the values, used in turn: the last step's stay readable while this one's land
         self._host: List[Optional[Tensor]] = [None, None]
         self._turn = 0
+        self._max_abs = MaxAbsPerTensor()   # the gradients' per-tensor pass, its device tables kept
 
     # ------------------------------------------------------------------ the device-side verdict
     def start_step(self, optimizer: Any) -> None:
@@ -277,7 +280,7 @@ class NonFiniteGuard:
             return
         params = list(self.module.parameters()) if params is None else params
         if self.on_device:
-            order, values = per_tensor_max_abs(params)
+            order, values = per_tensor_max_abs(params, self._max_abs)
             local = values.sum() if order else torch.zeros(())
             self._note("grads", self._world_sum_tensor(local), (order, values) if order else None)
             return
