@@ -89,8 +89,9 @@ class GradientFinalizer:
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient; a step that kept its bf16
-        gradients: those, in the compute view, :meth:`MainParams.finish_backward`), reduce what DDP does not (the dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp /
-        tp / embedding groups as they apply), then the FP8 delayed-scaling amax update (over tp and dp_cp;
+        gradients: those, in the compute view, :meth:`MainParams.finish_backward`), reduce what DDP does not (the
+        dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp / tp / embedding
+        groups as they apply), then the FP8 delayed-scaling amax update (over tp and dp_cp;
         ``num_microbatches``: the step's micro-batches, under pipeline parallelism, whose schedule may run extra
         metadata-inference passes)."""
         p, mesh = self.parallelized, self.mesh

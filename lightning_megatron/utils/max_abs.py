@@ -6,9 +6,9 @@ reads one chunk of one tensor (the tensor's address comes from a table on the de
 ``|x|`` (NaN if any element is NaN) and folds it into that tensor's slot with an atomic max (over the value's bits
 as an integer, which orders non-negative floats and NaN as the values: a float atomic max would drop a NaN).
 ``torch._foreach_norm`` with ``ord=inf`` computes the same values, more slowly on the benchmark model's gradients
-(benchmarks/RESULTS.md). The tables (which chunk belongs to which tensor, and the tensors' addresses) are built on the host and
-copied to the device once per layout and set of addresses; tensors whose addresses do not change between steps (CUDA
-graph outputs, contiguous buffers) cost no copy after the first. Elsewhere (the CPU, other dtypes, non-contiguous
+(benchmarks/RESULTS.md). The tables (which chunk belongs to which tensor, and the tensors' addresses) are built on the
+host and copied to the device once per layout and set of addresses; tensors whose addresses do not change between steps
+(CUDA graph outputs, contiguous buffers) cost no copy after the first. Elsewhere (the CPU, other dtypes, non-contiguous
 tensors) the values come from ``torch._foreach_norm``. No communication.
 """
 from __future__ import annotations

@@ -12,10 +12,10 @@ Torch-native GEMM (:class:`Float8Gemm`), per layer, three GEMMs::
     backward  dx = dy @ W        dy: e5m2 ("hybrid") or e4m3 ("e4m3")
               dW = dy^T @ x
 
-each ``torch._scaled_mm`` with fp32 accumulation and the step's compute dtype as output (bf16 under
-``bf16-mixed``), except ``dW`` under one scale per tensor, which leaves the GEMM in the weight's dtype (fp32 master
-weights: fp32, with no rounding to bf16 and no cast kernel after it). Scales are powers of two (multiplying by them is exact) chosen so that the tensor's amax lands
-at most at the format's largest value, minus ``margin`` powers of two. Recipes:
+each ``torch._scaled_mm`` with fp32 accumulation and the step's compute dtype as output (bf16 under ``bf16-mixed``),
+except ``dW`` under one scale per tensor, which leaves the GEMM in the weight's dtype (fp32 master weights: fp32, with
+no rounding to bf16 and no cast kernel after it). Scales are powers of two (multiplying by them is exact) chosen so
+that the tensor's amax lands at most at the format's largest value, minus ``margin`` powers of two. Recipes:
 
 * ``"tensorwise"``: one scale per tensor from its current amax (no communication; Megatron's "current scaling").
 * ``"rowwise"``: one scale per row of each GEMM operand along its reduction dimension, from the current values.
