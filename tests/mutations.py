@@ -230,6 +230,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        return local_tensor(p)\n"),),
         ("tests/test_main_grad.py::test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result",)),
     Mutation(
+        "direct-step-despite-a-reduction", "a step keeps its bf16 gradients although the finaliser averages them over "
+        "data parallel (the reduction would then run in bf16)",
+        (Edit("lightning_megatron/parallel/finalize_grads.py",
+              "        return (mesh.size(\"dp_cp\") > 1 or self.fsdp is not None or p.pipeline is not None\n",
+              "        return (self.fsdp is not None or p.pipeline is not None\n"),),
+        ("tests/test_main_grad.py::test_layouts_that_reduce_gradients_keep_fp32_main_gradients",)),
+    Mutation(
         "fc1-grad-amax-handed-over-and-dropped", "linear_fc1's GEMM leaves its output gradient's amax to SwiGLU's "
         "backward, which does not record it",
         (Edit("lightning_megatron/precision/fp8/gemm.py",

@@ -6,7 +6,9 @@ Training (one spawn of 1 process, one of 2): bf16 parameters follow the autocast
 bf16 tolerance over 20 steps; accumulate_grad_batches=2 equals one micro-batch twice the size; tp2+SP, pp2 (also
 with tied embeddings), ep2 (MoE), dp2 and dp2 with the distributed optimizer match the one-process bf16-parameter run; a
 checkpoint holds fp32 main parameters, resumes exactly and loads into the default fp32 path. The FP8 delayed
-recipe's amax histories are in checkpoints too: its resume is exact.
+recipe's amax histories are in checkpoints too: its resume is exact. A step nothing accumulates, reduces or clips
+keeps its bf16 gradients (no fp32 main gradients) with the same result bit for bit (one process, and tp2 on two);
+dp2 and tp2+SP, whose finaliser reduces gradients, do not; a second gradient in such a step falls back to fp32.
 """
 from __future__ import annotations
 
@@ -140,6 +142,17 @@ def _checkpoint_run(rank: int, world: int, cfg, samples, path: str, precision=BF
             "resumed_opt_dtypes": resumed_opt_dtypes}
 
 
+class _DirectSteps(pl.Callback):
+    """Per optimizer step: whether bf16 parameters kept their bf16 gradients (no fp32 main gradient allocated)."""
+
+    def __init__(self) -> None:
+        self.direct: list = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        main = trainer.strategy.parallelized.main_params
+        self.direct.append(main is not None and main.direct and all(b.grad is None for b in main.buckets))
+
+
 def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int,
                moments: str = "fp32", fp32_main_grads: bool = False, clip: Optional[float] = None):
     """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task, Adam's moments in ``moments`` ("fp32" / "bf16"):
@@ -151,25 +164,19 @@ def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], m
     if fp32_main_grads:
         start_step = MainParams.start_step
         MainParams.start_step = lambda self, direct: start_step(self, False)
-    direct = []
-
-    class Direct(pl.Callback):
-        def on_before_optimizer_step(self, trainer, module, optimizer):
-            main = trainer.strategy.parallelized.main_params
-            direct.append(main is not None and main.direct and all(b.grad is None for b in main.buckets))
-
+    direct = _DirectSteps()
     pl.seed_everything(SEED, verbose=False)
     module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0, exp_avg_dtype=moments,
                                exp_avg_sq_dtype=moments)
     recorder, initial = StepLossRecorder(accumulate), InitialState()
-    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial, Direct()],
+    trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial, direct],
                           plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate,
                           gradient_clip_val=clip)
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro))
     if fp32_main_grads:
         MainParams.start_step = start_step
     final = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "initial": initial.state, "direct": direct,
+    return {"losses": recorder.losses, "initial": initial.state, "direct": direct.direct,
             "final": {k: v.detach().cpu().clone() for k, v in final.items()}}
 
 
@@ -241,6 +248,44 @@ def test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_resul
     for k, v in direct["final"].items():
         assert torch.equal(v, fp32["final"][k]), k
     assert out["bf16p-bf16m-clip"]["losses"] == direct["losses"]   # a clip that never bites: the same numbers
+
+
+def _layout_direct_run(rank: int, world: int, cfg, samples, strategy_kwargs: Dict[str, Any],
+                       fp32_main_grads: bool = False) -> Dict[str, Any]:
+    """3 steps of one micro-batch, bf16 parameters and moments, no clipping, under ``strategy_kwargs``: the losses and
+    per step whether the bf16 gradients were kept (``fp32_main_grads``: never keep them)."""
+    from lightning_megatron import ParallelGPTModule
+
+    if fp32_main_grads:
+        start_step = MainParams.start_step
+        MainParams.start_step = lambda self, direct: start_step(self, False)
+    pl.seed_everything(SEED, verbose=False)
+    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=1, exp_avg_dtype="bf16",
+                               exp_avg_sq_dtype="bf16")
+    direct, recorder = _DirectSteps(), StepLossRecorder(1)
+    trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), STEPS, callbacks=[direct, recorder],
+                          plugins=[MegatronPrecision(**BF16P)])
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    if fp32_main_grads:
+        MainParams.start_step = start_step
+    return {"direct": direct.direct, "losses": recorder.losses}
+
+
+def test_layouts_that_reduce_gradients_keep_fp32_main_gradients():
+    """Two ranks, one micro-batch, no clipping: a layout whose finaliser reduces gradients (dp2's average, tp2+SP's
+    sum of the sequence-parallel norms) goes through fp32 main gradients; tp2 without SP reduces none and keeps the
+    bf16 gradients, bit for bit the run through fp32 main gradients."""
+    cfg = tiny_config(num_query_groups=4)
+    samples = make_samples(cfg, STEPS * 4)
+    cases = [(name, (cfg, samples, kwargs, force)) for name, kwargs, force in (
+        ("dp2", {}, False), ("tp2-sp", dict(tp=2, sequence_parallel=True), False), ("tp2", dict(tp=2), False),
+        ("tp2-fp32-main-grads", dict(tp=2), True))]
+    out = run_distributed(run_each, 2, _layout_direct_run, cases)[0]
+    for name, result in out.items():
+        assert not isinstance(result, str), result
+    assert out["dp2"]["direct"] == [False] * STEPS and out["tp2-sp"]["direct"] == [False] * STEPS
+    assert out["tp2"]["direct"] == [True] * STEPS and out["tp2-fp32-main-grads"]["direct"] == [False] * STEPS
+    assert out["tp2"]["losses"] == out["tp2-fp32-main-grads"]["losses"] and len(out["tp2"]["losses"]) == STEPS
 
 
 def test_direct_step_falls_back_to_fp32_accumulation_on_a_second_gradient():
