@@ -12,10 +12,11 @@ dp2 and tp2+SP, whose finaliser reduces gradients, do not; a second gradient in 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from functools import lru_cache
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -153,6 +154,21 @@ class _DirectSteps(pl.Callback):
         self.direct.append(main is not None and main.direct and all(b.grad is None for b in main.buckets))
 
 
+@contextlib.contextmanager
+def _main_grads_if(fp32_main_grads: bool) -> Iterator[None]:
+    """With ``fp32_main_grads``: every step inside goes through fp32 main gradients (``MainParams.start_step`` never
+    keeps the bf16 ones), the method restored on the way out, also when the run raises."""
+    if not fp32_main_grads:
+        yield
+        return
+    start_step = MainParams.start_step
+    MainParams.start_step = lambda self, direct: start_step(self, False)
+    try:
+        yield
+    finally:
+        MainParams.start_step = start_step
+
+
 def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], micro: int, accumulate: int,
                moments: str = "fp32", fp32_main_grads: bool = False, clip: Optional[float] = None):
     """``LONG_STEPS`` AdamW steps (lr 3e-3) on a learnable task, Adam's moments in ``moments`` ("fp32" / "bf16"):
@@ -161,9 +177,6 @@ def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], m
     from lightning_megatron import ParallelGPTModule
     from tests.parity import InitialState
 
-    if fp32_main_grads:
-        start_step = MainParams.start_step
-        MainParams.start_step = lambda self, direct: start_step(self, False)
     direct = _DirectSteps()
     pl.seed_everything(SEED, verbose=False)
     module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, weight_decay=0.0, exp_avg_dtype=moments,
@@ -172,9 +185,8 @@ def _learn_run(rank: int, world: int, cfg, samples, precision: Dict[str, Any], m
     trainer = trainer_for(world, MegatronStrategy(), LONG_STEPS, callbacks=[recorder, initial, direct],
                           plugins=[MegatronPrecision(**precision)], accumulate_grad_batches=accumulate,
                           gradient_clip_val=clip)
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro))
-    if fp32_main_grads:
-        MainParams.start_step = start_step
+    with _main_grads_if(fp32_main_grads):
+        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=micro))
     final = trainer.strategy.lightning_module_state_dict()
     return {"losses": recorder.losses, "initial": initial.state, "direct": direct.direct,
             "final": {k: v.detach().cpu().clone() for k, v in final.items()}}
@@ -256,18 +268,14 @@ def _layout_direct_run(rank: int, world: int, cfg, samples, strategy_kwargs: Dic
     per step whether the bf16 gradients were kept (``fp32_main_grads``: never keep them)."""
     from lightning_megatron import ParallelGPTModule
 
-    if fp32_main_grads:
-        start_step = MainParams.start_step
-        MainParams.start_step = lambda self, direct: start_step(self, False)
     pl.seed_everything(SEED, verbose=False)
     module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=1, exp_avg_dtype="bf16",
                                exp_avg_sq_dtype="bf16")
     direct, recorder = _DirectSteps(), StepLossRecorder(1)
     trainer = trainer_for(world, MegatronStrategy(**strategy_kwargs), STEPS, callbacks=[direct, recorder],
                           plugins=[MegatronPrecision(**BF16P)])
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
-    if fp32_main_grads:
-        MainParams.start_step = start_step
+    with _main_grads_if(fp32_main_grads):
+        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
     return {"direct": direct.direct, "losses": recorder.losses}
 
 
