@@ -159,7 +159,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
                 tp_rng: Optional[TensorParallelRNG] = None,
                 fp8: Optional[Float8Config] = None,
-                params_dtype: Optional[torch.dtype] = None) -> ParallelizedModel:
+                params_dtype: Optional[torch.dtype] = None,
+                store_param_remainders: bool = False) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -176,6 +177,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
         params_dtype: ``torch.bfloat16``: after materialisation store the parameters in bf16 with fp32 main
             parameters and gradients (:class:`~lightning_megatron.parallel.main_grad.MainParams`); None keeps fp32.
+        store_param_remainders: with bf16 parameters, hold the fp32 main parameters as bf16 copy plus int16
+            remainder (``MainParams(store_param_remainders=True)``).
 
     Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
     returned as it is, with the record of the first call, when the layout is the same.
@@ -226,7 +229,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
         fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
-    main_params = MainParams(module, params_dtype, config.bucket_size) if params_dtype is not None else None
+    main_params = (MainParams(module, params_dtype, config.bucket_size, store_param_remainders)
+                   if params_dtype is not None else None)
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),

@@ -253,10 +253,30 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "max-abs-drops-the-order", "the per-tensor max-abs pass returns its values in another order than the tensors'",
         (Edit("lightning_megatron/utils/max_abs.py",
-              "            return torch.stack([v.float() for v in torch._foreach_norm(tensors, float(\"inf\"))])\n",
-              "            return torch.stack([v.float() for v in torch._foreach_norm(tensors, float(\"inf\"))][::-1])\n"),),
+              "            return torch.stack([v.float() for v in values])\n",
+              "            return torch.stack([v.float() for v in values][::-1])\n"),),
         ("tests/test_max_abs.py::test_each_tensors_largest_absolute_value_in_order",
          "tests/test_max_abs.py::test_guards_per_gradient_values_name_the_parameters_in_order")),
+    Mutation(
+        "remainder-rounds-ties-to-even", "the bf16 half of a main parameter held as remainder is rounded to even at "
+        "ties, whose remainder (2**15) an int16 cannot hold",
+        (Edit("lightning_megatron/optimizer/param_remainders.py",
+              "    high = torch.bitwise_right_shift(bits + 32768, 16)\n",
+              "    high = torch.bitwise_right_shift(bits + 32767 + (torch.bitwise_right_shift(bits, 16) & 1), 16)\n"),),
+        ("tests/test_param_remainders.py::test_split_and_join_are_exact_inverses",)),
+    Mutation(
+        "update-drops-the-remainder", "the update over bf16 copies and remainders writes the bf16 half only",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        remainder.copy_(low)\n", "        pass\n"),),
+        ("tests/test_param_remainders.py::test_twenty_steps_over_the_halves_keep_the_fp32_main_parameters_bit_for_bit",)),
+    Mutation(
+        "main-view-writes-not-split-back", "with remainders, what the main view wrote (a loaded checkpoint, another "
+        "optimizer) is dropped instead of split into the two halves",
+        (Edit("lightning_megatron/parallel/main_grad.py",
+              "                if copy:\n                    high, low = split_fp32(bucket.main)\n",
+              "                if False:\n                    high, low = split_fp32(bucket.main)\n"),),
+        ("tests/test_param_remainders.py::test_main_view_writes_are_split_back",
+         "tests/test_main_grad.py::test_remainders_train_as_fp32_main_parameters_do")),
 )
 
 

@@ -305,6 +305,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--accumulate-allreduce-grads-in-fp32", "MegatronPrecision.params_dtype", action="store_true",
              help="with --bf16: parameters stored in bf16, fp32 main parameters in the optimizer, gradients "
                   "accumulated, reduced and clipped in fp32 (Megatron's bf16; params_dtype=torch.bfloat16)")
+    add_flag(g, "--store-param-remainders", "MegatronPrecision.store_param_remainders", action="store_true",
+             help="with --accumulate-allreduce-grads-in-fp32: fp32 main parameters held as the bf16 parameters plus "
+                  "16-bit remainders (the same values, 2 bytes per parameter less)")
     add_flag(g, "--initial-loss-scale", "MegatronPrecision.initial_loss_scale", type=float, default=None,
              help="fp16: starting loss scale (default 65536)")
     add_flag(g, "--loss-scale-window", "MegatronPrecision.loss_scale_window", type=int, default=None,

@@ -537,6 +537,8 @@ def _precision_kwargs(args: argparse.Namespace, precision: str) -> Optional[Dict
         given["first_last_layers_bf16"] = True
     if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
         given["params_dtype"] = torch.bfloat16
+    if getattr(args, "store_param_remainders", False):
+        given["store_param_remainders"] = True
     if not (given or args.bf16 or args.fp16):
         return None
     return dict(precision=precision, **given)

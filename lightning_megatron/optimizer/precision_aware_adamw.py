@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
 from lightning_megatron.utils.tensors import (adjacent_runs, flat_run, local_tensor, span_bounds, span_starts,
                                               storage_order)
 
@@ -69,7 +70,8 @@ def optimizer_state_dtype_name(value: Union[str, torch.dtype], name: str = "exp_
 def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
                   lr: Union[float, Tensor],
                   beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: Optional[Tensor] = None,
-                  found_inf: Optional[Tensor] = None, param_copy: Optional[Tensor] = None) -> None:
+                  found_inf: Optional[Tensor] = None, param_copy: Optional[Tensor] = None,
+                  remainder: Optional[Tensor] = None) -> None:
     """One AdamW step of one tensor, in place, computed in fp32 whatever the dtypes the tensors are stored in.
 
     Args:
@@ -81,11 +83,15 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         found_inf: 0-d tensor; where it is > 0 nothing changes (the update is computed and discarded), or None.
         param_copy: a tensor of ``param``'s shape (the bf16 compute copy of an fp32 main parameter) that receives
             the new parameter rounded to its dtype in the same pass, or None.
+        remainder: int16 of ``param``'s shape, or None. Given, the fp32 parameter is held as bf16 ``param`` plus this
+            remainder (:mod:`~lightning_megatron.optimizer.param_remainders`): both are read as the fp32 value and
+            both written with the new one (``param_copy`` is then None).
     """
     g = grad.float()
     if grad_scale is not None:
         g = g / grad_scale
-    m_old, v_old, p_old = exp_avg.float(), exp_avg_sq.float(), param.float()
+    m_old, v_old = exp_avg.float(), exp_avg_sq.float()
+    p_old = join_fp32(param, remainder) if remainder is not None else param.float()
     m = m_old.lerp(g, 1 - beta1)
     v = v_old * beta2 + (1 - beta2) * g * g
     bias_correction1 = 1 - beta1 ** step
@@ -95,7 +101,12 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     if found_inf is not None:
         skip = found_inf > 0
         p, m, v = torch.where(skip, p_old, p), torch.where(skip, m_old, m), torch.where(skip, v_old, v)
-    param.copy_(p)
+    if remainder is not None:
+        high, low = split_fp32(p)
+        param.copy_(high)
+        remainder.copy_(low)
+    else:
+        param.copy_(p)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if param_copy is not None:
@@ -119,16 +130,20 @@ def adamw_multi_update_(params: List[Tensor], grads: List[Tensor], exp_avgs: Lis
                         steps: List[Tensor], lr: Union[float, Tensor], beta1: float, beta2: float, eps: float,
                         weight_decay: float,
                         grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
-                        count_steps: bool = True, param_copies: Optional[List[Tensor]] = None) -> None:
+                        count_steps: bool = True, param_copies: Optional[List[Tensor]] = None,
+                        remainders: Optional[List[Tensor]] = None) -> None:
     """:func:`adamw_update_` of every tensor of the lists (one entry per parameter, all on one device), after adding
     one to each ``steps`` entry (:func:`count_steps_`) unless ``count_steps`` is False (the caller counted them);
-    ``param_copies``: each parameter's compute copy, written in the same pass, or None."""
+    ``param_copies``: each parameter's compute copy, written in the same pass, or None; ``remainders``: each bf16
+    parameter's remainder (the two hold its fp32 value), or None."""
     if count_steps:
         count_steps_(steps, found_inf)
     copies = param_copies if param_copies is not None else [None] * len(params)
-    for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
+    rests = remainders if remainders is not None else [None] * len(params)
+    for param, grad, exp_avg, exp_avg_sq, step, copy, rest in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
+                                                                  rests):
         adamw_update_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                      found_inf, copy)
+                      found_inf, copy, rest)
 
 
 def _conform_state(state: Dict[str, Any], group: Dict[str, Any], device: torch.device) -> None:
@@ -160,8 +175,9 @@ class _UpdatePlan:
     """The flat update lists of one parameter group's parameters on one device (:meth:`PrecisionAwareAdamW._plan`):
     ``members`` in storage order; the ``runs`` ``(start, stop)`` of adjacent views over them; ``grad_starts``, where
     the gradients' spans started (:func:`span_starts`); one flat tensor per run of the parameters, moments and
-    compute copies; each run's step count (its first parameter's) and every parameter's. ``held``: what it was built
-    from (:func:`_held`)."""
+    compute copies (None where not written) and remainders (None where the parameters are not held as bf16 copy plus
+    remainder: ``params`` are then the bf16 copies); each run's step count (its first parameter's) and every
+    parameter's. ``held``: what it was built from (:func:`_held`)."""
 
     members: List[Tensor]
     held: Tuple[List[Tensor], Tuple[int, ...]]
@@ -171,6 +187,7 @@ class _UpdatePlan:
     exp_avgs: List[Tensor]
     exp_avg_sqs: List[Tensor]
     copies: Optional[List[Tensor]]
+    remainders: Optional[List[Tensor]]
     run_steps: List[Tensor]
     steps: List[Tensor]
 
@@ -238,6 +255,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._counts: Dict[int, int] = {}
         self._param_copy: Optional[Callable[[Tensor], Tensor]] = None
         self._main_param: Optional[Callable[[Tensor], Tensor]] = None
+        self._remainder: Optional[Callable[[Tensor], Tensor]] = None
         #: (group index, device) -> (the learning rate it holds, 0-d fp32 tensor on the device): the compiled update's
         #: learning rate, refilled (one small kernel, no host wait) when the group's changes
         self._lr_tensors: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
@@ -261,8 +279,20 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._main_param = main_param
         self._plans.clear()
 
+    def step_param_remainders(self, remainder: Optional[Callable[[Tensor], Tensor]]) -> None:
+        """From the next step on, step the fp32 main parameter of ``p`` held as its bf16 compute copy (the tensor
+        :meth:`write_param_copies` names) plus ``remainder(p)`` (int16 of ``p``'s shape; Megatron's
+        ``--store-param-remainders``, :mod:`~lightning_megatron.optimizer.param_remainders`), with ``p.grad`` as
+        the gradient, in either view, writing both halves in the update's pass. Takes precedence over
+        :meth:`step_main_params`. None: stop."""
+        self._remainder = remainder
+        self._plans.clear()
+
     def _stepped(self, p: Tensor) -> Tensor:
-        """The tensor the update writes for parameter ``p`` (its local part): :meth:`step_main_params`' or ``p``'s."""
+        """The tensor the update writes for parameter ``p`` (its local part): its remainder
+        (:meth:`step_param_remainders`), its main parameter (:meth:`step_main_params`) or ``p``."""
+        if self._remainder is not None:
+            return local_tensor(self._remainder(p))
         return local_tensor(self._main_param(p) if self._main_param is not None else p)
 
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
@@ -338,29 +368,36 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         one run wherever parameters, gradients, moments (and compute copies) are all adjacent views and the step
         counts are equal (the count of a run is its first parameter's)."""
         members = [members[i] for i in storage_order([self._stepped(p) for p in members])]
-        params = [self._stepped(p) for p in members]
-        self._home_moments(params, members, group, device)
+        stepped = [self._stepped(p) for p in members]
+        self._home_moments(stepped, members, group, device)
         grads = [local_tensor(p.grad) for p in members]
         states = [self.state[p] for p in members]
         exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
         exp_avg_sqs = [local_tensor(s["exp_avg_sq"]) for s in states]
-        columns = [params, grads, exp_avgs, exp_avg_sqs]
-        if self._param_copy is not None:
-            columns.append([self._param_copy(p) for p in members])
+        held_in_halves = self._remainder is not None
+        if held_in_halves and self._param_copy is None:
+            raise RuntimeError("PrecisionAwareAdamW.step_param_remainders needs write_param_copies: the bf16 copies "
+                               "hold the high half of each fp32 main parameter")
+        copies = [self._param_copy(p) for p in members] if self._param_copy is not None else None
+        columns = [copies, grads, exp_avgs, exp_avg_sqs, stepped] if held_in_halves else [stepped, grads, exp_avgs,
+                                                                                           exp_avg_sqs]
+        if copies is not None and not held_in_halves:
+            columns.append(copies)
         counts = [self._counts[id(p)] for p in members]
         cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
         runs = adjacent_runs(columns, cuts)
         flat = [[flat_run(column, a, b) for a, b in runs] for column in columns]
         return _UpdatePlan(members=members, held=_held(members, self.state, self._stepped), runs=runs,
                            grad_starts=span_starts(grads), params=flat[0], exp_avgs=flat[2],
-                           exp_avg_sqs=flat[3], copies=flat[4] if len(flat) > 4 else None,
+                           exp_avg_sqs=flat[3], copies=flat[4] if len(flat) > 4 and not held_in_halves else None,
+                           remainders=flat[4] if held_in_halves else None,
                            run_steps=[states[a]["step"] for a, _ in runs], steps=[s["step"] for s in states])
 
     def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any],
               index: int) -> Tuple[Any, ...]:
         """The flat update lists of ``members`` (parameters with gradients of group ``index``, on ``device``):
-        ``(params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies)``, one entry per run (``steps``: one per
-        parameter). The plan of the previous step is used again when it still holds (the same parameters with
+        ``(params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies, remainders)``, one entry per run (``steps``:
+        one per parameter). The plan of the previous step is used again when it still holds (the same parameters with
         gradients, the same parameter and state tensors, the gradients adjacent over its runs): then the host work
         is a few checks and one flat view of the gradients per run, not the planning per parameter."""
         plan = self._plans.get((index, device))
@@ -375,7 +412,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for p in plan.members:
             self._counts[id(p)] += 1
         return (plan.params, [flat_run(grads, a, b) for a, b in plan.runs], plan.exp_avgs, plan.exp_avg_sqs,
-                plan.run_steps, plan.steps, plan.copies)
+                plan.run_steps, plan.steps, plan.copies, plan.remainders)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -399,8 +436,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
                 by_device.setdefault(local_tensor(p).device, []).append(p)
             for device, members in by_device.items():
-                params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies = self._runs(members, device, group,
-                                                                                            index)
+                (params, grads, exp_avgs, exp_avg_sqs, run_steps, steps, copies,
+                 remainders) = self._runs(members, device, group, index)
                 scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
@@ -408,7 +445,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     params, grads, exp_avgs, exp_avg_sqs, run_steps, self._lr(index, group, device), float(beta1),
                     float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False,
-                    param_copies=copies)
+                    param_copies=copies, remainders=remainders)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

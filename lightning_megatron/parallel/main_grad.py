@@ -48,6 +48,15 @@ the non-finite check, one multi-tensor pass either way, keep per-parameter norms
 
 Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step that accumulates,
 reduces or clips; a direct step keeps the 2-byte bf16 gradient instead), Megatron's.
+
+Remainders (``store_param_remainders=True``, Megatron's ``--store-param-remainders``): the fp32 main parameter is held
+as the bf16 copy plus a 16-bit remainder (:mod:`~lightning_megatron.optimizer.param_remainders`), the same 32 bits
+for 2 bytes instead of 4. The bf16 copy is then the main parameter rounded to nearest with ties away from zero (not
+to even: one bf16 step apart at exact ties only). :class:`~lightning_megatron.optimizer.PrecisionAwareAdamW` steps
+the two halves in place (:meth:`~lightning_megatron.optimizer.PrecisionAwareAdamW.step_param_remainders`);
+:meth:`to_main` joins them into fp32 main parameters for the main view (one pass, memory for the view's duration)
+and :meth:`to_compute` splits them back where anything else wrote the main parameters. A direct step never joins
+them: the whole step is the optimizer's pass over the halves.
 No communication here; the gradients are reduced by the caller over its groups (the step path does not wrap
 torch DDP around a module with main parameters: its reducer would own the bf16 gradients).
 """
@@ -61,6 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
+from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
 
 __all__ = ["MainParams", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
@@ -92,14 +102,16 @@ def check_bf16_params_options(config: Any, fitting: bool) -> None:
 @dataclass(eq=False)
 class _Bucket:
     """One bucket of the contiguous buffers: ``numel`` elements on ``device``; the bf16 compute copies and fp32 main
-    parameters of its parameters (flat, persistent) and their fp32 main gradients (flat, allocated at the step's first
+    parameters of its parameters (flat, persistent; with remainders the main parameters only in the main view, the
+    int16 ``remainder`` persistent instead) and their fp32 main gradients (flat, allocated at the step's first
     gradient into the bucket, None between steps). ``pending``: this step's first bf16 gradients not yet copied into
     their main-gradient views (``(view, gradient)``), copied together once ``expecting`` of them have arrived."""
 
     numel: int
     device: torch.device
     compute: Tensor
-    main: Tensor
+    main: Optional[Tensor]
+    remainder: Optional[Tensor] = None
     grad: Optional[Tensor] = None
     expecting: int = 0
     pending: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
@@ -137,22 +149,27 @@ class MainParams:
         module: the (parallelised, materialised) module; its floating-point parameters get a main copy.
         params_dtype: the compute dtype of the parameters (``torch.bfloat16``).
         bucket_size: elements per bucket of the buffers (None: :data:`DEFAULT_BUCKET_ELEMENTS`).
+        store_param_remainders: hold each fp32 main parameter as its bf16 copy plus an int16 remainder (see the
+            module docstring): 2 bytes per parameter less.
     """
 
     def __init__(self, module: nn.Module, params_dtype: torch.dtype = torch.bfloat16,
-                 bucket_size: Optional[int] = None) -> None:
+                 bucket_size: Optional[int] = None, store_param_remainders: bool = False) -> None:
         if params_dtype not in PARAMS_DTYPES or params_dtype is None:
             raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 "
                              "(with fp32 main parameters); use params_dtype=torch.bfloat16 or None (fp32)")
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size!r}: the buffers' buckets hold at least one element")
         self.params_dtype = params_dtype
+        self.store_param_remainders = bool(store_param_remainders)
         self.params: List[nn.Parameter] = []
         self.buckets: List[_Bucket] = []
         #: ``id(p)`` -> (bucket index, element offset in it)
         self._where: Dict[int, Tuple[int, int]] = {}
+        #: ``id(p)`` -> its fp32 main parameter (a view of its bucket's; with remainders only in the main view)
         self._main: Dict[int, Tensor] = {}
         self._compute: Dict[int, Tensor] = {}
+        self._remainder: Dict[int, Tensor] = {}
         #: ``id(p)`` -> its main gradient (a view of its bucket's gradient buffer) once this step has written it
         self._grads: Dict[int, Tensor] = {}
         self._hooks: List[Any] = []
@@ -172,18 +189,29 @@ class MainParams:
         for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS)):
             numel = sum(p.numel() for p in members)
             device = members[0].device
+            remainders = self.store_param_remainders
             bucket = _Bucket(numel, device, torch.empty(numel, dtype=params_dtype, device=device),
-                             torch.empty(numel, dtype=torch.float32, device=device))
+                             None if remainders else torch.empty(numel, dtype=torch.float32, device=device),
+                             torch.empty(numel, dtype=torch.int16, device=device) if remainders else None)
             self.buckets.append(bucket)
             offset = 0
             for p in members:   # one bucket at a time: the parameters' own fp32 storage is freed as they move
-                main = bucket.main[offset:offset + p.numel()].view(p.shape)
                 compute = bucket.compute[offset:offset + p.numel()].view(p.shape)
                 with torch.no_grad():
-                    main.copy_(p.data)
-                    compute.copy_(main)
+                    if bucket.remainder is not None:
+                        rest = bucket.remainder[offset:offset + p.numel()].view(p.shape)
+                        high, low = split_fp32(p.data.float().contiguous())
+                        compute.copy_(high)
+                        rest.copy_(low)
+                        self._remainder[id(p)] = rest
+                    else:
+                        assert bucket.main is not None
+                        main = bucket.main[offset:offset + p.numel()].view(p.shape)
+                        main.copy_(p.data)
+                        compute.copy_(main)
+                        self._main[id(p)] = main
                 self._where[id(p)] = (index, offset)
-                self._main[id(p)], self._compute[id(p)] = main, compute
+                self._compute[id(p)] = compute
                 p.data = compute
                 offset += p.numel()
             bucket.expecting = sum(1 for p in members if p.requires_grad)
@@ -220,7 +248,9 @@ class MainParams:
                 self._direct[key] = (p, p.grad)
                 p.grad = None
                 return
-            self._leave_direct()   # a second gradient after all: this step accumulates in fp32
+            second = p.grad   # a second gradient after all: this step accumulates in fp32
+            self._leave_direct()
+            p.grad = second
         index = self._where[key][0]
         with torch.no_grad():
             view = self._grads.get(key)
@@ -236,16 +266,12 @@ class MainParams:
         p.grad = None
 
     def _leave_direct(self) -> None:
-        """End direct mode for this step: the gradients kept so far become the first gradients of fp32 main
-        gradients (copied in per bucket)."""
+        """End direct mode for this step: the gradients kept so far go the way of a step's first gradients
+        (:meth:`_accumulate`: into fp32 main gradients, copied in per bucket)."""
         kept, self._direct, self.direct = self._direct, {}, False
-        with torch.no_grad():
-            for p, grad in kept.values():
-                index = self._where[id(p)][0]
-                self._grads[id(p)] = view = self._grad_view(p)
-                self.buckets[index].pending.append((view, grad))
-        for index in range(len(self.buckets)):
-            self._copy_pending(index)
+        for p, grad in kept.values():
+            p.grad = grad
+            self._accumulate(p)
 
     def finish_backward(self) -> None:
         """After the step's last backward (the first thing of ``GradientFinalizer.finalize``): a direct step puts its
@@ -274,8 +300,25 @@ class MainParams:
         return self._grads.get(id(p))
 
     def main_param(self, p: nn.Parameter) -> Tensor:
-        """The fp32 main parameter of ``p`` (what the optimizer steps and checkpoints hold)."""
+        """The fp32 main parameter of ``p`` (what the optimizer steps and checkpoints hold). With remainders outside
+        the main view a new tensor holding its value (writing to it changes nothing)."""
+        main = self._main.get(id(p))
+        if main is None and id(p) in self._remainder:
+            return join_fp32(self._compute[id(p)], self._remainder[id(p)])
         return self._main[id(p)]
+
+    def remainder(self, p: nn.Parameter) -> Tensor:
+        """The int16 remainder of ``p`` (``store_param_remainders``): with its bf16 copy, its fp32 main parameter."""
+        return self._remainder[id(p)]
+
+    def _join_main(self) -> None:
+        """With remainders: each bucket's fp32 main parameters joined from its two halves (the main view's)."""
+        for bucket in self.buckets:
+            assert bucket.remainder is not None
+            bucket.main = join_fp32(bucket.compute, bucket.remainder)
+        for p in self.params:
+            index, offset = self._where[id(p)]
+            self._main[id(p)] = self.buckets[index].main[offset:offset + p.numel()].view(p.shape)
 
     # ------------------------------------------------------------------ views
     def to_main(self) -> None:
@@ -284,6 +327,8 @@ class MainParams:
         if self.in_main_view:
             return
         self.in_main_view = True
+        if self.store_param_remainders:
+            self._join_main()
         for p in self.params:   # main_grad copies the bucket's waiting gradients (also for a parameter without one)
             p.grad = None
             p.data = self._main[id(p)]
@@ -291,16 +336,25 @@ class MainParams:
 
     @torch.no_grad()
     def to_compute(self, copy: bool = True) -> None:
-        """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets; ``copy=False``: the
-        optimizer wrote them, see :meth:`attach`) and switch to the compute view (gradients and main gradients
-        dropped: the step is over). Idempotent. A direct step's gradients are dropped too."""
+        """Copy the fp32 main parameters into the bf16 copies (one operation over the buckets; with remainders split
+        into both halves, and the joined main parameters freed; ``copy=False``: the optimizer wrote them, see
+        :meth:`attach`) and switch to the compute view (gradients and main gradients dropped: the step is over).
+        Idempotent. A direct step's gradients are dropped too."""
         if not self.in_main_view:
             if self._direct:
                 for p, _ in self._direct.values():
                     p.grad = None
                 self._direct = {}
             return
-        if self.buckets and copy:
+        if self.store_param_remainders:
+            for bucket in self.buckets:
+                if copy:
+                    high, low = split_fp32(bucket.main)
+                    bucket.compute.copy_(high)
+                    bucket.remainder.copy_(low)
+                bucket.main = None
+            self._main = {}
+        elif self.buckets and copy:
             torch._foreach_copy_([b.compute for b in self.buckets], [b.main for b in self.buckets])
         for p in self.params:
             p.grad = None
@@ -346,11 +400,15 @@ class MainParams:
         """Back to the compute view after every step of ``optimizer``. A :class:`PrecisionAwareAdamW` of its own (not
         wrapped by the distributed optimizer, whose broadcasts write main parameters the local update did not)
         writes the bf16 copies in its update's pass (:meth:`PrecisionAwareAdamW.write_param_copies`) and steps the
-        main parameters in either view (:meth:`PrecisionAwareAdamW.step_main_params`), which direct steps need; any
-        other optimizer is followed by one copy over the buckets."""
+        main parameters in either view (:meth:`PrecisionAwareAdamW.step_main_params`, or with remainders the two
+        halves: :meth:`PrecisionAwareAdamW.step_param_remainders`), which direct steps need; any other optimizer is
+        followed by one copy over the buckets (with remainders: one split)."""
         if isinstance(optimizer, PrecisionAwareAdamW):
             optimizer.write_param_copies(self.compute_copy)
-            optimizer.step_main_params(self.main_param)
+            if self.store_param_remainders:
+                optimizer.step_param_remainders(self.remainder)
+            else:
+                optimizer.step_main_params(self.main_param)
             optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
             self._optimizer_steps_main = True
         else:

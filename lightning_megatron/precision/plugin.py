@@ -73,6 +73,10 @@ class MegatronPrecision(MixedPrecision):
             accumulated, reduced and clipped in fp32; ``--accumulate-allreduce-grads-in-fp32``;
             :mod:`lightning_megatron.parallel.main_grad`). Only with ``"bf16-mixed"`` under
             :class:`~lightning_megatron.MegatronStrategy`. Checkpoints hold the fp32 main parameters.
+        store_param_remainders: with ``params_dtype=torch.bfloat16``, hold each fp32 main parameter as its bf16 copy
+            plus a 16-bit remainder (Megatron's ``--store-param-remainders``): the same fp32 values for 2 bytes per
+            parameter instead of 4. The bf16 copies are then rounded to nearest with ties away from zero (one bf16
+            step from round-to-even at exact ties only). Checkpoints are unchanged (fp32 main parameters).
 
     Every argument is validated here (ValueError naming the value and what to use); an unknown keyword raises
     TypeError naming the closest valid one. Under :class:`~lightning_megatron.MegatronStrategy` the strategy
@@ -96,6 +100,7 @@ class MegatronPrecision(MixedPrecision):
         initial_loss_scale: float = 2.0 ** 16,
         loss_scale_window: int = 1000,
         params_dtype: Optional[torch.dtype] = None,
+        store_param_remainders: bool = False,
         **unknown: Any,
     ) -> None:
         check_keywords("MegatronPrecision", unknown,
@@ -156,10 +161,18 @@ class MegatronPrecision(MixedPrecision):
         if params_dtype == torch.bfloat16 and precision != "bf16-mixed":
             raise ValueError(f"MegatronPrecision(precision={precision!r}, params_dtype=torch.bfloat16): bf16 "
                              "parameters need precision='bf16-mixed'; drop params_dtype or use 'bf16-mixed'")
+        if not isinstance(store_param_remainders, bool):
+            raise ValueError(f"MegatronPrecision(store_param_remainders={store_param_remainders!r}) must be a bool")
+        if store_param_remainders and params_dtype != torch.bfloat16:
+            raise ValueError(f"MegatronPrecision(store_param_remainders=True, params_dtype={params_dtype!r}): the "
+                             "remainders complete bf16 parameters to their fp32 main parameters; add "
+                             "params_dtype=torch.bfloat16 or drop store_param_remainders")
         self.precision = precision
         self.fp8 = fp8
         #: the dtype parameters are stored in during forward / backward (None: fp32)
         self.params_dtype: Optional[torch.dtype] = params_dtype if params_dtype == torch.bfloat16 else None
+        #: fp32 main parameters held as bf16 copy plus int16 remainder (:mod:`lightning_megatron.parallel.main_grad`)
+        self.store_param_remainders = store_param_remainders
         self.initial_loss_scale, self.loss_scale_window = float(initial_loss_scale), loss_scale_window
         self._device: Optional[torch.device] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
@@ -325,6 +338,7 @@ class MegatronPrecision(MixedPrecision):
     def __repr__(self) -> str:
         fp8 = f", fp8={self.fp8!r}, fp8_recipe={self.fp8_config.recipe!r}" if self.fp8_config else ""
         params = ", params_dtype=torch.bfloat16" if self.params_dtype is not None else ""
+        params += ", store_param_remainders=True" if self.store_param_remainders else ""
         return f"MegatronPrecision({self.precision!r}{params}{fp8})"
 
 

@@ -218,7 +218,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed, tp_rng=self.tp_rng,
                                         forward_context=plugin.forward_context, fp8=fp8,
-                                        params_dtype=self._params_dtype())
+                                        params_dtype=self._params_dtype(),
+                                        store_param_remainders=getattr(plugin, "store_param_remainders", False))
         if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
             plugin.attach_fp8_layers(self.parallelized.fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)

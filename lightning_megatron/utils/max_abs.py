@@ -79,7 +79,10 @@ class MaxAbsPerTensor:
         if not tensors:
             return torch.zeros(0)
         if not _kernel_applies(tensors):
-            return torch.stack([v.float() for v in torch._foreach_norm(tensors, float("inf"))])
+            values = torch._foreach_norm(tensors, float("inf"))
+            if len({v.dtype for v in values}) == 1:   # one stack and one cast, not a cast kernel per tensor
+                return torch.stack(values).float()
+            return torch.stack([v.float() for v in values])
         device = tensors[0].device
         out = torch.zeros(len(tensors), dtype=torch.int32, device=device)   # fp32 bits (the kernel's docstring)
         by_dtype: Dict[torch.dtype, List[int]] = {}

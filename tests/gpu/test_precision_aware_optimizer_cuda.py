@@ -3,7 +3,8 @@
 - the ``torch.compile``d per-tensor update equals the eager one (the CPU suite's numerics) to fp32 round-off, over
   tensors of several shapes and a learning rate that changes every step, compiled once for all of them;
 - a step with the non-finite guard's ``found_inf`` flag set makes no synchronising CUDA call, and skips;
-- over MainParams' contiguous buffers (bf16 parameters) it equals the eager update and writes the bf16 copies.
+- over MainParams' contiguous buffers (bf16 parameters) it equals the eager update and writes the bf16 copies;
+- with the main parameters held as bf16 copy plus int16 remainder, too, and its halves join to the main parameters.
 """
 from __future__ import annotations
 
@@ -105,14 +106,16 @@ def test_step_counts_left_on_the_cpu_by_zero_loading_move_back():
     assert all(opt.state[p]["step"].is_cuda and float(opt.state[p]["step"]) == 2 for p in params)
 
 
-def _flat_run(device: str, steps: int):
+def _flat_run(device: str, steps: int, remainders: bool = False):
     """bf16 parameters in MainParams' bucketed buffers, two groups, the update writing the bf16 copies; ``steps``
-    steps of fixed gradients. Returns the fp32 main parameters, the bf16 copies and the optimizer."""
+    steps of fixed gradients. Returns the fp32 main parameters, the bf16 copies and the optimizer. ``remainders``: the
+    main parameters held as bf16 copy plus int16 remainder (``store_param_remainders``)."""
     from lightning_megatron.parallel.main_grad import MainParams
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
-    main = MainParams(model.to(device), bucket_size=3 * 256 * 256)   # 4 matrices over 2 buckets, vectors apart
+    main = MainParams(model.to(device), bucket_size=3 * 256 * 256,   # 4 matrices over 2 buckets, vectors apart
+                      store_param_remainders=remainders)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = PrecisionAwareAdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -145,3 +148,28 @@ def test_update_over_contiguous_buffers_equals_eager_and_writes_the_bf16_copies(
     for main, copy in zip(gpu_main, gpu_bf16):
         assert copy.dtype == torch.bfloat16 and torch.equal(copy, main.to(torch.bfloat16))
     assert graphs <= 2, graphs   # one per group's list length, never one per step
+
+
+def test_update_over_bf16_copies_and_remainders_equals_eager(measured):
+    """``store_param_remainders``: the compiled update reads and writes the two halves (bf16 copy, int16 remainder)
+    of each fp32 main parameter in its pass. It equals the eager CPU update within the compiled kernels' rounding (as
+    above) and the compiled fp32-main-parameter update on the GPU; the bf16 copies are the main parameters' bf16
+    halves, and no fp32 main parameter is kept between steps."""
+    import torch._dynamo
+
+    from lightning_megatron.optimizer.param_remainders import split_fp32
+
+    torch._dynamo.reset()
+    gpu_main, gpu_bf16, gpu_opt = _flat_run("cuda", 4, remainders=True)
+    cpu_main, _, _ = _flat_run("cpu", 4, remainders=True)
+    fp32_main, _, _ = _flat_run("cuda", 4)
+    worst = max(float((a - b).abs().max()) for a, b in zip(gpu_main, cpu_main))
+    against_fp32 = max(float((a - b).abs().max()) for a, b in zip(gpu_main, fp32_main))
+    measured(param_abs=worst, against_fp32_main=against_fp32)
+    assert worst <= 4 * 1e-2 * 2 ** -7, worst
+    assert against_fp32 <= 4 * 1e-2 * 2 ** -7, against_fp32
+    for main, copy in zip(gpu_main, gpu_bf16):
+        assert copy.dtype == torch.bfloat16
+        assert torch.equal(copy.view(torch.int16), split_fp32(main)[0].view(torch.int16))
+    plan = next(iter(gpu_opt._plans.values()))
+    assert plan.remainders is not None and all(r.dtype == torch.int16 and r.is_cuda for r in plan.remainders)
