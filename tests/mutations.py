@@ -277,6 +277,19 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "                if False:\n                    high, low = split_fp32(bucket.main)\n"),),
         ("tests/test_param_remainders.py::test_main_view_writes_are_split_back",
          "tests/test_main_grad.py::test_remainders_train_as_fp32_main_parameters_do")),
+    Mutation(
+        "fp8-weight-quantised-again-with-another-scale", "the backward quantises a bf16 weight again with a scale "
+        "other than its forward's",
+        (Edit("lightning_megatron/precision/fp8/gemm.py",
+              "    wq = quantize(w, sw, gemm.config.forward_dtype) if ctx.requantize else w\n",
+              "    wq = quantize(w, sw * 2, gemm.config.forward_dtype) if ctx.requantize else w\n"),),
+        ("tests/test_fp8.py::test_bf16_weights_are_quantised_again_in_the_backward_not_held_in_fp8",)),
+    Mutation(
+        "fp8-copy-of-bf16-weight-held-to-the-backward", "every layer's FP8 copy of its bf16 weight is kept from the "
+        "forward to the backward",
+        (Edit("lightning_megatron/precision/fp8/gemm.py",
+              "    ctx.requantize = weight.element_size() <= 2\n", "    ctx.requantize = False\n"),),
+        ("tests/test_fp8.py::test_bf16_weights_are_quantised_again_in_the_backward_not_held_in_fp8",)),
 )
 
 

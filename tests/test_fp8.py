@@ -112,6 +112,36 @@ def test_weight_gradient_leaves_the_gemm_in_the_weights_dtype(recipe):
                             scale_b=sx.reciprocal(), out_dtype=torch.float32)
     assert torch.equal(w.grad, want)
     assert (w.grad != w.grad.bfloat16().float()).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_bf16_weights_are_quantised_again_in_the_backward_not_held_in_fp8(recipe):
+    """One scale per tensor: a bf16 weight is saved for the backward as itself (no FP8 copy held from the forward to
+    the backward: the copy of every layer's weight would be live at once), an fp32 weight as its FP8 copy (reading it
+    again would cost 4 bytes per element); both give the gradients of quantising once, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(64, 96, generator=g)
+    w0 = torch.randn(48, 96, generator=g) * 0.05
+    dy = torch.randn(64, 48, generator=g).bfloat16()
+    grads = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = x0.clone().requires_grad_(), w0.to(dtype, copy=True).requires_grad_()
+        gemm = Float8Gemm(Float8Config(recipe=recipe, backend="torch"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = gemm(x, w)
+        saved = y.grad_fn.saved_tensors
+        fp8 = [t for t in saved if t.dtype == gemm.config.forward_dtype and t.shape == w.shape]
+        assert (len(fp8), any(t is w or t.data_ptr() == w.data_ptr() for t in saved)) == (
+            (0, True) if dtype == torch.bfloat16 else (1, False)), dtype
+        y.backward(dy)
+        grads[dtype] = (x.grad, w.grad.float())
+    # a bf16 weight quantises as an fp32 weight holding the same values: the same gradients
+    xb, wb = x0.clone().requires_grad_(), w0.to(torch.bfloat16).float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Float8Gemm(Float8Config(recipe=recipe, backend="torch"))(xb, wb).backward(dy)
+    assert torch.equal(grads[torch.bfloat16][0], xb.grad) and torch.equal(grads[torch.bfloat16][1], wb.grad)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_token_count_not_a_multiple_of_16(recipe):
     """21 tokens: the weight-gradient GEMM (reduction over tokens) pads them with zeros to 32 (cuBLAS FP8 needs

@@ -262,17 +262,30 @@ def _rowwise_scale(t: Tensor, dim: int, dtype: torch.dtype, margin: int) -> Tens
     return scale_from_amax(t.detach().abs().amax(dim=dim, keepdim=True), dtype, margin)
 
 
+def _save_operands(ctx: Any, xq: Tensor, weight: Tensor, wq: Tensor, sw: Tensor, inv_x: Tensor,
+                   inv_w: Tensor) -> None:
+    """Save what the backward GEMMs with one scale per tensor need: the FP8 input and, for a weight of 4 bytes per
+    element, its FP8 copy; a weight of 2 bytes or less is saved itself (a reference, no memory) with its scale ``sw``,
+    and the backward quantises it again: the same bits (the weight does not change between a forward and its
+    backward), for one more read of the weight and no FP8 copy of every layer's weight held from the forward to the
+    backward."""
+    ctx.requantize = weight.element_size() <= 2
+    ctx.save_for_backward(xq, weight if ctx.requantize else wq, sw, inv_x, inv_w)
+
+
 def _per_tensor_backward(ctx: Any, g2: Tensor, need_x: bool,
                          need_w: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The two backward GEMMs with one scale per tensor (tensorwise, delayed) from the FP8 operands the forward
-    saved (``xq, wq`` and the reciprocals of their scales): ``dx = dy @ W`` ``[N, in]`` in ``ctx.out_dtype`` and
+    saved (:func:`_save_operands`: ``xq``, ``wq`` or the weight to quantise again, and the reciprocals of their
+    scales): ``dx = dy @ W`` ``[N, in]`` in ``ctx.out_dtype`` and
     ``dW = dy^T @ x`` ``[out, in]`` in the weight's dtype ``ctx.w_dtype`` (None where not needed); ``g2`` is the
     output gradient ``[N, out]``, quantised here. The weight gradient leaves the GEMM in the weight's dtype: fp32
     weights under bf16 autocast get the GEMM's fp32 accumulation as it is, with no bf16 rounding and no cast kernel
     after it (cuBLAS writes fp32 output for one scale per tensor)."""
     gemm: Float8Gemm = ctx.gemm
     bwd = gemm.config.grad_dtype
-    xq, wq, inv_x, inv_w = ctx.saved_tensors
+    xq, w, sw, inv_x, inv_w = ctx.saved_tensors
+    wq = quantize(w, sw, gemm.config.forward_dtype) if ctx.requantize else w
     sg, inv_g = gemm.scale_and_inverse(_GRAD, g2, bwd, ctx.record)
     gq = quantize(g2, sg, bwd)
     grad_x = _scaled_mm(gq, _col_major(wq), inv_g, inv_w, ctx.out_dtype) if need_x else None
@@ -302,7 +315,7 @@ class _Float8LinearFn(torch.autograd.Function):
             sw, inv_w = gemm.scale_and_inverse(_WEIGHT, weight, fwd, record)
             xq, wq = quantize(x2, sx, fwd), quantize(weight, sw, fwd)
             y = _scaled_mm(xq, wq.t(), inv_x, inv_w, out_dtype)
-            ctx.save_for_backward(xq, wq, inv_x, inv_w)
+            _save_operands(ctx, xq, weight, wq, sw, inv_x, inv_w)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -355,7 +368,7 @@ class _Float8SequenceParallelLinearFn(torch.autograd.Function):
         ctx.gemm, ctx.out_dtype, ctx.record, ctx.group = gemm, out_dtype, record, group
         ctx.x_shape = (x.shape[0] * size,) + tuple(x.shape[1:])
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.save_for_backward(xq, wq, inv_x, inv_w)
+        _save_operands(ctx, xq, weight, wq, sw, inv_x, inv_w)
         return y.view(*ctx.x_shape[:-1], y.shape[-1])
 
     @staticmethod
