@@ -27,8 +27,8 @@ ISSUE_ROWS = {
     "peer-fp8": None,
     "peer-fp8#2": None,
     "ours-fp8-compile": "peer-fp8",
-    "ours-bf16p-bf16m-compile-cudagraph": "peer-compile",
-    "ours-fp8-delayed-bf16p-bf16m-compile-cudagraph": "peer-fp8",
+    "ours-bf16p-bf16m-rem-compile-cudagraph": "peer-compile",
+    "ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph": "peer-fp8",
 }
 
 
@@ -55,8 +55,8 @@ def _all_results():
             _result("ours-bf16-compile", 68_000, 30.8, 33.0), _result("ours-bf16-params-compile", 58_000, 30.2, 31.0),
             _result("peer-fp8", 70_000, 25.7, 26.5), _result("peer-fp8#2", 72_000, 25.7, 26.5),
             _result("ours-fp8-compile", 79_000, 25.2, 26.0),
-            _result("ours-bf16p-bf16m-compile-cudagraph", 69_000, 16.7, 30.4),
-            _result("ours-fp8-delayed-bf16p-bf16m-compile-cudagraph", 80_000, 10.6, 27.0)]
+            _result("ours-bf16p-bf16m-rem-compile-cudagraph", 69_000, 16.7, 30.4),
+            _result("ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph", 80_000, 10.6, 27.0)]
 
 
 def _by_arm(rows):
@@ -102,7 +102,7 @@ def test_ratio_is_against_the_mean_of_the_peers_runs(mods):
     assert rows["ours-bf16-compile"]["ratio"] == pytest.approx(68_000 / 61_000)
     assert rows["ours-fp8-compile"]["ratio"] == pytest.approx(79_000 / 71_000)
     assert rows["ours-bf16-eager"]["ratio"] == pytest.approx(46_000 / 47_000)
-    assert rows["ours-fp8-delayed-bf16p-bf16m-compile-cudagraph"]["ratio"] == pytest.approx(80_000 / 71_000)
+    assert rows["ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph"]["ratio"] == pytest.approx(80_000 / 71_000)
     for peer in ("peer-eager", "peer-compile", "peer-compile#2", "peer-fp8", "peer-fp8#2"):
         assert rows[peer]["ratio"] is None and rows[peer]["meets"] is None and rows[peer]["target"] == "-"
 
@@ -114,10 +114,10 @@ def test_target_compares_reserved_memory_for_cudagraph_arms(mods):
     assert rows["ours-bf16-compile"]["meets"] is True
     assert rows["ours-bf16-compile"]["memory_compared"] == "peak_mem_gib"
     # 1.131x at 30.4 <= 32.5 reserved (allocated 16.7 would pass too)
-    assert rows["ours-bf16p-bf16m-compile-cudagraph"]["meets"] is True
-    assert rows["ours-bf16p-bf16m-compile-cudagraph"]["memory_compared"] == "peak_reserved_gib"
+    assert rows["ours-bf16p-bf16m-rem-compile-cudagraph"]["meets"] is True
+    assert rows["ours-bf16p-bf16m-rem-compile-cudagraph"]["memory_compared"] == "peak_reserved_gib"
     # 1.127x, allocated 10.6 far below the peer's 25.7, but reserved 27.0 > 26.5: not met
-    graphs = rows["ours-fp8-delayed-bf16p-bf16m-compile-cudagraph"]
+    graphs = rows["ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph"]
     assert graphs["ratio"] > 1.10 and graphs["meets"] is False and "27.0 > 26.5 GiB reserved" in graphs["target"]
     assert rows["ours-fp8-compile"]["meets"] is True                 # 1.113x at 25.2 <= 25.7
     assert rows["ours-bf16-params-compile"]["meets"] is False        # 0.951x
@@ -136,8 +136,8 @@ def test_a_missing_or_failed_arm_is_an_error_row(mods):
     assert rows["peer-fp8"]["error"] == "torch.OutOfMemoryError: CUDA out of memory"
     # one run of each peer left: the ratio is against that one
     assert rows["ours-bf16-compile"]["ratio"] == pytest.approx(68_000 / 60_000)
-    assert rows["ours-fp8-delayed-bf16p-bf16m-compile-cudagraph"]["ratio"] == pytest.approx(80_000 / 72_000)
-    assert rows["ours-fp8-delayed-bf16p-bf16m-compile-cudagraph"]["base_runs"] == 1
+    assert rows["ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph"]["ratio"] == pytest.approx(80_000 / 72_000)
+    assert rows["ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph"]["base_runs"] == 1
     # no run of the peer: no ratio, no crash
     none = [r for r in _all_results() if not r["arm"].startswith("peer-fp8")]
     rows = _by_arm(t.table_rows(none + [dict(arm="peer-fp8", error="timeout after 300 s")]))
@@ -151,7 +151,7 @@ def test_a_missing_or_failed_arm_is_an_error_row(mods):
 
 def test_markdown_has_one_line_per_row(mods):
     t, _, _ = mods
-    results = _all_results()[:-1] + [dict(arm="ours-fp8-delayed-bf16p-bf16m-compile-cudagraph",
+    results = _all_results()[:-1] + [dict(arm="ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph",
                                           error="boom | with a pipe\nand a newline")]
     for res in (_all_results(), results, []):
         lines = t.markdown(t.table_rows(res)).splitlines()
@@ -218,8 +218,8 @@ def test_profile_step_help_and_arm_names(mods):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--no-profile" in out.stdout and "--together" in out.stdout
     assert ps.base_arm("peer-compile#2") == "peer-compile" and ps.base_arm("ours-fp8-compile") == "ours-fp8-compile"
-    for arm in ("peer-eager", "peer-compile#2", "ours-bf16-eager", "ours-fp8-delayed-bf16p-bf16m-compile-cudagraph#2",
-                *ps.ARMS):
+    for arm in ("peer-eager", "peer-compile#2", "ours-bf16-eager",
+                "ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph#2", *ps.ARMS):
         assert ps.known_arm(arm), arm
     for arm in ("bogus", "peer-eager-cudagraph", "ours-bf16-eager-cudagraph"):
         assert not ps.known_arm(arm), arm
