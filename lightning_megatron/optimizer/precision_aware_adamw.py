@@ -298,14 +298,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def _update_fn(self, device: torch.device) -> Callable[..., None]:
         """The update of a list of tensors: for CUDA compiled for the lists' shapes (a group's flat runs keep theirs
         for the whole run; another set of shapes compiles once more, up to torch's recompile limit per process,
-        after which it runs eagerly), eager elsewhere. Compiled with Inductor's combo kernels: the updates of the
-        list's tensors (one pointwise kernel each) are launched as a few kernels that each update several tensors,
-        not one kernel per tensor."""
+        after which it runs eagerly), eager elsewhere."""
         if device.type != "cuda":
             return adamw_multi_update_
         if self._compiled is None:
-            self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True,
-                                           options={"combo_kernels": True})
+            self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
         return self._compiled
 
     def _lr(self, index: int, group: Dict[str, Any], device: torch.device) -> Union[float, Tensor]:
