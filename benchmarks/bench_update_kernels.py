@@ -19,25 +19,13 @@ from __future__ import annotations
 import json
 
 import torch
+from _timing import cuda_timed  # sibling module (run as a script)
 
 from lightning_megatron.optimizer.param_remainders import split_fp32
 from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_
 from lightning_megatron.utils import max_abs
 
 H, F, V, L = 2048, 5632, 32000, 24
-
-
-def _time(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -64,13 +52,13 @@ def main() -> None:
             ("compiled_rem_combo", views(high), dict(remainders=views(rem)), {"combo_kernels": True})):
         torch._dynamo.reset()
         update = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True, options=options)
-        out[name] = _time(lambda: update(params, *args, count_steps=False, **extra))
+        out[name] = cuda_timed(lambda: update(params, *args, count_steps=False, **extra))
     reference = max_abs.MaxAbsPerTensor()(grads)
     for chunk, block in ((16384, 2048), (65536, 4096), (32768, 2048), (65536, 2048), (8192, 1024)):
         max_abs._CHUNK, max_abs._BLOCK = chunk, block
         check = max_abs.MaxAbsPerTensor()
         assert torch.equal(check(grads), reference)
-        out[f"maxabs_{chunk}_{block}"] = _time(lambda: check(grads))
+        out[f"maxabs_{chunk}_{block}"] = cuda_timed(lambda: check(grads))
     print(json.dumps(out), flush=True)
 
 
