@@ -364,21 +364,23 @@ def test_checkpoint_holds_fp32_main_params_and_resumes_exactly():
 
 TIED = dict(untie_embeddings_and_output_weights=False)
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2)
-LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-batch, config overrides)
+LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-batch, config overrides[, precision])
     "tp2-sp": (dict(tp=2, sequence_parallel=True), "ref-mb2", 2, {}),
     "pp2": (dict(pp=2), "ref-mb2", 2, {}),
     "pp2-tied": (dict(pp=2), "ref-mb2-tied", 2, TIED),
     "ep2": (dict(ep=2), "ref-mb4-moe", 2, MOE),
     "dp2": (dict(), "ref-mb4", 2, {}),
     "dp2-distopt": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}),
+    # the fp32 main parameters as remainders: joined for the main view, split back after the broadcasts
+    "dp2-distopt-remainders": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}, BF16P_REM),
 }
 
 
 @lru_cache(maxsize=None)
 def _layouts() -> Dict[str, Any]:
     samples = make_samples(tiny_config(num_query_groups=4), STEPS * ACCUMULATE * 4)
-    cases = [(name, (tiny_config(num_query_groups=4, **overrides), kwargs, BF16P, samples, micro, ACCUMULATE, 0.05,
-                     STEPS)) for name, (kwargs, _, micro, overrides) in LAYOUTS.items()]
+    cases = [(name, (tiny_config(num_query_groups=4, **case[3]), case[0], case[4] if len(case) > 4 else BF16P, samples,
+                     case[2], ACCUMULATE, 0.05, STEPS)) for name, case in LAYOUTS.items()]
     return run_distributed(run_each, 2, plugin_layout_run, cases)[0]
 
 
@@ -387,7 +389,8 @@ def test_bf16_params_layout_matches_one_process(layout):
     """3 AdamW steps of 2 micro-batches with clipping: every loss within 5e-5 and every weight change within 1e-1
     of the one-process bf16-parameter run. Measured (loss / weight change): tp2+SP 7.7e-6 / 5.7e-2, pp2 0 / 2.4e-7,
     pp2 with tied embeddings 2.1e-6 / 8.3e-4, ep2 (MoE) 2.0e-5 / 4.3e-2, dp2 and dp2 with the distributed optimizer
-    1.8e-5 / 2.5e-2; the autocast bf16 path under the same comparison:
+    1.8e-5 / 2.5e-2, dp2 with the distributed optimizer and the main parameters as remainders 1.2e-5 / 3.9e-2 (without
+    remainders in the same run 9.4e-6 / 3.5e-2); the autocast bf16 path under the same comparison:
     tp2+SP 1.5e-5 / 5.4e-2, dp2 4.0e-6 / 2.8e-2 (AdamW's first steps move a weight with a near-zero gradient by
     about lr * sign(grad), so bf16 round-off flips some), fp32: <= 1e-7 / 7e-6. Without the fp32 main gradients'
     data-parallel average the dp2 weight change is off by 0.5 and more."""

@@ -6,8 +6,9 @@ moments and step counters) equal ``lightning_megatron.planner.state_bytes`` of t
 precision-aware optimizer's bf16 moments (``moment_bytes=4``) under the distributed optimizer and FSDP, and with bf16
 parameters (``MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)``, ``params_dtype="bf16"``: the bf16
 copies and fp32 main parameters, the fp32 main gradients before the optimizer step, which then drops them) without
-sharding and under the distributed optimizer; FSDP with bf16 parameters is refused by the strategy and by the
-planner alike."""
+sharding and under the distributed optimizer, and with their fp32 main parameters as int16 remainders
+(``store_param_remainders=True``: 4 bytes per parameter instead of 6); FSDP with bf16 parameters is refused by the
+strategy and by the planner alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,8 @@ BF16_PARAMS = {
     "tp2sp-dp2-bf16-params": (dict(tp=2, sequence_parallel=True), Layout(tp=2, dp=2, sequence_parallel=True), 2),
     "tp2sp-dp2-distopt-bf16-params": CASES["tp2sp-dp2-distopt"],
 }
+# the same with the fp32 main parameters held as int16 remainders next to the bf16 copies
+BF16_PARAMS.update({f"{name}-rem": case for name, case in BF16_PARAMS.items() if "distopt" in name})
 CASES.update(BF16_PARAMS)
 #: FSDP's levels with bf16 parameters: the strategy refuses them (check_bf16_params_options), so does the planner
 REFUSED = {"tp2sp-dp2-fsdp-optim_grads-bf16-params": CASES["tp2sp-dp2-fsdp-optim_grads"]}
@@ -59,7 +62,11 @@ def _moment_bytes(case: str) -> int:
 
 
 def _params_dtype(case: str) -> str:
-    return "bf16" if case.endswith("-bf16-params") else "fp32"
+    return "bf16" if case.endswith(("-bf16-params", "-bf16-params-rem")) else "fp32"
+
+
+def _remainders(case: str) -> bool:
+    return case.endswith("-rem")
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -90,20 +97,22 @@ class Allocated(pl.Callback):
         }
         if main is not None:
             assert {p.dtype for p in params} == {torch.bfloat16}, {p.dtype for p in params}
-            self.result["params"] += sum(_bytes(main.main_param(p)) for p in params)
+            main_bytes = main.remainder if main.store_param_remainders else main.main_param
+            self.result["params"] += sum(_bytes(main_bytes(p)) for p in params)
             self.result["left_grads"] = self.result["grads"] + sum(
                 _bytes(main.main_grad(p)) for p in main.params if main.main_grad(p) is not None)
             self.result["grads"] = getattr(self, "main_grads", None)   # None before the first optimizer step
 
 
 def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: Dict[str, Any],
-         adamw: Any = None, params_dtype: str = "fp32") -> Dict[str, int]:
+         adamw: Any = None, params_dtype: str = "fp32", remainders: bool = False) -> Dict[str, int]:
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config(num_layers=4, **model)
     module = new_module(cfg, STEPS, adamw)
     allocated = Allocated()
     # the planner's fp32 bytes, or bf16 parameters with fp32 main parameters
-    precision = (dict(plugins=[MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)])
+    precision = (dict(plugins=[MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16,
+                                                 store_param_remainders=remainders)])
                  if params_dtype == "bf16" else dict(precision="32-true"))
     trainer = trainer_for(world, MegatronStrategy(**kwargs), STEPS, callbacks=[allocated],
                           accumulate_grad_batches=accumulate, **precision)
@@ -115,7 +124,7 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: 
 @pytest.fixture(scope="module")
 def allocations():
     cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {},
-                     "bf16_moments" if _moment_bytes(name) == 4 else None, _params_dtype(name)))
+                     "bf16_moments" if _moment_bytes(name) == 4 else None, _params_dtype(name), _remainders(name)))
              for name, case in {**CASES, **REFUSED}.items()]
     return run_distributed(run_each, 4, _run, cases)
 
@@ -131,13 +140,15 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         rest = rank // layout.tp
         cp_rank, dp_rank, pp_rank = rest % layout.cp, (rest // layout.cp) % layout.dp, rest // (layout.cp * layout.dp)
         want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank,
-                           moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case))
+                           moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case),
+                           store_param_remainders=_remainders(case))
         assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), (
             case, rank, got, want)
         if want.main_grads:   # bf16 parameters: the optimizer step dropped the main gradients
             assert got["left_grads"] == 0 and want.between_steps == want.params + want.optimizer, (case, rank, got)
             fp32 = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank)
-            assert (want.params, want.grads) == (fp32.params * 6 // 4, fp32.grads), (want, fp32)
+            per_param = 4 if _remainders(case) else 6   # bf16 copy + int16 remainder, or + fp32 main parameter
+            assert (want.params, want.grads) == (fp32.params * per_param // 4, fp32.grads), (want, fp32)
         if layout.dp > 1 and layout.sharding != "no_shard":  # really sharded: less than the rank's whole states
             whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank,
                                 moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case))

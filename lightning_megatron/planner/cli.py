@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradients; not with FSDP's sharding levels)")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", dest="params_dtype", action="store_const", const="bf16",
                    help="Megatron's flag for bf16 parameters with fp32 main gradients: --params-dtype bf16")
+    p.add_argument("--store-param-remainders", action="store_true",
+                   help="with bf16 parameters: fp32 main parameters held as 16-bit remainders next to the bf16 "
+                        "parameters (MegatronPrecision(store_param_remainders=True): 2 bytes per parameter less)")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
@@ -84,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,
                   args.precision, args.recompute, args.sharding, args.micro_batch_sizes, args.exp_avg_dtype,
-                  args.exp_avg_sq_dtype, args.params_dtype)
+                  args.exp_avg_sq_dtype, args.params_dtype, args.store_param_remainders)
     shown = []
     for spec in args.show:
         row = result.rank_of(**parse_show(spec))
@@ -99,12 +102,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     if result.feasible:
         best = result.best
         bf16_params = args.params_dtype == "bf16"
-        plugin = ", plugins=[MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16)]" if bf16_params else ""
+        remainders = ", store_param_remainders=True" if args.store_param_remainders else ""
+        plugin = (f", plugins=[MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16{remainders})]"
+                  if bf16_params else "")
         print(f"best: MegatronStrategy(**{best.strategy_kwargs()}) with micro-batch {best.micro_batch_size} and "
               f"Trainer(accumulate_grad_batches={best.num_microbatches}{plugin}); MegatronStrategy.from_plan(plan) "
               "builds it")
         flags = best.flags(args.global_batch_size) + (["--bf16 --accumulate-allreduce-grads-in-fp32"] if bf16_params
-                                                      else [])
+                                                      else []) + (["--store-param-remainders"] if remainders else [])
         print("flags: " + " ".join(flags))
     return result
 

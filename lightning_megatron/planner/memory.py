@@ -29,7 +29,7 @@ from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_p
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS", "PARAMS_DTYPE_BYTES",
-           "RESIDUAL_BYTES", "check_params_dtype", "check_dtype_name"]
+           "RESIDUAL_BYTES", "REMAINDER_BYTES", "check_params_dtype", "check_param_remainders", "check_dtype_name"]
 
 #: sharding levels (Megatron's ``--data-parallel-sharding-strategy`` names, the library's own list): what is split
 #: over dp x cp
@@ -44,6 +44,9 @@ MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: way (``GRAD_BYTES``): with bf16 parameters the fp32 main gradients, which exist from a step's first backward until
 #: the optimizer step drops them
 PARAMS_DTYPE_BYTES = {"fp32": PARAM_BYTES, "bf16": 6}
+#: bytes per element of the int16 remainder that holds a bf16 parameter's fp32 main parameter with its bf16 copy
+#: (``MegatronPrecision(store_param_remainders=True)``), in place of the 4-byte fp32 main parameter
+REMAINDER_BYTES = 2
 #: bytes per element of the residual stream by the parameters' dtype (bf16 parameters: the embedding's output and
 #: every layer's are bf16; else fp32)
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0}
@@ -197,18 +200,30 @@ def check_params_dtype(sharding: str, params_dtype: str) -> None:
         check_bf16_params_options(ParallelConfig(data_parallel_sharding_strategy=sharding), fitting=True)
 
 
+def check_param_remainders(params_dtype: str, store_param_remainders: bool) -> None:
+    """Raise ValueError when ``store_param_remainders`` is asked for without bf16 parameters (the library's rule:
+    :class:`~lightning_megatron.MegatronPrecision` refuses it too)."""
+    if store_param_remainders and params_dtype != "bf16":
+        raise ValueError(f"store_param_remainders=True with params_dtype={params_dtype!r}: the remainders complete "
+                         "bf16 parameters to their fp32 main parameters; use params_dtype='bf16' "
+                         "(--accumulate-allreduce-grads-in-fp32) or drop store_param_remainders")
+
+
 def _adam_bytes(tensors: Sequence[ParamTensor], moment_bytes: int = ADAM_BYTES) -> int:
     return sum(moment_bytes * t.numel + STEP_BYTES for t in tensors)
 
 
 def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int] = 0,
-                edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES, params_dtype: str = "fp32") -> StateBytes:
+                edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES, params_dtype: str = "fp32",
+                store_param_remainders: bool = False) -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of one rank (pipeline rank ``pp_rank``; ``dp_rank`` its
     index in the dp x cp group and ``edp_rank`` in expert data parallel, which only matter when sharded; None:
     the rank holding the most). ``moment_bytes``: bytes per parameter of Adam's two moments (8 in fp32; 4 with both
     in bf16, the precision-aware optimizer's). ``params_dtype``: ``"fp32"`` (4 bytes per parameter) or ``"bf16"``
     (``MegatronPrecision(params_dtype=torch.bfloat16)``: 6, the bf16 copy and the fp32 main parameter; the gradients
-    are the fp32 main gradients; ValueError, the library's, with an FSDP level).
+    are the fp32 main gradients; ValueError, the library's, with an FSDP level). ``store_param_remainders``: with
+    ``"bf16"``, the fp32 main parameters held as int16 remainders next to the bf16 copies (4 bytes per parameter
+    instead of 6; ValueError with fp32 parameters).
 
     Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
     optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
@@ -228,7 +243,10 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     if level not in SHARDING_LEVELS:
         raise ValueError(f"sharding={level!r} is not one of {SHARDING_LEVELS}")
     check_params_dtype(level, params_dtype)
+    check_param_remainders(params_dtype, store_param_remainders)
     param_bytes, main = PARAMS_DTYPE_BYTES[params_dtype], params_dtype != "fp32"
+    if store_param_remainders:
+        param_bytes += REMAINDER_BYTES - PARAM_BYTES
     dp_cp = layout.dp * layout.cp
     edp = layout.edp
     if level == "no_shard":

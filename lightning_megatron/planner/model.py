@@ -38,7 +38,7 @@ from lightning_megatron.planner.calibration import Hardware
 from lightning_megatron.parallel.config import FSDP_STRATEGIES
 from lightning_megatron.planner.memory import (
     ADAM_BYTES, GRAD_BYTES, MOMENT_BYTES, PARAM_BYTES, PARAMS_DTYPE_BYTES, RESIDUAL_BYTES, check_dtype_name,
-    layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
+    check_param_remainders, layer_activation_bytes, logits_bytes_per_token, rank_parameters, stage_layers, state_bytes,
 )
 
 __all__ = ["Workload", "Prediction", "predict", "flops_parts"]
@@ -54,7 +54,8 @@ class Workload:
     the current code), the Adam moments' dtypes ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``"fp32"`` or
     ``"bf16"``: ``ParallelGPTModule``'s arguments of the same names) and ``params_dtype`` (``"fp32"`` or ``"bf16"``:
     ``MegatronPrecision(params_dtype=torch.bfloat16)``, bf16 parameters with fp32 main parameters and gradients;
-    Megatron's ``--accumulate-allreduce-grads-in-fp32``)."""
+    Megatron's ``--accumulate-allreduce-grads-in-fp32``); ``store_param_remainders`` (with ``"bf16"``: the fp32 main
+    parameters held as int16 remainders, ``MegatronPrecision(store_param_remainders=True)``)."""
 
     model: Any
     seq_length: int
@@ -64,11 +65,13 @@ class Workload:
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     params_dtype: str = "fp32"
+    store_param_remainders: bool = False
 
     def __post_init__(self) -> None:
         for name, table in (("exp_avg_dtype", MOMENT_BYTES), ("exp_avg_sq_dtype", MOMENT_BYTES),
                             ("params_dtype", PARAMS_DTYPE_BYTES)):
             check_dtype_name(name, getattr(self, name), table)
+        check_param_remainders(self.params_dtype, self.store_param_remainders)
 
     @property
     def moment_bytes(self) -> int:
@@ -244,14 +247,15 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     best = None
     for r in range(pp):
         key = (id(c), layout.tp, layout.pp, layout.vp, layout.ep, layout.etp, layout.schedule, layout.dp * cp,
-               layout.edp, layout.sharding, r, work.moment_bytes, work.params_dtype)
+               layout.edp, layout.sharding, r, work.moment_bytes, work.params_dtype, work.store_param_remainders)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
             tensors = rank_parameters(c, layout, r)
             edge = sum(t.numel for t in tensors if "decoder.layers" not in t.name)
             numel = (sum(t.numel for t in tensors if not t.expert), sum(t.numel for t in tensors if t.expert))
             hit = (state_bytes(c, layout, r, dp_rank=None, edp_rank=None, moment_bytes=work.moment_bytes,
-                               params_dtype=work.params_dtype), edge, numel)
+                               params_dtype=work.params_dtype, store_param_remainders=work.store_param_remainders),
+                   edge, numel)
             if cache is not None:
                 cache[key] = hit
         sb, edge, numel = hit
