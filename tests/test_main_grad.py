@@ -9,6 +9,9 @@ checkpoint holds fp32 main parameters, resumes exactly and loads into the defaul
 recipe's amax histories are in checkpoints too: its resume is exact. A step nothing accumulates, reduces or clips
 keeps its bf16 gradients (no fp32 main gradients) with the same result bit for bit (one process, and tp2 on two);
 dp2 and tp2+SP, whose finaliser reduces gradients, do not; a second gradient in such a step falls back to fp32.
+With the fp32 main parameters as remainders (``store_param_remainders=True``) direct steps and steps through the
+main view are the same run bit for bit, checkpoints resume bit for bit, and tp2+SP, pp2 and dp2 with the
+distributed optimizer match the one-process run with remainders.
 """
 from __future__ import annotations
 
@@ -211,8 +214,9 @@ def _one_process() -> Dict[str, Any]:
     runs += [("rem-bf16m", (_learn_run, (cfg, long, BF16P_REM, 8, 1, "bf16"))),
              ("rem-bf16m-clip", (_learn_run, (cfg, long, BF16P_REM, 8, 1, "bf16", False, 1e9))),
              ("rem-adamw", (_learn_run, (cfg, long, BF16P_REM, 8, 1)))]
-    runs += [(f"ref-mb{mb}", (plugin_layout_run, (layout_cfg, {}, BF16P, short, mb, ACCUMULATE, 0.05, STEPS)))
-             for mb in (2, 4)]
+    runs += [(f"ref-mb{mb}{tag}", (plugin_layout_run, (layout_cfg, {}, precision, short, mb, ACCUMULATE, 0.05,
+                                                       STEPS)))
+             for mb in (2, 4) for tag, precision in (("", BF16P), ("-rem", BF16P_REM))]
     runs += [(f"ref-mb{mb}-{name}", (plugin_layout_run, (tiny_config(num_query_groups=4, **overrides), {}, BF16P,
                                                          short, mb, ACCUMULATE, 0.05, STEPS)))
              for name, overrides, mb in (("tied", TIED, 2), ("moe", MOE, 4))]
@@ -372,7 +376,9 @@ LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-
     "dp2": (dict(), "ref-mb4", 2, {}),
     "dp2-distopt": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}),
     # the fp32 main parameters as remainders: joined for the main view, split back after the broadcasts
-    "dp2-distopt-remainders": (dict(use_distributed_optimizer=True), "ref-mb4", 2, {}, BF16P_REM),
+    "dp2-distopt-remainders": (dict(use_distributed_optimizer=True), "ref-mb4-rem", 2, {}, BF16P_REM),
+    "tp2-sp-remainders": (dict(tp=2, sequence_parallel=True), "ref-mb2-rem", 2, {}, BF16P_REM),
+    "pp2-remainders": (dict(pp=2), "ref-mb2-rem", 2, {}, BF16P_REM),
 }
 
 
@@ -389,8 +395,9 @@ def test_bf16_params_layout_matches_one_process(layout):
     """3 AdamW steps of 2 micro-batches with clipping: every loss within 5e-5 and every weight change within 1e-1
     of the one-process bf16-parameter run. Measured (loss / weight change): tp2+SP 7.7e-6 / 5.7e-2, pp2 0 / 2.4e-7,
     pp2 with tied embeddings 2.1e-6 / 8.3e-4, ep2 (MoE) 2.0e-5 / 4.3e-2, dp2 and dp2 with the distributed optimizer
-    1.8e-5 / 2.5e-2, dp2 with the distributed optimizer and the main parameters as remainders 1.2e-5 / 3.9e-2 (without
-    remainders in the same run 9.4e-6 / 3.5e-2); the autocast bf16 path under the same comparison:
+    1.8e-5 / 2.5e-2. With the main parameters as remainders, against the one-process run with remainders: tp2+SP
+    3.4e-5 / 5.7e-2, pp2 0 / 3.1e-7, dp2 with the distributed optimizer 1.4e-5 / 3.5e-2. The autocast bf16 path under
+    the same comparison:
     tp2+SP 1.5e-5 / 5.4e-2, dp2 4.0e-6 / 2.8e-2 (AdamW's first steps move a weight with a near-zero gradient by
     about lr * sign(grad), so bf16 round-off flips some), fp32: <= 1e-7 / 7e-6. Without the fp32 main gradients'
     data-parallel average the dp2 weight change is off by 0.5 and more."""
