@@ -1,9 +1,11 @@
 """Registers ``strategy="megatron"`` / ``"megatron_spawn"`` with Lightning without importing Lightning first.
 
-``import lightning_megatron`` is cheap (its names load on first use), so the strategy module, whose import
-registers the names in Lightning's ``StrategyRegistry``, is imported at the moment Lightning itself is: at once
-when ``lightning.pytorch`` is already loaded, otherwise right after ``lightning.pytorch`` finishes loading (a
-finder on ``sys.meta_path`` that wraps that one package's loader and removes itself afterwards).
+``import lightning_megatron`` is cheap (its names load on first use), so the names are registered in Lightning's
+``StrategyRegistry`` at the moment Lightning itself is loaded: at once when ``lightning.pytorch`` is already loaded,
+otherwise right after ``lightning.pytorch`` finishes loading (a finder on ``sys.meta_path`` that wraps that one
+package's loader and removes itself afterwards). What they name is a builder that imports the strategy module at its
+first call (:class:`LazyStrategy`): registering imports nothing of ours, so it works whichever module of ours loads
+Lightning first (one that does so while it is itself being imported, ``precision/plugin.py``, included).
 """
 from __future__ import annotations
 
@@ -12,14 +14,29 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 _TARGET = "lightning.pytorch"
 
 
+@dataclass(frozen=True)
+class LazyStrategy:
+    """What Lightning's registry holds for our names: called with the registered ``init_params`` (Lightning's
+    ``StrategyRegistry.get``), it imports ``module`` and returns ``module.class_name(**init_params)``."""
+
+    module: str
+    class_name: str = "MegatronStrategy"
+
+    def __call__(self, **init_params: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.class_name)(**init_params)
+
+
 def _register(strategy_module: str) -> None:
     try:
-        importlib.import_module(strategy_module)  # its last line registers the names
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        register_strategy_names(LazyStrategy(strategy_module), StrategyRegistry)
     except Exception as err:  # never break ``import lightning`` for a process that does not use us
         warnings.warn(f"lightning-megatron could not register strategy='megatron' with Lightning: {err!r}; "
                       "pass MegatronStrategy(...) instead of the string", RuntimeWarning, stacklevel=2)
@@ -27,7 +44,7 @@ def _register(strategy_module: str) -> None:
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     """Finds nothing itself; for ``lightning.pytorch`` it returns the real spec with a loader that registers our
-    strategy names once the package has executed (by importing ``strategy_module``)."""
+    strategy names once the package has executed (:class:`LazyStrategy` of ``strategy_module``)."""
 
     def __init__(self, strategy_module: str) -> None:
         self.strategy_module = strategy_module
@@ -55,8 +72,9 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
 
 
 def register_strategy_names(strategy_class: Any, strategy_registry: Any) -> None:
-    """Register ``strategy_class`` in Lightning's ``strategy_registry`` as ``"megatron"`` (popen launch) and
-    ``"megatron_spawn"`` (spawn launch), unless the names are taken."""
+    """Register ``strategy_class`` (the class, or a :class:`LazyStrategy` that builds it) in Lightning's
+    ``strategy_registry`` as ``"megatron"`` (popen launch) and ``"megatron_spawn"`` (spawn launch), unless the names
+    are taken."""
     if "megatron" not in strategy_registry:
         strategy_registry.register("megatron", strategy_class, description="lightning-megatron MegatronStrategy")
     if "megatron_spawn" not in strategy_registry:
@@ -65,9 +83,10 @@ def register_strategy_names(strategy_class: Any, strategy_registry: Any) -> None
 
 
 def register_when_lightning_loads(strategy_module: str) -> None:
-    """Import ``strategy_module`` (the module defining the strategy, whose import registers its names) now if
-    Lightning is loaded, else as soon as ``lightning.pytorch`` is. The package's ``__init__`` names the module, so
-    this one, which the strategy module imports, does not import it back."""
+    """Register the strategy names for ``strategy_module`` (the module defining ``MegatronStrategy``, imported at the
+    first use of a name: :class:`LazyStrategy`) now if Lightning is loaded, else as soon as ``lightning.pytorch`` is.
+    The package's ``__init__`` names the module, so this one, which the strategy module imports, does not import it
+    back."""
     if _TARGET in sys.modules:
         _register(strategy_module)
     elif not any(isinstance(finder, _RegisterAfterLightning) for finder in sys.meta_path):
