@@ -385,8 +385,9 @@ LAYOUTS = {   # name: (strategy kwargs, the 1-process reference, per-rank micro-
 @lru_cache(maxsize=None)
 def _layouts() -> Dict[str, Any]:
     samples = make_samples(tiny_config(num_query_groups=4), STEPS * ACCUMULATE * 4)
-    cases = [(name, (tiny_config(num_query_groups=4, **case[3]), case[0], case[4] if len(case) > 4 else BF16P, samples,
-                     case[2], ACCUMULATE, 0.05, STEPS)) for name, case in LAYOUTS.items()]
+    cases = [(name, (tiny_config(num_query_groups=4, **overrides), kwargs, precision[0] if precision else BF16P,
+                     samples, micro, ACCUMULATE, 0.05, STEPS))
+             for name, (kwargs, _, micro, overrides, *precision) in LAYOUTS.items()]
     return run_distributed(run_each, 2, plugin_layout_run, cases)[0]
 
 

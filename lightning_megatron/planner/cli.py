@@ -109,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
               f"Trainer(accumulate_grad_batches={best.num_microbatches}{plugin}); MegatronStrategy.from_plan(plan) "
               "builds it")
         flags = best.flags(args.global_batch_size) + (["--bf16 --accumulate-allreduce-grads-in-fp32"] if bf16_params
-                                                      else []) + (["--store-param-remainders"] if remainders else [])
+                                                      else []) + (["--store-param-remainders"]
+                                                                  if args.store_param_remainders else [])
         print("flags: " + " ".join(flags))
     return result
 
