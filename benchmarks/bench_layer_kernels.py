@@ -14,6 +14,8 @@ Arms (``--arms``, comma-separated):
 * ``rope-halves``: ``default`` with RoPE written as the cat of its two rotated halves (``x1 c - x2 s``, ``x2 c + x1 s``),
   the same values (the tables' halves are equal).
 * ``concat-rope-halves``: both.
+* ``rmsnorm-ops``: ``default`` with RMSNorm written as torch operations (fp32 mean of squares, ``rsqrt``, scale,
+  weight, back to the input's dtype), which Inductor compiles whole, instead of ``F.rms_norm``.
 * ``swiglu-default`` / ``swiglu-concat``: SwiGLU alone (``[8192, 11264]`` in) as torch operations, forward +
   backward; ``swiglu-kernel``: :func:`~lightning_megatron.models.swiglu.swiglu` alone.
 
@@ -32,8 +34,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-ARMS = ("default", "torch-swiglu", "concat", "rope-halves", "concat-rope-halves", "swiglu-default", "swiglu-concat",
-        "swiglu-kernel")
+ARMS = ("default", "torch-swiglu", "concat", "rope-halves", "concat-rope-halves", "rmsnorm-ops", "swiglu-default",
+        "swiglu-concat", "swiglu-kernel")
 #: the Inductor options of the ``concat`` arms (those this torch has)
 CONCAT = {k: 1 for k in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
           if hasattr(torch._inductor.config, k)}
@@ -44,6 +46,13 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rms_norm_ops(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as torch operations, in fp32 (float64 for float64 inputs), returned in ``x``'s dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(compute)
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -96,11 +105,12 @@ def main() -> None:
     grad = torch.randn_like(x)
     pos = torch.arange(s, device="cuda").unsqueeze(1).expand(s, b)
     rotary = model.rotary(pos, x)
-    original_rope, library_swiglu = gpt_module.apply_rotary, gpt_module.swiglu
+    original_rope, library_swiglu, library_norm = gpt_module.apply_rotary, gpt_module.swiglu, gpt_module.rms_norm
     for arm in args.arms.split(","):
         torch._dynamo.reset()
         gpt_module.apply_rotary = rope_halves if arm.endswith("rope-halves") else original_rope
         gpt_module.swiglu = swiglu if arm == "torch-swiglu" else library_swiglu
+        gpt_module.rms_norm = rms_norm_ops if arm == "rmsnorm-ops" else library_norm
         options = CONCAT if arm.startswith("concat") or arm == "swiglu-concat" else None
         if arm.startswith("swiglu"):
             fn = torch.compile(library_swiglu if arm == "swiglu-kernel" else swiglu, options=options)
@@ -115,7 +125,7 @@ def main() -> None:
                     return compiled(inp, rotary)
             row = time_arm(fn, (x,), grad, args.warmup, args.iters)
         print(json.dumps({"arm": arm, **row}), flush=True)
-    gpt_module.apply_rotary, gpt_module.swiglu = original_rope, library_swiglu
+    gpt_module.apply_rotary, gpt_module.swiglu, gpt_module.rms_norm = original_rope, library_swiglu, library_norm
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ time.
                                       [--no-profile]
 
 With ``--no-profile`` each arm stops after its timed steps (no profiled step): tokens/s and memory only.
+With ``--trace-dir DIR`` each arm's profiled step(s) are also written as a gzipped Chrome trace, ``DIR/<arm>.json.gz``
+(each kernel linked to the host operation that launched it).
 With ``--profiled-steps N`` the profile covers N steps in a row (its figures are per step, averaged over them), so
 the time between steps shows: ``gaps`` lists the longest stretches with no kernel running and the kernels on either
 side of each.
@@ -220,8 +222,23 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
     return row
 
 
+def save_trace(prof, trace: str) -> None:
+    """The profile as a gzipped Chrome trace at ``trace`` (nothing when empty): every kernel with the host operation
+    that launched it."""
+    if not trace:
+        return
+    import gzip
+    import shutil
+
+    plain = trace[:-3] if trace.endswith(".gz") else trace
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as src, gzip.open(plain + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(plain)
+
+
 def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, profiled: bool = True,
-             profiled_steps: int = 1) -> dict:
+             profiled_steps: int = 1, trace: str = "") -> dict:
     import torch
     import peer_baseline as peer
 
@@ -270,10 +287,12 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
         torch.cuda.synchronize()
     if turns is not None:
         turns.done()
+    save_trace(prof, trace)
     return dict(timed, profile=breakdown(prof, profiled_steps))
 
 
-def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, profiled_steps: int = 1) -> dict:
+def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, profiled_steps: int = 1,
+             trace: str = "") -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -347,6 +366,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
                 if turns is not None:
                     turns.done()
                 result["profile"] = breakdown(self.prof, profiled_steps)
+                save_trace(self.prof, trace)
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
@@ -364,13 +384,15 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
     return dict(loss=timer.losses[-1] if timer.losses else None, cudagraph_counters=graphs, **result)
 
 
-def child(name: str, turns: Optional[Turns], profiled: bool = True, profiled_steps: int = 1) -> None:
+def child(name: str, turns: Optional[Turns], profiled: bool = True, profiled_steps: int = 1,
+          trace_dir: str = "") -> None:
     base = base_arm(name)
+    trace = os.path.join(trace_dir, name.replace("#", "_") + ".json.gz") if trace_dir else ""
     if base.startswith("peer"):
         row = run_peer(base == "peer-fp8", turns, compile_=base != "peer-eager", profiled=profiled,
-                       profiled_steps=profiled_steps)
+                       profiled_steps=profiled_steps, trace=trace)
     else:
-        row = run_ours(base, turns, profiled=profiled, profiled_steps=profiled_steps)
+        row = run_ours(base, turns, profiled=profiled, profiled_steps=profiled_steps, trace=trace)
     print("RESULT " + json.dumps(dict(arm=name, **row)), flush=True)
 
 
@@ -388,7 +410,7 @@ def arm_row(arm: str, stdout: str, stderr: str, timed_out: bool, timeout_s: floa
 
 
 def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
-             ready_by_s: Optional[float] = None, profiled_steps: int = 1) -> List[dict]:
+             ready_by_s: Optional[float] = None, profiled_steps: int = 1, trace_dir: str = "") -> List[dict]:
     """Run ``arms`` together (:func:`arm_turns.run_together`: each in a process group of its own, compiling side by
     side, then taking turns for the measured steps) under one limit of ``timeout_s`` seconds (and, given
     ``ready_by_s``, killing the arms not warmed up by then); their rows, each also printed as it is read
@@ -397,7 +419,8 @@ def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         runs = run_together([[sys.executable, __file__, "--child", arm, "--profiled-steps", str(profiled_steps),
-                              *([] if profiled else ["--no-profile"])] for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
+                              *([] if profiled else ["--no-profile"]),
+                              *(["--trace-dir", trace_dir] if trace_dir else [])] for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
     rows = []
     for arm, run in zip(arms, runs):
         if arm.endswith(CUDAGRAPH):
@@ -425,11 +448,14 @@ def main() -> None:
                    help="stop each arm after its timed steps: no profiled step (tokens/s and memory only)")
     p.add_argument("--profiled-steps", type=int, default=1,
                    help="steps in a row in the profile (its figures per step; the gaps between steps show)")
+    p.add_argument("--trace-dir", default="",
+                   help="write each arm's profiled step(s) there as a gzipped Chrome trace (<arm>.json.gz)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--turns", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, Turns.parse(args.turns), profiled=not args.no_profile, profiled_steps=args.profiled_steps)
+        child(args.child, Turns.parse(args.turns), profiled=not args.no_profile, profiled_steps=args.profiled_steps,
+              trace_dir=args.trace_dir)
         return
     rows = []
     arms = args.arms.split(",")
@@ -441,7 +467,7 @@ def main() -> None:
     # one process group per arm, killed at the limit with its compile workers (which would hold its output pipes)
     for batch in [arms] if args.together else [[arm] for arm in arms]:
         rows += run_arms(batch, args.arm_timeout_s, profiled=not args.no_profile,
-                         profiled_steps=args.profiled_steps)
+                         profiled_steps=args.profiled_steps, trace_dir=args.trace_dir)
         if args.out:   # after every arm (or all of them together): a run cut short keeps the arms it finished
             Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| arm | tokens/s | step ms | peak GiB allocated / reserved | kernels | device busy ms | idle ms | " +

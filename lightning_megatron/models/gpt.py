@@ -77,8 +77,13 @@ class Norm(nn.Module):
             w = copy_to_tensor_model_parallel_region(w, self.sequence_parallel_group)
             b = copy_to_tensor_model_parallel_region(b, self.sequence_parallel_group) if b is not None else None
         if self.kind == "RMSNorm":
-            return F.rms_norm(x, (self.hidden_size,), w, self.eps)
+            return rms_norm(x, w, self.eps)
         return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of ``x`` ``[..., h]`` over its last dim, scaled by ``weight`` ``[h]``: ``F.rms_norm``."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rotary_inv_freq(dim: int, base: float, dtype: torch.dtype, device: Optional[torch.device] = None,
