@@ -21,13 +21,11 @@ group's runs are updated together. Parameters that are separate allocations are 
 same element by element. State dicts stay per parameter (each moment a view with the parameter's shape); loading
 copies the loaded moments into the flat layout at the next step.
 
-On CUDA the update of a parameter group is one Triton launch over all its runs
-(:class:`~lightning_megatron.optimizer.adamw_kernel.MultiTensorAdamW`) where its tensors allow it (aligned,
-contiguous, supported dtypes), else one compiled call (``torch.compile`` of :func:`adamw_multi_update_`, compiled for
-the shapes of the group's lists, which do not change during a run, so Inductor writes kernels for those sizes: one per
-run); either way the learning rate is a 0-d tensor on the device, so a schedule changes no compiled code, and the
-group's step counts are advanced first by one multi-tensor operation (:func:`count_steps_`); on the CPU the same
-functions run eagerly with Python numbers. Like
+On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
+compiled for the shapes of the group's lists, which do not change during a run, so Inductor writes kernels for those
+sizes; the learning rate is a 0-d tensor on the device, so a schedule changes no compiled code), after the group's step
+counts are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly
+with Python numbers. Like
 torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the non-finite guard's device
 flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so it never waits for the
 GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or FSDP, where it updates
@@ -41,7 +39,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lightning_megatron.optimizer.adamw_kernel import MultiTensorAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
 from lightning_megatron.utils.tensors import (adjacent_runs, flat_run, local_tensor, span_bounds, span_starts,
                                               storage_order)
@@ -253,8 +250,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # it reads ``grad_scale`` / ``found_inf`` itself (torch.amp.GradScaler and the non-finite guard hand them over)
         self._step_supports_amp_scaling = True
         self._compiled: Optional[Callable[..., None]] = None
-        #: the one-launch update on CUDA where the tensors allow it (:mod:`~lightning_megatron.optimizer.adamw_kernel`)
-        self._kernel = MultiTensorAdamW()
         #: ``id(p)`` -> the steps taken of ``p`` (host-side, known without reading the device: set when its state is
         #: created or loaded): parameters whose counts differ are not updated as one run (a run has one bias correction)
         self._counts: Dict[int, int] = {}
@@ -446,14 +441,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 scale = grad_scale.to(device).reshape(()) if grad_scale is not None else None
                 inf = found_inf.to(device).reshape(()) if found_inf is not None else None
                 count_steps_(steps, inf)   # eager: one fused launch, where the compiled update would launch one each
-                lr = self._lr(index, group, device)
-                hyper = (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]), scale, inf)
-                if self._kernel.applies(params, grads, exp_avgs, exp_avg_sqs, lr, copies, remainders):
-                    self._kernel(params, grads, exp_avgs, exp_avg_sqs, run_steps, lr, *hyper, param_copies=copies,
-                                 remainders=remainders)
-                else:
-                    self._update_fn(device)(params, grads, exp_avgs, exp_avg_sqs, run_steps, lr, *hyper,
-                                            count_steps=False, param_copies=copies, remainders=remainders)
+                self._update_fn(device)(
+                    params, grads, exp_avgs, exp_avg_sqs, run_steps, self._lr(index, group, device), float(beta1),
+                    float(beta2),
+                    float(group["eps"]), float(group["weight_decay"]), scale, inf, count_steps=False,
+                    param_copies=copies, remainders=remainders)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -13,12 +13,11 @@ tensors) the values come from ``torch._foreach_norm``. No communication.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from collections import OrderedDict
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
-
-from lightning_megatron.utils.chunk_tables import ChunkTables, aligned, to_device
 
 __all__ = ["MaxAbsPerTensor"]
 
@@ -31,26 +30,24 @@ except ImportError:   # pragma: no cover - depends on the installation
 #: elements each program of the kernel reads (in blocks of ``_BLOCK``)
 _CHUNK = 16384
 _BLOCK = 2048
+#: address tables kept on the device (layouts whose addresses change every step need a new one each step)
+_KEEP_TABLES = 8
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 if triton is not None:
     @triton.jit
     def _max_abs_kernel(addresses, numels, slots, chunk_tensor, chunk_start, out, DTYPE: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Program ``p``: chunk ``chunk_start[p]`` of tensor ``chunk_tensor[p]`` (``numels`` elements at
         ``addresses``, of ``DTYPE``); its largest ``|x|`` (NaN if any is NaN) atomically maxed into
-        ``out[slots[tensor]]``: int32 holding fp32 bits, zeros to begin with. ``ALIGNED``: every tensor's address
-        is a multiple of 16 bytes and its element count of 8 (:func:`~lightning_megatron.utils.chunk_tables.aligned`). The values are >= 0 or a positive NaN,
+        ``out[slots[tensor]]``: int32 holding fp32 bits, zeros to begin with. The values are >= 0 or a positive NaN,
         whose bits order as integers as the values do (NaN above inf); Triton's float atomic max would drop a NaN."""
         p = tl.program_id(0)
         t = tl.load(chunk_tensor + p)
         start = tl.load(chunk_start + p)
         n = tl.load(numels + t)
-        address = tl.load(addresses + t)
-        if ALIGNED:   # every address a multiple of 16 bytes and every count of 8 elements: 16-byte loads
-            start, n, address = tl.multiple_of(start, 16), tl.multiple_of(n, 8), tl.multiple_of(address, 16)
-        base = address.to(tl.pointer_type(DTYPE))
+        base = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
         largest = tl.zeros((BLOCK,), dtype=tl.float32)
         nans = tl.zeros((BLOCK,), dtype=tl.int32)
         for i in tl.range(0, CHUNK, BLOCK):
@@ -70,13 +67,12 @@ class MaxAbsPerTensor:
     it holds an inf and no NaN), in the order given. On CUDA (contiguous fp32 / bf16 / fp16 tensors of one device,
     none empty) one Triton kernel per dtype; otherwise ``torch._foreach_norm(tensors, inf)``.
 
-    Holds the kernel's device tables (:class:`~lightning_megatron.utils.chunk_tables.ChunkTables`): per layout
-    (device and element counts: which chunk belongs to which tensor) and per set of addresses (the last few); the
-    output slots of each dtype's tensors are a table too."""
+    Holds the kernel's device tables: per layout (device and element counts: which chunk belongs to which tensor, and
+    which output slot each tensor has) and per set of addresses (the last :data:`_KEEP_TABLES`)."""
 
     def __init__(self) -> None:
-        self._tables = ChunkTables(_CHUNK)
-        self._slots: Dict[tuple, Tensor] = {}
+        self._layouts: Dict[Tuple, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._addresses: "OrderedDict[Tuple, Tensor]" = OrderedDict()
 
     def __call__(self, tensors: Sequence[Tensor]) -> Tensor:
         tensors = list(tensors)
@@ -93,21 +89,46 @@ class MaxAbsPerTensor:
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         for dtype, members in by_dtype.items():
-            numels, chunk_tensor, chunk_start = self._tables.layout(device, [tensors[i].numel() for i in members])
-            slots = self._slot_table(device, tuple(members))
-            addresses = self._tables.addresses(device, [tensors[i].data_ptr() for i in members])
+            numels, slots, chunk_tensor, chunk_start = self._layout(
+                device, tuple(tensors[i].numel() for i in members), tuple(members))
+            addresses = self._address_table(device, tuple(tensors[i].data_ptr() for i in members))
             _max_abs_kernel[(chunk_tensor.numel(),)](addresses, numels, slots, chunk_tensor, chunk_start, out,
-                                                     DTYPE=_TRITON_DTYPES[dtype], CHUNK=self._tables.chunk, BLOCK=_BLOCK,
-                                                     ALIGNED=aligned(tensors[i] for i in members))
+                                                     DTYPE=_TRITON_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK)
         return out.view(torch.float32)
 
-    def _slot_table(self, device: torch.device, slots: tuple) -> Tensor:
-        """``slots`` (each tensor's output slot) as an int32 tensor on ``device``, kept per layout."""
-        key = (device, slots)
-        held = self._slots.get(key)
+    def _layout(self, device: torch.device, numels: Tuple[int, ...],
+                slots: Tuple[int, ...]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(numels, slots, chunk_tensor, chunk_start)`` on ``device``: per tensor its element count and output slot,
+        per chunk of :data:`_CHUNK` elements its tensor and first element."""
+        key = (device, numels, slots)
+        held = self._layouts.get(key)
         if held is None:
-            held = self._slots[key] = to_device(torch.tensor(slots, dtype=torch.int32), device)
+            sizes = torch.tensor(numels, dtype=torch.int64)
+            chunks = (sizes + _CHUNK - 1) // _CHUNK
+            tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), chunks)
+            first = torch.cumsum(chunks, 0) - chunks
+            start = (torch.arange(int(chunks.sum()), dtype=torch.int64) - first.repeat_interleave(chunks)) * _CHUNK
+            held = tuple(_to_device(t, device) for t in (sizes, torch.tensor(slots, dtype=torch.int32), tensor, start))
+            self._layouts[key] = held
         return held
+
+    def _address_table(self, device: torch.device, addresses: Tuple[int, ...]) -> Tensor:
+        key = (device, addresses)
+        held = self._addresses.get(key)
+        if held is None:
+            held = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
+            self._addresses[key] = held
+            while len(self._addresses) > _KEEP_TABLES:
+                self._addresses.popitem(last=False)
+        else:
+            self._addresses.move_to_end(key)
+        return held
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` (on the CPU) on ``device``, through pinned memory without waiting for the device (a copy from pageable
+    memory would wait for the work queued before it)."""
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _kernel_applies(tensors: Sequence[Tensor]) -> bool:

@@ -51,9 +51,9 @@ def test_address_tables_follow_the_tensors():
     tensors = _tensors()
     for _ in range(3):
         m(tensors)
-    assert len(m._tables._addresses) == 3   # the same tensors: one table per dtype (three here), copied once
+    assert len(m._addresses) == 3   # the same tensors: one table per dtype (three here), copied once
     fresh = [t.clone() * 2 for t in tensors]
     assert torch.equal(m(fresh), torch.stack([t.abs().amax().float() for t in fresh]))
-    assert len(m._tables._addresses) == 6
+    assert len(m._addresses) == 6
     strided = [torch.randn(64, 64, device="cuda").t()]   # not contiguous: torch's pass, the same value
     assert torch.equal(m(strided), strided[0].abs().amax().reshape(1))

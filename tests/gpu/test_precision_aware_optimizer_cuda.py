@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 
 from lightning_megatron import PrecisionAwareAdamW
@@ -174,86 +173,3 @@ def test_update_over_bf16_copies_and_remainders_equals_eager(measured):
         assert torch.equal(copy.view(torch.int16), split_fp32(main)[0].view(torch.int16))
     plan = next(iter(gpu_opt._plans.values()))
     assert plan.remainders is not None and all(r.dtype == torch.int16 and r.is_cuda for r in plan.remainders)
-
-
-ALIGNED_SHAPES = [(1024, 512), (512,), (1408, 512), (40, 8), (16,)]
-
-
-def _aligned_lists(device: str, mode: str):
-    """Tensors of :data:`ALIGNED_SHAPES` (every count a multiple of 8, every tensor its own allocation) for one
-    AdamW step in ``mode``: ``fp32`` / ``bf16`` parameters, ``copies`` (fp32 main parameters and their bf16 copies),
-    ``remainders`` (bf16 copies and int16 remainders). Returns (params, grads, exp_avgs, exp_avg_sqs, extra kwargs,
-    a function giving every parameter's fp32 value)."""
-    from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
-
-    g = torch.Generator().manual_seed(0)
-    main = [torch.randn(s, generator=g) for s in ALIGNED_SHAPES]
-    grads = [(torch.randn(s, generator=g) * 1e-2).to(torch.bfloat16).to(device) for s in ALIGNED_SHAPES]
-    moments = [[(torch.randn(s, generator=g).abs() * k).to(torch.bfloat16).to(device) for s in ALIGNED_SHAPES]
-               for k in (1e-2, 1e-4)]
-    if mode == "remainders":
-        halves = [split_fp32(p) for p in main]
-        params, rests = [h.to(device) for h, _ in halves], [r.to(device) for _, r in halves]
-        return params, grads, *moments, dict(remainders=rests), lambda: [join_fp32(p, r).cpu()
-                                                                          for p, r in zip(params, rests)]
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    params = [p.to(dtype).to(device) for p in main]
-    extra = dict(param_copies=[p.to(torch.bfloat16) for p in params]) if mode == "copies" else {}
-    return params, grads, *moments, extra, lambda: [p.float().cpu() for p in params]
-
-
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "copies", "remainders"])
-def test_one_launch_update_equals_eager(mode, measured):
-    """Aligned tensors take :class:`~lightning_megatron.optimizer.adamw_kernel.MultiTensorAdamW` (one Triton launch
-    for all of them): 3 steps (learning rates 1e-2 / (1 + step), step counts 1-3) equal the eager CPU update within the
-    kernels' rounding (a stored bf16 moment one bf16 step away moves a parameter by at most ``sum(lr) * 2**-7``; bf16
-    parameters may land one bf16 step of their own away). Compute copies are the new fp32 parameters rounded; with
-    ``found_inf`` set nothing changes; with ``grad_scale`` the gradients are divided by it."""
-    from lightning_megatron.optimizer.adamw_kernel import MultiTensorAdamW
-    from lightning_megatron.optimizer.precision_aware_adamw import adamw_multi_update_
-
-    gpu = _aligned_lists("cuda", mode)
-    cpu = _aligned_lists("cpu", mode)
-    kernel = MultiTensorAdamW()
-    assert kernel.applies(*gpu[:4], torch.ones((), device="cuda"), gpu[4].get("param_copies"),
-                          gpu[4].get("remainders"))
-    scale = 2.0
-    for step in range(3):
-        lr = 1e-2 / (1 + step)
-        gpu_steps = [torch.full((), step + 1.0, device="cuda") for _ in ALIGNED_SHAPES]
-        kernel(*gpu[:4], gpu_steps, torch.full((), lr, device="cuda"), 0.9, 0.95, 1e-8, 0.1,
-               torch.full((), scale, device="cuda"), torch.zeros((), device="cuda"), **gpu[4])
-        adamw_multi_update_(*cpu[:4], [torch.full((), step + 1.0) for _ in ALIGNED_SHAPES], lr, 0.9, 0.95, 1e-8, 0.1,
-                            torch.full((), scale), None, count_steps=False, **cpu[4])
-    got, want = gpu[5](), cpu[5]()
-    worst = max(float((a - b).abs().max()) for a, b in zip(got, want))
-    measured(mode=["fp32", "bf16", "copies", "remainders"].index(mode), param_abs=worst)
-    bound = sum(1e-2 / (1 + step) for step in range(3)) * 2 ** -7
-    if mode == "bf16":
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=bound)
-    else:
-        assert worst <= bound, (worst, bound)
-    if mode == "copies":
-        assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(gpu[4]["param_copies"], gpu[0]))
-    before = [t.clone() for column in gpu[:4] for t in column]
-    kernel(*gpu[:4], [torch.full((), 4.0, device="cuda") for _ in ALIGNED_SHAPES], torch.full((), 1e-2, device="cuda"),
-           0.9, 0.95, 1e-8, 0.1, None, torch.ones((), device="cuda"), **gpu[4])
-    assert all(torch.equal(a, b) for a, b in zip(before, [t for column in gpu[:4] for t in column]))
-
-
-def test_optimizer_takes_the_one_launch_update_where_the_tensors_allow_it():
-    """PrecisionAwareAdamW over aligned parameters runs the Triton update and compiles nothing; one parameter of 231
-    elements (not a multiple of 8) in the group sends the whole group to the compiled update."""
-    import torch._dynamo
-
-    for shapes, compiled in ((ALIGNED_SHAPES, False), (ALIGNED_SHAPES + [(33, 7)], True)):
-        torch._dynamo.reset()
-        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
-        opt = PrecisionAwareAdamW(params, lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-        for p in params:
-            p.grad = torch.randn_like(p)
-        before = [p.detach().clone() for p in params]
-        opt.step()
-        assert (opt._compiled is not None) == compiled, shapes
-        assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
