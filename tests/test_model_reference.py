@@ -403,6 +403,33 @@ def test_rotary_scores_depend_only_on_relative_position():
     assert abs(score(0, 0) - float(q @ k)) < 1e-12
 
 
+def test_rotary_tables_of_the_default_positions_are_kept_at_a_fixed_address():
+    """Without position ids the model's RoPE tables are computed once and the same tensors are used at every forward
+    (per dtype; inference mode keeps its own beside them), marked as fixed addresses for compiled layers (a layer's CUDA graph then
+    reads them where they are, as it does a parameter); given position ids, fresh tables. The values are the formula's
+    either way, so a step's numbers do not change."""
+    from lightning_megatron import GPTConfig, GPTModel
+
+    model = GPTModel(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               vocab_size=64, seq_length=16))
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    x = torch.zeros(16, 2, 32)
+    pos = model.positions(tokens)
+    first = model.rotary(pos, x)
+    assert model.positions(tokens) is pos and model.rotary(model.positions(tokens), x) is first
+    assert all(hasattr(t, "_dynamo_static_input_type") for t in first)
+    want = rotary_cos_sin(torch.arange(16).unsqueeze(1).expand(16, 2), 8, model.config.rotary_base, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, want))
+    assert model.rotary(pos, x.double()) is not first                 # another dtype: its own tables
+    with torch.inference_mode():
+        inference = model.rotary(model.positions(tokens), x)
+    assert inference is not first and all(t.is_inference() for t in inference)
+    assert model.rotary(model.positions(tokens), x) is first            # kept beside the inference ones
+    given = tokens.new_tensor([list(range(16))] * 2)
+    assert model.rotary(model.positions(tokens, given), x) is not model.rotary(model.positions(tokens, given), x)
+    assert model.positions(torch.zeros(3, 16, dtype=torch.long)) is not pos   # another batch size
+
+
 @pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
 def test_norm_matches_formula(kind):
     h, eps = 24, 1e-5

@@ -328,6 +328,8 @@ class OutputLayer(nn.Module):
 
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+#: default position tensors (with their RoPE tables) a model keeps: one per shape, device and inference mode
+KEPT_POSITIONS = 8
 SCALED_INIT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight", "experts.weight2")
 
 
@@ -364,6 +366,10 @@ class GPTModel(nn.Module):
         self.tp_group: Group = None
         self.sequence_parallel = False
         self.embedding_fork: RngFork = _null_fork
+        # the positions when none are given, and the RoPE tables of those positions: kept between steps (the same
+        # tensors each step, so a layer's CUDA graph reads them where they are instead of copying them in)
+        self._default_positions: Dict[tuple, Tensor] = {}
+        self._rotary_tables: Dict[tuple, tuple] = {}
         if not self.embedding.word_embeddings.weight.is_meta:
             self.init_weights()
 
@@ -500,11 +506,22 @@ class GPTModel(nn.Module):
 
     # ---- forward, in pieces a pipeline stage can run separately ----
     def positions(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        """Position ids ``[s, b]`` (``position_ids`` ``[b, s]`` transposed, or ``arange(s)``)."""
+        """Position ids ``[s, b]`` (``position_ids`` ``[b, s]`` transposed, or :meth:`default_positions`)."""
         if position_ids is not None:
             return position_ids.t()
-        s, b = tokens.shape[1], tokens.shape[0]
-        return torch.arange(s, device=tokens.device).unsqueeze(1).expand(s, b)
+        return self.default_positions(tokens.shape[1], tokens.shape[0], tokens.device)
+
+    def default_positions(self, s: int, b: int, device: torch.device) -> Tensor:
+        """``arange(s)`` expanded to ``[s, b]``, the positions when none are given: the same tensor for the same shape,
+        device and inference mode (kept for the last few), so :meth:`rotary` keeps its tables for it too."""
+        key = (s, b, device, torch.is_inference_mode_enabled())
+        held = self._default_positions.get(key)
+        if held is None:
+            if len(self._default_positions) >= KEPT_POSITIONS:
+                self._default_positions.clear()
+                self._rotary_tables.clear()
+            held = self._default_positions[key] = torch.arange(s, device=device).unsqueeze(1).expand(s, b)
+        return held
 
     def embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
         """``tokens [b, s]`` -> hidden ``[s(/tp under SP), b, h]`` (with embedding dropout)."""
@@ -515,13 +532,25 @@ class GPTModel(nn.Module):
         return x
 
     def rotary(self, pos: Tensor, like: Tensor) -> Optional[tuple[Tensor, Tensor]]:
-        """RoPE tables for positions ``pos [s, b]`` in the compute dtype of ``like`` (None without RoPE)."""
+        """RoPE tables for positions ``pos [s, b]`` in the compute dtype of ``like`` (None without RoPE). For
+        :meth:`default_positions` they are computed once per dtype and kept with them."""
         c = self.config
         if c.position_embedding_type != "rope":
             return None
         dev = like.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else like.dtype
-        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)
+        default = None if torch.compiler.is_compiling() else next(
+            (key for key, held in self._default_positions.items() if held is pos), None)
+        if default is not None and (default, dtype) in self._rotary_tables:
+            return self._rotary_tables[(default, dtype)]
+        tables = rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)
+        if default is not None:
+            # kept with the default positions; at a fixed address, which compiled layers (and their CUDA graphs) take
+            # as it is, like a parameter
+            for table in tables:
+                torch._dynamo.mark_static_address(table)
+            self._rotary_tables[(default, dtype)] = tables
+        return tables
 
     def layer_keys(self) -> List[str]:
         """Keys (global indices) of the transformer layers this model (or pipeline rank) holds, in order."""

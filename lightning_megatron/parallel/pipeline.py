@@ -59,7 +59,7 @@ class PipelineStageModule(nn.Module):
                 pos = position_ids.t()
             else:
                 s = x.shape[0] * (self.tp_size if getattr(model, "sequence_parallel", False) else 1)
-                pos = torch.arange(s, device=x.device).unsqueeze(1).expand(s, x.shape[1])
+                pos = model.default_positions(s, x.shape[1], x.device)
             rotary = model.rotary(pos, x)
             if self.kv_cache is not None:
                 x = model.run_layers_cached(list(self.layers.keys()), x, rotary, self.kv_cache)
