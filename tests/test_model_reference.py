@@ -499,3 +499,24 @@ def test_lr_schedule_closed_forms():
     assert at(100, "cosine", decay=None) == lr
     with pytest.raises(ValueError, match="lr_decay_style"):
         megatron_lr_lambda(W + 1, lr, min_lr, W, D, "exponential")
+
+
+def test_default_position_ids_are_left_out_on_the_host_and_give_the_same_loss():
+    """A batch whose ``position_ids`` are ``arange(s)`` in every row loses them before it reaches the device (the
+    model's default positions are those numbers, and its RoPE tables for them are kept); other positions stay. The
+    loss is the same bit for bit either way."""
+    from lightning_megatron import GPTConfig, GPTModel
+    from lightning_megatron.models.module import without_default_positions
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    arange = torch.arange(16).expand(2, 16)
+    batch = {"tokens": tokens, "labels": tokens, "position_ids": arange.clone()}
+    assert "position_ids" not in without_default_positions(batch) and "position_ids" in batch
+    shifted = dict(batch, position_ids=arange + 1)
+    assert without_default_positions(shifted) is shifted
+    one_row_off = dict(batch, position_ids=torch.stack([torch.arange(16), torch.arange(16).flip(0)]))
+    assert without_default_positions(one_row_off) is one_row_off
+    assert without_default_positions([tokens]) == [tokens]
+    model = GPTModel(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               vocab_size=64, seq_length=16))
+    assert torch.equal(model(tokens, arange.clone(), tokens), model(tokens, None, tokens))

@@ -46,6 +46,23 @@ def megatron_lr_lambda(step: int, lr: float, min_lr: float, warmup_iters: int, d
     return (min_lr + coeff * (lr - min_lr)) / lr
 
 
+def without_default_positions(batch: Any) -> Any:
+    """``batch`` without its ``position_ids`` when they are ``arange(s)`` in every row (a ``[b, s]`` tensor on the
+    host, compared there before the batch reaches the device), as every dataset of ours and Megatron's ``GPTDataset``
+    without ``reset_position_ids`` give them; anything else as it is. The model takes absent positions to be those very
+    numbers, and keeps its RoPE tables for them between steps (:meth:`GPTModel.rotary`) instead of computing tables
+    for each batch, which per-layer CUDA graphs would also copy in at every replay."""
+    if not isinstance(batch, dict):
+        return batch
+    positions = batch.get("position_ids")
+    if not (isinstance(positions, Tensor) and positions.device.type == "cpu" and positions.dim() == 2):
+        return batch
+    default = torch.arange(positions.shape[1], dtype=positions.dtype).expand_as(positions)
+    if not torch.equal(positions, default):
+        return batch
+    return {key: value for key, value in batch.items() if key != "position_ids"}
+
+
 def check_token_ids(batch: Any, vocab_size: int) -> None:
     """Raise ValueError when ``batch["tokens"]`` or ``batch["labels"]`` hold an id outside ``[0, vocab_size)``.
 
@@ -186,9 +203,10 @@ class ParallelGPTModule(pl.LightningModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Check the token ids and labels against the vocabulary (:func:`check_token_ids`) while the batch is still
-        on the host, under every strategy and layout. An override should call ``super()``."""
+        on the host, under every strategy and layout, and leave out ``position_ids`` that are the default positions
+        (:func:`without_default_positions`). An override should call ``super()``."""
         check_token_ids(batch, self.config.vocab_size)
-        return batch
+        return without_default_positions(batch)
 
     # ---------------------------------------------------------------- the step pieces (ParallelLightningModule)
     def set_parallel_context(self, context: ParallelContext) -> None:

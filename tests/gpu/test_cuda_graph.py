@@ -105,8 +105,9 @@ def test_cuda_graph_layers_train_as_the_compiled_layers(case, measured):
     assert worst <= 1e-6, (graphed["losses"], plain["losses"])
     assert graphed["val"] and graphed["val"] == pytest.approx(plain["val"], abs=1e-6)
     assert graphed["skips"] == 0, "Inductor skipped a layer's CUDA graph"
-    # the RoPE tables are kept at a fixed address (GPTModel.rotary): no layer's graph copies them in at each replay
-    # (two per layer and recording before); what may be copied is a graph's first input from outside the graphs
+    # the batches' position ids are arange (left out on the host) and the RoPE tables of the default positions are
+    # kept at a fixed address (GPTModel.rotary): no layer's graph copies them in at each replay (before: two per
+    # layer and recording, 43 here); what is copied is a graph's first input from outside the graphs
     measured(**{f"{case} copied inputs": float(graphed["copied_inputs"])})
     assert graphed["copied_inputs"] < 10 * 2, graphed["copied_inputs"]
     # every layer's forward and backward graph at every micro-batch of the step
