@@ -64,7 +64,7 @@ class Mutation:
 
 
 GPT = "lightning_megatron/models/gpt.py"
-ROTARY_CALL = "        return rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)\n"
+ROTARY_CALL = "        tables = rotary_cos_sin(pos, c.kv_channels, c.rotary_base, dtype, c if c.rope_scaling else None)\n"
 GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
 FLAT = "tests/test_flat_buffers.py::"
@@ -91,6 +91,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit(GPT, ROTARY_CALL,
               "        pos = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)\n" + ROTARY_CALL),),
         ROPE_TESTS),
+    Mutation(
+        "given-positions-dropped", "the batch's position ids are left out whatever they are, not only when they "
+        "are arange(s)",
+        (Edit("lightning_megatron/models/module.py",
+              "    if not torch.equal(positions, default):\n        return batch\n", ""),),
+        ("tests/test_model_reference.py::test_default_position_ids_are_left_out_on_the_host_and_give_the_same_loss",)),
     Mutation(
         "sp-grads-summed-twice", "allreduce_sequence_parallel_grads sums the SP norm/bias gradients over TP twice "
         "(x tp)",

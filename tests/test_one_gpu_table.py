@@ -231,14 +231,15 @@ def test_profile_step_help_and_arm_names(mods):
 def test_profile_step_child_runs_the_base_arm(mods, monkeypatch, capsys):
     _, ps, _ = mods
     calls = []
-    monkeypatch.setattr(ps, "run_peer", lambda fp8, turns, compile_=True, profiled=True, profiled_steps=1:
-                        calls.append(("peer", fp8, compile_, profiled, profiled_steps)) or dict(tokens_per_s=1))
-    monkeypatch.setattr(ps, "run_ours", lambda name, turns, profiled=True, profiled_steps=1:
-                        calls.append(("ours", name, profiled, profiled_steps)) or dict(tokens_per_s=2))
+    monkeypatch.setattr(ps, "run_peer", lambda fp8, turns, compile_=True, profiled=True, profiled_steps=1, trace="":
+                        calls.append(("peer", fp8, compile_, profiled, profiled_steps, trace)) or dict(tokens_per_s=1))
+    monkeypatch.setattr(ps, "run_ours", lambda name, turns, profiled=True, profiled_steps=1, trace="":
+                        calls.append(("ours", name, profiled, profiled_steps, trace)) or dict(tokens_per_s=2))
     for arm in ("peer-compile#2", "peer-eager", "peer-fp8#2", "ours-bf16-eager", "ours-bf16-compile#2"):
-        ps.child(arm, None, profiled=False, profiled_steps=3)
-    assert calls == [("peer", False, True, False, 3), ("peer", False, False, False, 3), ("peer", True, True, False, 3),
-                     ("ours", "ours-bf16-eager", False, 3), ("ours", "ours-bf16-compile", False, 3)]
+        ps.child(arm, None, profiled=False, profiled_steps=3, trace_dir="traces" if arm == "peer-compile#2" else "")
+    assert calls == [("peer", False, True, False, 3, "traces/peer-compile_2.json.gz"),
+                     ("peer", False, False, False, 3, ""), ("peer", True, True, False, 3, ""),
+                     ("ours", "ours-bf16-eager", False, 3, ""), ("ours", "ours-bf16-compile", False, 3, "")]
     results = [json.loads(line[7:]) for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
     assert [r["arm"] for r in results] == ["peer-compile#2", "peer-eager", "peer-fp8#2", "ours-bf16-eager",
                                            "ours-bf16-compile#2"]
