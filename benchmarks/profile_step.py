@@ -223,18 +223,10 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
 
 
 def save_trace(prof, trace: str) -> None:
-    """The profile as a gzipped Chrome trace at ``trace`` (nothing when empty): every kernel with the host operation
-    that launched it."""
-    if not trace:
-        return
-    import gzip
-    import shutil
-
-    plain = trace[:-3] if trace.endswith(".gz") else trace
-    prof.export_chrome_trace(plain)
-    with open(plain, "rb") as src, gzip.open(plain + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(plain)
+    """The profile as a Chrome trace at ``trace`` (nothing when empty; torch gzips it for a ``.gz`` name): every kernel
+    with the host operation that launched it."""
+    if trace:
+        prof.export_chrome_trace(trace)
 
 
 def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, profiled: bool = True,
