@@ -44,6 +44,10 @@ Arms (each in a child process of its own):
                              ``store_param_remainders=True`` (fp32 main parameters as bf16 copy plus int16 remainder)
   <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
+  <ours arm>-manualgc        the same with ``MemoryHousekeeping(manual_gc=True)``: Python's automatic garbage collection
+                             off while training (Megatron's ``--manual-gc``), so no collection pauses a timed step
+
+Every arm lists the garbage collections that ran during its timed steps (``gc_pauses``: step, generation, ms).
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
                                                          store_param_remainders=True),
         "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
 CUDAGRAPH = "-cudagraph"
+MANUAL_GC = "-manualgc"
 EAGER = "-eager"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
@@ -99,6 +104,8 @@ def base_arm(name: str) -> str:
 def known_arm(name: str) -> bool:
     """Whether ``name`` (``#<tag>`` suffix allowed) is an arm this script runs."""
     base = base_arm(name)
+    if base.endswith(MANUAL_GC) and not base.startswith("peer"):
+        base = base[:-len(MANUAL_GC)]
     if base in PEERS or base in OURS:
         return True
     return base.endswith(CUDAGRAPH) and base[:-len(CUDAGRAPH)] in OURS and not base.endswith(EAGER + CUDAGRAPH)
@@ -136,18 +143,54 @@ def breakdown(prof, steps: int = 1) -> dict:
                 top_kernels=[[n, round(v[0] / steps, 3), v[1] // steps, v[2]] for n, v in top], host=host_time(prof),
                 all_kernels=sorted([[n, v[1] // steps, round(v[0] / steps, 3)] for n, v in per_kernel.items()],
                                    key=lambda r: -r[1]),
-                profiled_steps=steps, gaps=longest_gaps(kern))
+                profiled_steps=steps, gaps=longest_gaps(kern), idle_by_length=idle_by_length(kern, steps),
+                idle_by_neighbours=idle_by_neighbours(kern, steps))
+
+
+def _gaps_between(kern: list) -> list:
+    """Every stretch without a kernel between the first and the last of ``kern`` (``(start_us, end_us, name)``,
+    sorted by start), measured from the latest end so far: ``(start_us, length_us, kernel before, kernel after)``."""
+    gaps, end, last = [], kern[0][1] if kern else 0, kern[0][2] if kern else ""
+    for a, b, n in kern[1:]:
+        if a > end:
+            gaps.append((end, a - end, last, n))
+        if b > end:
+            end, last = b, n
+    return gaps
+
+
+#: upper bounds (us) of the gap lengths :func:`idle_by_length` counts together
+GAP_BOUNDS_US = (2, 5, 10, 50, 200, float("inf"))
+
+
+def idle_by_length(kern: list, steps: int = 1) -> list:
+    """The idle time between kernels by the length of its gaps, per step: ``[up to us, gaps, ms]`` for each bound of
+    :data:`GAP_BOUNDS_US` (many short gaps: launch spacing; a few long ones: waits)."""
+    rows = [[bound, 0, 0.0] for bound in GAP_BOUNDS_US]
+    for _, length, _, _ in _gaps_between(kern):
+        row = next(r for r in rows if length <= r[0])
+        row[1] += 1
+        row[2] += length / 1e3
+    return [[str(b), n // steps, round(ms / steps, 3)] for b, n, ms in rows]
+
+
+def idle_by_neighbours(kern: list, steps: int = 1, count: int = 15) -> list:
+    """The idle time between kernels summed by the pair of kernels around each gap (names cut to 40 characters), per
+    step: ``[before, after, gaps, ms]``, the ``count`` pairs with the most."""
+    pairs: dict = {}
+    for _, length, before, after in _gaps_between(kern):
+        row = pairs.setdefault((before[:40], after[:40]), [0, 0.0])
+        row[0] += 1
+        row[1] += length / 1e3
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:count]
+    return [[b, a, n // steps, round(ms / steps, 3)] for (b, a), (n, ms) in top]
 
 
 def longest_gaps(kern: list, count: int = 12) -> list:
     """The ``count`` longest stretches without a kernel between the first and the last of ``kern`` (``(start_us,
     end_us, name)``, sorted by start): ``[ms from the first kernel's start, length ms, kernel before, kernel after]``."""
-    gaps, end, last = [], kern[0][1] if kern else 0, kern[0][2] if kern else ""
-    for a, b, n in kern[1:]:
-        if a > end:
-            gaps.append([round((end - kern[0][0]) / 1e3, 3), round((a - end) / 1e3, 3), last[:60], n[:60]])
-        if b > end:
-            end, last = b, n
+    gaps = [[round((start - kern[0][0]) / 1e3, 3), round(length / 1e3, 3), before[:60], after[:60]]
+            for start, length, before, after in _gaps_between(kern)]
     return sorted(gaps, key=lambda g: -g[1])[:count]
 
 
@@ -160,6 +203,38 @@ def host_time(prof) -> dict:
     return dict(self_ms_total=round(sum(e[1] for e in events), 2),
                 launch_ms=round(sum(e[1] for e in launches), 2), launches=sum(e[2] for e in launches),
                 top_self=[[k[:80], round(ms, 3), n] for k, ms, n in top])
+
+
+class GcPauses:
+    """Python's garbage collections while recording (``gc.callbacks``): ``[step, generation, ms]`` each, ``step``
+    counted by :meth:`next_step` (0 before the first call)."""
+
+    def __init__(self) -> None:
+        self.pauses: list = []
+        self.step = 0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append([self.step, info["generation"], round((time.perf_counter() - self._start) * 1e3, 2)])
+
+    def start(self) -> None:
+        import gc
+
+        self.pauses, self.step = [], 0
+        gc.callbacks.append(self._callback)
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def stop(self) -> list:
+        import gc
+
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        return self.pauses
 
 
 class HostLead:
@@ -175,10 +250,12 @@ class HostLead:
     def __init__(self) -> None:
         self.marks: list = []
         self.ref = None
+        self.gc = GcPauses()
 
     def start(self) -> None:
         import torch
 
+        self.gc.start()
         torch.cuda.synchronize()
         self.ref, self.t0 = torch.cuda.Event(enable_timing=True), time.perf_counter()
         self.ref.record()
@@ -191,6 +268,8 @@ class HostLead:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self.marks.append((point, time.perf_counter(), event))
+        if point == self.POINTS[0] and len(self.marks) > 1:
+            self.gc.next_step()
 
     def report(self) -> dict:
         import statistics
@@ -211,6 +290,7 @@ class HostLead:
         out["gpu_steps_ms"] = [round(t, 2) for t in steps]   # each step, in order: a slow first step shows
         out["host_steps_ms"] = [round((b[0] - a[0]) * 1e3, 2) for a, b in zip(starts, starts[1:])]
         out["each_ms"] = {p: [round(t, 1) for t in v] for p, v in lead.items()}
+        out["gc_pauses"] = self.gc.stop()
         return out
 
 
@@ -223,9 +303,10 @@ def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
 
 
 def save_trace(prof, trace: str) -> None:
-    """The profile as a Chrome trace at ``trace`` (nothing when empty; torch gzips it for a ``.gz`` name): every kernel
-    with the host operation that launched it."""
+    """The profile as a Chrome trace at ``trace`` (nothing when empty; its folder made if missing; torch gzips it for a
+    ``.gz`` name): every kernel with the host operation that launched it."""
     if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(trace)
 
 
@@ -259,14 +340,22 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
     if turns is not None:
         turns.wait_for_my_turn()
     torch.cuda.reset_peak_memory_stats()
+    pauses = GcPauses()
+    pauses.start()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED + 1)]
     t = time.perf_counter()
-    for _ in range(TIMED):
+    events[0].record()
+    for i in range(TIMED):
         step()
+        events[i + 1].record()
+        pauses.next_step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     c = peer.CFG
     timed = report_timed(c["mbs"] * c["seq"] * TIMED, dt, torch.cuda.max_memory_allocated(),
                          torch.cuda.max_memory_reserved())
+    timed["gpu_steps_ms"] = [round(a.elapsed_time(b), 2) for a, b in zip(events, events[1:])]
+    timed["gc_pauses"] = pauses.stop()
     if not profiled:
         if turns is not None:
             turns.done()
@@ -291,7 +380,11 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
 
     from bench_tp import RandomTokens, StepTimer
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
+    from lightning_megatron.cli.callbacks import MemoryHousekeeping
 
+    manual_gc = name.endswith(MANUAL_GC)
+    if manual_gc:
+        name = name[:-len(MANUAL_GC)]
     cudagraph = name.endswith(CUDAGRAPH)
     if cudagraph:   # Inductor says on stderr why it skips a layer's CUDA graph
         torch._logging.set_logs(perf_hints=True)
@@ -368,7 +461,8 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + (profiled_steps if profiled else 0),
                          logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[WaitForTurn(), timer, LeadMarks(), ProfileOne() if profiled else TimedOnly()])
+                         callbacks=[WaitForTurn(), timer, LeadMarks(), ProfileOne() if profiled else TimedOnly(),
+                                    *([MemoryHousekeeping(manual_gc=True)] if manual_gc else [])])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     from torch._dynamo.utils import counters
 
@@ -415,7 +509,7 @@ def run_arms(arms: Sequence[str], timeout_s: float, profiled: bool = True,
                               *(["--trace-dir", trace_dir] if trace_dir else [])] for arm in arms], Path(folder), timeout_s, env=env, cwd=ROOT, ready_by_s=ready_by_s)
     rows = []
     for arm, run in zip(arms, runs):
-        if arm.endswith(CUDAGRAPH):
+        if CUDAGRAPH in arm:
             print(run.stderr[-3000:], flush=True)
         row = arm_row(arm, run.stdout, run.stderr, run.rc is None, run.killed_after_s or timeout_s)
         if run.killed_after_s is not None and run.killed_after_s < timeout_s and "error" in row:

@@ -254,6 +254,30 @@ def test_profile_step_lists_the_longest_stretches_without_a_kernel(mods):
     assert ps.longest_gaps(kern, count=1) == [[0.9, 2.0, "c", "d"]] and ps.longest_gaps([]) == []
 
 
+def test_profile_step_saves_a_trace_into_a_folder_it_makes(mods, tmp_path):
+    """torch's ``export_chrome_trace`` does not make the folder: ``save_trace`` does (and writes nothing for "")."""
+    import torch
+    from torch.profiler import profile
+
+    _, ps, _ = mods
+    with profile() as prof:
+        torch.ones(2).sum()
+    trace = tmp_path / "traces" / "arm.json.gz"
+    ps.save_trace(prof, str(trace))
+    ps.save_trace(prof, "")
+    assert trace.stat().st_size > 0 and list(tmp_path.iterdir()) == [tmp_path / "traces"]
+
+
+def test_profile_step_sums_the_idle_time_by_gap_length_and_by_the_kernels_around_it(mods):
+    """The same kernels over two steps: gaps of 300, 10, 2000 and 300 us land in the 5-10 and 200+ rows,
+    halved per step; the pairs are summed by the names around each gap, the longest total first."""
+    _, ps, _ = mods
+    kern = [(0, 100, "a"), (20, 50, "inner"), (400, 500, "b"), (510, 900, "c"), (2900, 3000, "b"), (3300, 3400, "c")]
+    assert ps.idle_by_length(kern, steps=2) == [["2", 0, 0.0], ["5", 0, 0.0], ["10", 0, 0.005], ["50", 0, 0.0],
+                                                ["200", 0, 0.0], ["inf", 1, 1.3]]
+    assert ps.idle_by_neighbours(kern, steps=2) == [["c", "b", 0, 1.0], ["b", "c", 1, 0.155], ["a", "b", 0, 0.15]]
+
+
 ARM = """
 import json, sys, time
 sys.path.insert(0, {benchmarks!r})
