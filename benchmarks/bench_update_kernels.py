@@ -9,13 +9,23 @@ Device ms per call (CUDA events, mean of 10 after 3 warm-up calls) of:
 * ``compiled_rem``: the same over bf16 copies and int16 remainders (``store_param_remainders``: 18 bytes);
 * ``compiled_rem_combo``: that with Inductor's combo kernels (several tensors' updates per kernel; an option the
   optimizer does not take: benchmarks/RESULTS.md);
-* ``maxabs_<chunk>_<block>``: :class:`~lightning_megatron.utils.max_abs.MaxAbsPerTensor` over the bf16 gradients
-  with those chunk and block sizes (the library's: 16384 and 2048).
+* ``compiled_rem_coordesc``: ``compiled_rem`` with Inductor's coordinate-descent tuning (each kernel's block size
+  and warps tuned by timing it at compile time);
+* ``compiled_rem_one_config``: ``compiled_rem`` without Inductor's choice between two block sizes per pointwise kernel
+  (``triton.autotune_pointwise=False``: each kernel takes the larger block);
+* ``maxabs_<chunk>_<block>_<warps>``: :class:`~lightning_megatron.utils.max_abs.MaxAbsPerTensor` over the bf16
+  gradients with those chunk and block sizes and warps per program (the library's: 16384, 2048 and 4);
+* ``maxabs_inductor``: the same values as one compiled function (``abs().amax()`` per gradient, stacked).
 
-    python benchmarks/bench_update_kernels.py
+    python benchmarks/bench_update_kernels.py [--arms compiled_rem,compiled_rem_one_config,maxabs] [--layers 24]
+
+(``maxabs`` selects every max-abs arm; ``--layers``: the model's layers whose parameters are stepped, fewer to
+compile faster: the same kernels, fewer launches of each.) Each arm's figure is printed as it is measured (``ARM <name> <ms>``), then all
+of them as one JSON line.
 """
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -28,9 +38,22 @@ from lightning_megatron.utils import max_abs
 H, F, V, L = 2048, 5632, 32000, 24
 
 
+UPDATE_ARMS = ("compiled_fp32main", "compiled_rem", "compiled_rem_combo", "compiled_rem_coordesc",
+               "compiled_rem_one_config")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=",".join(UPDATE_ARMS + ("maxabs",)))
+    p.add_argument("--layers", type=int, default=L)
+    args = p.parse_args()
+    chosen, layers = args.arms.split(","), args.layers
+    unknown = set(chosen) - set(UPDATE_ARMS) - {"maxabs"}
+    if unknown:
+        p.error(f"unknown arms {sorted(unknown)}: choose from {', '.join(UPDATE_ARMS)}, maxabs")
     dev = "cuda"
-    sizes = [V * H] + [n for _ in range(L) for n in (4096 * H, H * H, 2 * F * H, H * F)] + [V * H] + [H] * (2 * L + 1)
+    sizes = ([V * H] + [n for _ in range(layers) for n in (4096 * H, H * H, 2 * F * H, H * F)] + [V * H] +
+             [H] * (2 * layers + 1))
     n = sum(sizes)
 
     def views(buf):
@@ -49,16 +72,29 @@ def main() -> None:
     for name, params, extra, options in (
             ("compiled_fp32main", views(main_fp32), dict(param_copies=views(copy)), {}),
             ("compiled_rem", views(high), dict(remainders=views(rem)), {}),
-            ("compiled_rem_combo", views(high), dict(remainders=views(rem)), {"combo_kernels": True})):
+            ("compiled_rem_combo", views(high), dict(remainders=views(rem)), {"combo_kernels": True}),
+            ("compiled_rem_coordesc", views(high), dict(remainders=views(rem)), {"coordinate_descent_tuning": True}),
+            ("compiled_rem_one_config", views(high), dict(remainders=views(rem)), {"triton.autotune_pointwise": False})):
+        if name not in chosen:
+            continue
         torch._dynamo.reset()
         update = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True, options=options)
         out[name] = cuda_timed(lambda: update(params, *args, count_steps=False, **extra))
+        print(f"ARM {name} {out[name]:.3f}", flush=True)
+    if "maxabs" not in chosen:
+        print(json.dumps(out), flush=True)
+        return
     reference = max_abs.MaxAbsPerTensor()(grads)
-    for chunk, block in ((16384, 2048), (65536, 4096), (32768, 2048), (65536, 2048), (8192, 1024)):
-        max_abs._CHUNK, max_abs._BLOCK = chunk, block
+    for chunk, block, warps in ((16384, 2048, 4), (16384, 2048, 8), (16384, 4096, 8), (32768, 4096, 16),
+                                (8192, 2048, 8), (16384, 1024, 2)):
+        max_abs._CHUNK, max_abs._BLOCK, max_abs._NUM_WARPS = chunk, block, warps
         check = max_abs.MaxAbsPerTensor()
         assert torch.equal(check(grads), reference)
-        out[f"maxabs_{chunk}_{block}"] = cuda_timed(lambda: check(grads))
+        out[f"maxabs_{chunk}_{block}_{warps}"] = cuda_timed(lambda: check(grads))
+    torch._dynamo.reset()
+    inductor = torch.compile(lambda gs: torch.stack([g.abs().amax().float() for g in gs]), dynamic=False)
+    assert torch.equal(inductor(grads), reference)
+    out["maxabs_inductor"] = cuda_timed(lambda: inductor(grads))
     print(json.dumps(out), flush=True)
 
 

@@ -30,6 +30,8 @@ except ImportError:   # pragma: no cover - depends on the installation
 #: elements each program of the kernel reads (in blocks of ``_BLOCK``)
 _CHUNK = 16384
 _BLOCK = 2048
+#: warps per program
+_NUM_WARPS = 4
 #: address tables kept on the device (layouts whose addresses change every step need a new one each step)
 _KEEP_TABLES = 8
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,7 +95,8 @@ class MaxAbsPerTensor:
                 device, tuple(tensors[i].numel() for i in members), tuple(members))
             addresses = self._address_table(device, tuple(tensors[i].data_ptr() for i in members))
             _max_abs_kernel[(chunk_tensor.numel(),)](addresses, numels, slots, chunk_tensor, chunk_start, out,
-                                                     DTYPE=_TRITON_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK)
+                                                     DTYPE=_TRITON_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK,
+                                                     num_warps=_NUM_WARPS)
         return out.view(torch.float32)
 
     def _layout(self, device: torch.device, numels: Tuple[int, ...],
