@@ -46,6 +46,12 @@ their turns. A wave with under 30 s left does not start (its arms: error rows). 
 the rows so far (a run cut short keeps what finished): ``meta`` (command, torch, GPU, commit), ``waves``,
 ``results`` (the arms' rows as ``profile_step.py`` reads them), ``table`` and ``markdown``. At the end the markdown
 table is printed with the command line, the versions, the GPU and ``git rev-parse --short HEAD``.
+
+The GPU's clock. ``nvidia-smi`` samples the GPU's SM clock, power draw and clock-event reasons every 100 ms for the
+whole run (``gpu_clock.py``; nothing where it is missing), and each row's last column sums up the samples taken during
+that arm's timed steps: on an H200 these steps run at the 700 W power cap, the clock well under its top and moving,
+which moves every arm's tokens/s, the peers' as ours (benchmarks/RESULTS.md, "The slow step is the GPU's power
+limit").
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_clock import GpuSampler, Sample, during  # noqa: E402
 from profile_step import CUDAGRAPH, base_arm, known_arm, run_arms  # noqa: E402
 
 TARGET = 1.10
@@ -150,12 +157,14 @@ def _short(error: str) -> str:
     return (lines[-1] if lines else "failed")[:160]
 
 
-def table_rows(results: Sequence[dict]) -> List[dict]:
+def table_rows(results: Sequence[dict], samples: Sequence[Sample] = ()) -> List[dict]:
     """The table's rows, in the table's order, from the arms' result rows (``profile_step.arm_row``'s: ``arm``,
-    ``tokens_per_s``, ``step_ms``, ``peak_mem_gib``, ``peak_reserved_gib``, or ``error``). A row of ours gets its
-    ratio to the mean tokens/s of its peer's runs that finished, and whether it meets the target (>= 1.10x at <= the
-    peer's peak memory: allocated, or reserved for the ``-cudagraph`` arms). A missing or failed arm is a row with
-    ``error`` set (and no ratio), never an exception."""
+    ``tokens_per_s``, ``step_ms``, ``peak_mem_gib``, ``peak_reserved_gib``, ``timed_from`` / ``timed_to``, or
+    ``error``). A row of ours gets its ratio to the mean tokens/s of its peer's runs that finished, and whether it
+    meets the target (>= 1.10x at <= the peer's peak memory: allocated, or reserved for the ``-cudagraph`` arms). Each
+    row with timed figures gets ``gpu``: the GPU clock ``samples`` taken during its timed steps, summed up
+    (:func:`gpu_clock.during`; None without samples). A missing or failed arm is a row with ``error`` set (and no
+    ratio), never an exception."""
     by_arm: Dict[str, dict] = {}
     for r in results:
         if isinstance(r, dict) and "arm" in r:
@@ -172,6 +181,7 @@ def table_rows(results: Sequence[dict]) -> List[dict]:
             continue
         for key in ("tokens_per_s", "step_ms", "peak_mem_gib", "peak_reserved_gib"):
             t[key] = r.get(key)
+        t["gpu"] = during(samples, r.get("timed_from"), r.get("timed_to"))
         if r.get("error"):   # killed after its timed steps: the figures stand
             t["note"] = _short(r["error"])
         if row.against is not None:
@@ -203,14 +213,22 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def gpu_cell(gpu: Optional[dict]) -> str:
+    """A row's GPU clock summary as a cell: ``1,660 (1,425) MHz, 688 W, 100% slowed``; ``-`` without samples."""
+    if not gpu:
+        return "-"
+    return (f"{gpu['sm_mhz']:,} ({gpu['sm_mhz_min']:,}) MHz, {gpu['watts']} W, {gpu['slowed']:.0%} slowed")
+
+
 def markdown(rows: Sequence[dict]) -> str:
     """The table as markdown: a header, then exactly one line per row."""
     lines = ["| row | what | tokens/s | step ms | peak GiB allocated / reserved | ratio (same run) | "
-             f"target: >= {TARGET:.2f}x at <= the peer's peak memory |",
-             "|---|---|---|---|---|---|---|"]
+             f"target: >= {TARGET:.2f}x at <= the peer's peak memory | GPU in its timed steps: SM clock mean (lowest), "
+             "power, share of samples slowed by the GPU (power cap, heat) |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in rows:
         if t["error"] is not None:
-            lines.append(f"| {_cell(t['arm'])} | {_cell(t['what'])} | failed: {_cell(t['error'])} | | | | - |")
+            lines.append(f"| {_cell(t['arm'])} | {_cell(t['what'])} | failed: {_cell(t['error'])} | | | | - | - |")
             continue
         ratio = "-"
         if t["ratio"] is not None:
@@ -222,7 +240,8 @@ def markdown(rows: Sequence[dict]) -> str:
             ratio = f"n/a (no {t['against']} run)"
         what = t["what"] + (f" ({_cell(t['note'])})" if t.get("note") else "")
         lines.append(f"| {_cell(t['arm'])} | {_cell(what)} | {t['tokens_per_s']:,} | {t['step_ms']} | "
-                     f"{t['peak_mem_gib']} / {t['peak_reserved_gib']} | {ratio} | {_cell(t['target'])} |")
+                     f"{t['peak_mem_gib']} / {t['peak_reserved_gib']} | {ratio} | {_cell(t['target'])} | "
+                     f"{gpu_cell(t.get('gpu'))} |")
     return "\n".join(lines)
 
 
@@ -297,9 +316,10 @@ def run_waves(waves: Sequence[Sequence[str]], timeouts: Sequence[float], budget_
     return results, log
 
 
-def report(info: dict, results: Sequence[dict], log: Sequence[dict]) -> str:
-    """The text to paste into RESULTS.md: how it was run, the table, the peers' spread."""
-    rows = table_rows(results)
+def report(info: dict, results: Sequence[dict], log: Sequence[dict], samples: Sequence[Sample] = ()) -> str:
+    """The text to paste into RESULTS.md: how it was run, the table (with the GPU clock ``samples``), the peers'
+    spread."""
+    rows = table_rows(results, samples)
     commit = (info.get("commit") or "unknown") + (" (with uncommitted changes)" if info.get("uncommitted_changes")
                                                   else "")
     head = [f"`{info['command']}`", "",
@@ -334,18 +354,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for arm in TABLE_ARMS:
         assert known_arm(arm), arm
     info = meta(argv)
+    sampler = GpuSampler()
+    info["gpu_clock_sampled"] = sampler.start()
     print(json.dumps(info), flush=True)
 
     def write(results: List[dict], log: List[dict]) -> None:
         if args.out:
-            rows = table_rows(results)
+            rows = table_rows(results, sampler.samples())
             Path(args.out).write_text(json.dumps(dict(meta=info, waves=log, results=results, table=rows,
                                                       markdown=markdown(rows)), indent=1))
 
-    results, log = run_waves(waves, timeouts, args.budget_s, args.turns_reserve_s, write, start=start)
-    info["wall_s"] = round(time.perf_counter() - start, 1)
-    write(results, log)
-    print("\n" + report(info, results, log) + f"\n\nwall {info['wall_s']} s", flush=True)
+    try:
+        results, log = run_waves(waves, timeouts, args.budget_s, args.turns_reserve_s, write, start=start)
+        info["wall_s"] = round(time.perf_counter() - start, 1)
+        write(results, log)
+    finally:
+        samples = sampler.stop()
+    print("\n" + report(info, results, log, samples) + f"\n\nwall {info['wall_s']} s", flush=True)
 
 
 if __name__ == "__main__":

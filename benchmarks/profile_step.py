@@ -294,10 +294,13 @@ class HostLead:
         return out
 
 
-def report_timed(tokens: int, seconds: float, peak: int, reserved: int) -> dict:
-    """The timed steps' figures, printed at once as a ``TIMED`` line (an arm cut short while profiling keeps them)."""
+def report_timed(tokens: int, seconds: float, peak: int, reserved: int, timed_from: Optional[float] = None) -> dict:
+    """The timed steps' figures, printed at once as a ``TIMED`` line (an arm cut short while profiling keeps them);
+    ``timed_from`` / ``timed_to``: when the timed steps began (given) and ended (now), in seconds since the epoch, for
+    matching the GPU's clock samples (``gpu_clock.py``)."""
     row = dict(tokens_per_s=round(tokens / seconds), step_ms=round(seconds / TIMED * 1e3, 2),
-               peak_mem_gib=round(peak / 2**30, 2), peak_reserved_gib=round(reserved / 2**30, 2))
+               peak_mem_gib=round(peak / 2**30, 2), peak_reserved_gib=round(reserved / 2**30, 2),
+               timed_from=timed_from, timed_to=time.time())
     print("TIMED " + json.dumps(row), flush=True)
     return row
 
@@ -343,7 +346,7 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
     pauses = GcPauses()
     pauses.start()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED + 1)]
-    t = time.perf_counter()
+    t, timed_from = time.perf_counter(), time.time()
     events[0].record()
     for i in range(TIMED):
         step()
@@ -353,7 +356,7 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
     dt = time.perf_counter() - t
     c = peer.CFG
     timed = report_timed(c["mbs"] * c["seq"] * TIMED, dt, torch.cuda.max_memory_allocated(),
-                         torch.cuda.max_memory_reserved())
+                         torch.cuda.max_memory_reserved(), timed_from)
     timed["gpu_steps_ms"] = [round(a.elapsed_time(b), 2) for a, b in zip(events, events[1:])]
     timed["gc_pauses"] = pauses.stop()
     if not profiled:
@@ -408,6 +411,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == WARMUP:
                 lead.start()
+                result["timed_from"] = time.time()
             lead.mark("on_train_batch_start")
 
         def on_before_backward(self, trainer, module, loss):
@@ -426,7 +430,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
 
     def timed_over() -> None:
         result.update(report_timed(4 * cfg.seq_length * TIMED, timer.times[1] - timer.times[0],
-                                   timer.peak_mem, timer.peak_reserved))
+                                   timer.peak_mem, timer.peak_reserved, result.get("timed_from")))
 
     class TimedOnly(pl.Callback):   # --no-profile: the turn ends with the timed steps (after the timer's stop)
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

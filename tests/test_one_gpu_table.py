@@ -219,9 +219,11 @@ def test_profile_step_help_and_arm_names(mods):
     assert out.returncode == 0 and "--no-profile" in out.stdout and "--together" in out.stdout
     assert ps.base_arm("peer-compile#2") == "peer-compile" and ps.base_arm("ours-fp8-compile") == "ours-fp8-compile"
     for arm in ("peer-eager", "peer-compile#2", "ours-bf16-eager",
-                "ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph#2", *ps.ARMS):
+                "ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph#2", "ours-bf16p-bf16m-rem-compile-cudagraph-manualgc",
+                "ours-bf16-eager-manualgc#2", *ps.ARMS):
         assert ps.known_arm(arm), arm
-    for arm in ("bogus", "peer-eager-cudagraph", "ours-bf16-eager-cudagraph"):
+    for arm in ("bogus", "peer-eager-cudagraph", "ours-bf16-eager-cudagraph", "peer-compile-manualgc",
+                "ours-bf16-compile-manualgc-cudagraph"):
         assert not ps.known_arm(arm), arm
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--arms", "peer-compile,bogus"],
                          capture_output=True, text=True, timeout=120)
@@ -303,3 +305,77 @@ def test_run_together_kills_arms_not_warmed_up_by_ready_by_s(mods, tmp_path):
     assert [r.rc for r in (runs[0], runs[2])] == [0, 0] and all("RESULT" in r.stdout for r in (runs[0], runs[2]))
     row = ps.arm_row("slow", runs[1].stdout, runs[1].stderr, True, runs[1].killed_after_s)
     assert "error" in row and "tokens_per_s" not in row
+
+
+FAKE_SMI = """#!/usr/bin/env python3
+import sys, time
+print("2026/12/04 16:45:57.204, 1410, 641.99, 0x0000000000000004", flush=True)
+print("2026/12/04 16:45:57.304, 1590, 681.06, 0x0000000000000004", flush=True)
+print("2026/12/04 16:45:59.000, 1980, 122.50, 0x0000000000000000", flush=True)
+print("[N/A]", flush=True)
+time.sleep(60)
+"""
+
+
+def _epoch(stamp):
+    import datetime
+
+    return datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+
+
+def test_gpu_clock_samples_are_summed_over_an_arms_timed_steps(mods, tmp_path):
+    """``gpu_clock.GpuSampler`` runs the sampling program (here a stand-in printing three samples and a junk line),
+    ``during`` sums up the samples inside a stretch, and the table puts that into each timed row's last column: the
+    two power-capped samples fall inside the stretch of ``ours-bf16-compile``, the lightly loaded one outside."""
+    t, _, _ = mods
+    import gpu_clock
+
+    smi = tmp_path / "smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    assert gpu_clock.GpuSampler(command=[str(tmp_path / "missing")]).start() is False
+    with pytest.raises(ValueError, match="interval_ms=5"):
+        gpu_clock.GpuSampler(interval_ms=5)
+    sampler = gpu_clock.GpuSampler(command=[str(smi)])
+    assert sampler.start() is True
+    for _ in range(100):
+        if len(sampler.samples()) == 3:
+            break
+        time.sleep(0.05)
+    samples = sampler.stop()
+    assert [(s.sm_mhz, s.watts, s.reasons) for s in samples] == [(1410, 641.99, 4), (1590, 681.06, 4), (1980, 122.5, 0)]
+    t0, t1 = _epoch("2026/12/04 16:45:57.100"), _epoch("2026/12/04 16:45:58.000")
+    assert gpu_clock.during(samples, t0, t1) == dict(samples=2, sm_mhz=1500, sm_mhz_min=1410, watts=662, slowed=1.0)
+    assert gpu_clock.during(samples, t0, None) is None and gpu_clock.during(samples, t1, t1 + 0.5) is None
+    wide = gpu_clock.during(samples, t0, t1 + 2)
+    assert wide["samples"] == 3 and wide["slowed"] == 0.67 and wide["sm_mhz"] == 1660
+
+    results = [dict(r, timed_from=t0, timed_to=t1) if r["arm"] == "ours-bf16-compile" else r for r in _all_results()]
+    rows = _by_arm(t.table_rows(results, samples))
+    assert rows["ours-bf16-compile"]["gpu"]["sm_mhz"] == 1500 and rows["peer-compile"]["gpu"] is None
+    lines = {line.split(" | ")[0][2:]: line for line in t.markdown(t.table_rows(results, samples)).splitlines()[2:]}
+    assert lines["ours-bf16-compile"].endswith("| 1,500 (1,410) MHz, 662 W, 100% slowed |")
+    assert lines["peer-compile"].endswith("| - |")
+
+
+def test_profile_step_records_collections_by_step_and_the_timed_stretch(mods, capsys):
+    """``GcPauses`` lists each garbage collection with the step it fell in and its generation, and stops listening
+    when stopped; ``report_timed`` gives the stretch of wall-clock time the timed steps took."""
+    import gc
+
+    _, ps, _ = mods
+    pauses = ps.GcPauses()
+    pauses.start()
+    gc.collect(0)
+    pauses.next_step()
+    pauses.next_step()
+    gc.collect(2)
+    got = pauses.stop()
+    gc.collect()
+    assert [p[:2] for p in got] == [[0, 0], [2, 2]] and all(p[2] >= 0 for p in got)
+    assert pauses.stop() == got and pauses._callback not in gc.callbacks
+    before = time.time()
+    row = ps.report_timed(8192 * 10, 2.0, 2**30, 2**31, timed_from=before - 2.0)
+    assert row["timed_from"] == before - 2.0 and before <= row["timed_to"] <= time.time()
+    assert row["tokens_per_s"] == 40960 and row["peak_reserved_gib"] == 2.0
+    assert capsys.readouterr().out.startswith("TIMED {")
