@@ -42,6 +42,8 @@ Arms (each in a child process of its own):
   ours-bf16p-bf16m-compile-nocheck   the same with ``check_for_nan_in_loss_and_grad=False``
   ours-bf16p-bf16m-rem-compile / ours-fp8-delayed-bf16p-bf16m-rem-compile   the bf16-parameter arms with
                              ``store_param_remainders=True`` (fp32 main parameters as bf16 copy plus int16 remainder)
+  ours-bf16p-bf16m-rem-compile-nocheck   the bf16 one with ``check_for_nan_in_loss_and_grad=False`` (what the
+                             non-finite check costs the fastest bf16 setup, with ``-cudagraph``)
   <ours arm>-cudagraph       the same with ``MegatronStrategy(enable_cuda_graph=True)``: each compiled layer's forward and
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
   <ours arm>-manualgc        the same with ``MemoryHousekeeping(manual_gc=True)``: Python's automatic garbage collection
@@ -78,6 +80,7 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-bf16p-bf16m-compile-nocheck": BASE_ARMS["bf16-params-bf16-moments"],
         "ours-fp8-delayed-bf16p-bf16m-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16"),
         "ours-bf16p-bf16m-rem-compile": dict(BASE_ARMS["bf16-params-bf16-moments"], store_param_remainders=True),
+        "ours-bf16p-bf16m-rem-compile-nocheck": dict(BASE_ARMS["bf16-params-bf16-moments"], store_param_remainders=True),
         "ours-fp8-delayed-bf16p-bf16m-rem-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16",
                                                          store_param_remainders=True),
         "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
