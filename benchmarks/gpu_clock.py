@@ -71,8 +71,8 @@ class GpuSampler:
             return False
         self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
         self._proc = subprocess.Popen(
-            self.command + [f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "--id=0",
-                            f"-lms={self.interval_ms}"],
+            self.command + [f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", "0",
+                            "-lms", str(self.interval_ms)],
             stdout=self._file, stderr=subprocess.DEVNULL)
         return True
 

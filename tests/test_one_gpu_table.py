@@ -309,6 +309,7 @@ def test_run_together_kills_arms_not_warmed_up_by_ready_by_s(mods, tmp_path):
 
 FAKE_SMI = """#!/usr/bin/env python3
 import sys, time
+open(sys.argv[0] + ".args", "w").write(" ".join(sys.argv[1:]))
 print("2026/12/04 16:45:57.204, 1410, 641.99, 0x0000000000000004", flush=True)
 print("2026/12/04 16:45:57.304, 1590, 681.06, 0x0000000000000004", flush=True)
 print("2026/12/04 16:45:59.000, 1980, 122.50, 0x0000000000000000", flush=True)
@@ -343,6 +344,9 @@ def test_gpu_clock_samples_are_summed_over_an_arms_timed_steps(mods, tmp_path):
             break
         time.sleep(0.05)
     samples = sampler.stop()
+    assert (tmp_path / "smi.args").read_text() == ("--query-gpu=timestamp,clocks.sm,power.draw,"
+                                                   "clocks_throttle_reasons.active --format=csv,noheader,nounits "
+                                                   "-i 0 -lms 100")
     assert [(s.sm_mhz, s.watts, s.reasons) for s in samples] == [(1410, 641.99, 4), (1590, 681.06, 4), (1980, 122.5, 0)]
     t0, t1 = _epoch("2026/12/04 16:45:57.100"), _epoch("2026/12/04 16:45:58.000")
     assert gpu_clock.during(samples, t0, t1) == dict(samples=2, sm_mhz=1500, sm_mhz_min=1410, watts=662, slowed=1.0)
