@@ -20,8 +20,8 @@ Device ms per call (CUDA events, mean of 10 after 3 warm-up calls) of:
     python benchmarks/bench_update_kernels.py [--arms compiled_rem,compiled_rem_one_config,maxabs] [--layers 24]
 
 (``maxabs`` selects every max-abs arm; ``--layers``: the model's layers whose parameters are stepped, fewer to
-compile faster: the same kernels, fewer launches of each.) Each arm's figure is printed as it is measured (``ARM <name> <ms>``), then all
-of them as one JSON line.
+compile faster: the same kernels, fewer launches of each.) Each arm's figure is printed as it is measured
+(``ARM <name> <ms>``), then all of them as one JSON line.
 """
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ from lightning_megatron.utils import max_abs
 H, F, V, L = 2048, 5632, 32000, 24
 
 
-UPDATE_ARMS = ("compiled_fp32main", "compiled_rem", "compiled_rem_combo", "compiled_rem_coordesc",
-               "compiled_rem_one_config")
+#: the update arms over bf16 copies and remainders -> the Inductor options each compiles with
+REMAINDER_ARMS = {"compiled_rem": {}, "compiled_rem_combo": {"combo_kernels": True},
+                  "compiled_rem_coordesc": {"coordinate_descent_tuning": True},
+                  "compiled_rem_one_config": {"triton.autotune_pointwise": False}}
+UPDATE_ARMS = ("compiled_fp32main", *REMAINDER_ARMS)
 
 
 def main() -> None:
@@ -69,12 +72,9 @@ def main() -> None:
     lr = torch.full((), 1e-4, device=dev)
     args = (grads, views(m), views(v), steps, lr, 0.9, 0.95, 1e-8, 0.1, None, None)
     out = {"parameters": n}
-    for name, params, extra, options in (
-            ("compiled_fp32main", views(main_fp32), dict(param_copies=views(copy)), {}),
-            ("compiled_rem", views(high), dict(remainders=views(rem)), {}),
-            ("compiled_rem_combo", views(high), dict(remainders=views(rem)), {"combo_kernels": True}),
-            ("compiled_rem_coordesc", views(high), dict(remainders=views(rem)), {"coordinate_descent_tuning": True}),
-            ("compiled_rem_one_config", views(high), dict(remainders=views(rem)), {"triton.autotune_pointwise": False})):
+    arms = [("compiled_fp32main", views(main_fp32), dict(param_copies=views(copy)), {})]
+    arms += [(name, views(high), dict(remainders=views(rem)), options) for name, options in REMAINDER_ARMS.items()]
+    for name, params, extra, options in arms:
         if name not in chosen:
             continue
         torch._dynamo.reset()

@@ -49,7 +49,8 @@ Arms (each in a child process of its own):
   <ours arm>-manualgc        the same with ``MemoryHousekeeping(manual_gc=True)``: Python's automatic garbage collection
                              off while training (Megatron's ``--manual-gc``), so no collection pauses a timed step
 
-Every arm lists the garbage collections that ran during its timed steps (``gc_pauses``: step, generation, ms).
+Every arm lists, in ``host_lead_ms``, its timed steps' GPU times (``gpu_steps_ms``) and the garbage collections that
+ran during them (``gc_pauses``: step, generation, ms).
 """
 from __future__ import annotations
 
@@ -346,22 +347,19 @@ def run_peer(fp8: bool, turns: Optional[Turns] = None, compile_: bool = True, pr
     if turns is not None:
         turns.wait_for_my_turn()
     torch.cuda.reset_peak_memory_stats()
-    pauses = GcPauses()
-    pauses.start()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED + 1)]
+    lead = HostLead()   # each step's start marked, and once more after the last: every timed step's GPU time
+    lead.start()
     t, timed_from = time.perf_counter(), time.time()
-    events[0].record()
-    for i in range(TIMED):
+    for _ in range(TIMED):
+        lead.mark(HostLead.POINTS[0])
         step()
-        events[i + 1].record()
-        pauses.next_step()
+    lead.mark(HostLead.POINTS[0])
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     c = peer.CFG
     timed = report_timed(c["mbs"] * c["seq"] * TIMED, dt, torch.cuda.max_memory_allocated(),
                          torch.cuda.max_memory_reserved(), timed_from)
-    timed["gpu_steps_ms"] = [round(a.elapsed_time(b), 2) for a, b in zip(events, events[1:])]
-    timed["gc_pauses"] = pauses.stop()
+    timed["host_lead_ms"] = lead.report()
     if not profiled:
         if turns is not None:
             turns.done()
