@@ -85,8 +85,8 @@ def main() -> None:
         print(json.dumps(out), flush=True)
         return
     reference = max_abs.MaxAbsPerTensor()(grads)
-    for chunk, block, warps in ((16384, 2048, 4), (16384, 2048, 8), (16384, 4096, 8), (32768, 4096, 16),
-                                (8192, 2048, 8), (16384, 1024, 2)):
+    for chunk, block, warps in ((16384, 2048, 4), (16384, 4096, 4), (16384, 4096, 8), (32768, 4096, 8),
+                                (65536, 8192, 8), (16384, 1024, 2)):
         max_abs._CHUNK, max_abs._BLOCK, max_abs._NUM_WARPS = chunk, block, warps
         check = max_abs.MaxAbsPerTensor()
         assert torch.equal(check(grads), reference)

@@ -126,6 +126,46 @@ def test_found_inf_skips_the_update_and_grad_scale_divides():
         assert float(opt.state[a]["step"]) == 2
 
 
+def test_the_update_compiles_with_its_inductor_options_and_equals_the_eager_update(monkeypatch):
+    """``_update_fn`` for a CUDA device compiles :func:`adamw_multi_update_` with ``UPDATE_COMPILE_OPTIONS`` (checked
+    through a stand-in for ``torch.compile``, as no GPU is here), and the options are ones Inductor takes: compiled with
+    them on the CPU, the update of two tensors with bf16 moments and remainders equals the eager one to fp32 round-off
+    (the fp32 parameters; the moments within one bf16 rounding)."""
+    from lightning_megatron.optimizer import precision_aware_adamw as paa
+    from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append((fn, kwargs)) or fn)
+    opt = PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(3))])
+    assert opt._update_fn(torch.device("cuda")) is paa.adamw_multi_update_
+    assert calls == [(paa.adamw_multi_update_, dict(dynamic=False, fullgraph=True, options=paa.UPDATE_COMPILE_OPTIONS))]
+    assert paa.UPDATE_COMPILE_OPTIONS == {"triton.autotune_pointwise": False}
+    monkeypatch.undo()
+
+    gen = torch.Generator().manual_seed(0)
+    main = [torch.randn(n, generator=gen) * 0.02 for n in (1000, 37)]
+
+    def run(update):
+        halves = [split_fp32(p) for p in main]
+        params, rests = [h for h, _ in halves], [r for _, r in halves]
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) for p in main]
+        moments = [torch.full(p.shape, 1e-3, dtype=torch.bfloat16) for p in main]
+        squares = [torch.full(p.shape, 1e-6, dtype=torch.bfloat16) for p in main]
+        update(params, grads, moments, squares, [torch.ones(()) for _ in main], 1e-3, 0.9, 0.95, 1e-8, 0.1,
+               count_steps=False, remainders=rests)
+        return [join_fp32(p, r) for p, r in zip(params, rests)], moments + squares
+
+    torch._dynamo.reset()
+    compiled = torch.compile(paa.adamw_multi_update_, dynamic=False, fullgraph=True,
+                             options=paa.UPDATE_COMPILE_OPTIONS)
+    (params, moments), (ref_params, ref_moments) = run(compiled), run(paa.adamw_multi_update_)
+    for a, b, before in zip(params, ref_params, main):
+        assert (a - before).abs().min() > 1e-6   # every element stepped (by about lr)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    for a, b in zip(moments, ref_moments):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
+
+
 def test_step_counts_advance_in_one_multi_tensor_op():
     """A parameter group's step counts advance by one multi-tensor add (on CUDA one fused launch), never by an add
     per parameter (a kernel launch each inside the compiled update: 147 for the benchmark model), also when

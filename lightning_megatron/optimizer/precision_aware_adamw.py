@@ -21,15 +21,14 @@ group's runs are updated together. Parameters that are separate allocations are 
 same element by element. State dicts stay per parameter (each moment a view with the parameter's shape); loading
 copies the loaded moments into the flat layout at the next step.
 
-On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_`,
-compiled for the shapes of the group's lists, which do not change during a run, so Inductor writes kernels for those
-sizes; the learning rate is a 0-d tensor on the device, so a schedule changes no compiled code), after the group's step
-counts are advanced by one multi-tensor operation (:func:`count_steps_`); on the CPU the same functions run eagerly
-with Python numbers. Like
-torch's fused optimizers it skips its update on the device when ``found_inf`` is set (the non-finite guard's device
-flag, fp16's loss scaler) and divides the gradients by ``grad_scale`` when that is set, so it never waits for the
-GPU. No communication: it steps what it is given (a shard, under the distributed optimizer or FSDP, where it updates
-the local part of each ``DTensor``).
+On CUDA the update of a parameter group is one compiled call (``torch.compile`` of :func:`adamw_multi_update_` with
+:data:`UPDATE_COMPILE_OPTIONS`, compiled for the shapes of the group's lists, which do not change during a run, so
+Inductor writes kernels for those sizes; the learning rate is a 0-d tensor on the device, so a schedule changes no
+compiled code), after the group's step counts are advanced by one multi-tensor operation (:func:`count_steps_`); on
+the CPU the same functions run eagerly with Python numbers. Like torch's fused optimizers it skips its update on the
+device when ``found_inf`` is set (the non-finite guard's device flag, fp16's loss scaler) and divides the gradients by
+``grad_scale`` when that is set, so it never waits for the GPU. No communication: it steps what it is given (a shard,
+under the distributed optimizer or FSDP, where it updates the local part of each ``DTensor``).
 """
 from __future__ import annotations
 
@@ -44,6 +43,13 @@ from lightning_megatron.utils.tensors import (adjacent_runs, flat_run, local_ten
                                               storage_order)
 
 __all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
+
+#: Inductor options of the compiled update: each pointwise kernel takes Inductor's larger block (1,024 elements, 4
+#: warps) instead of the faster of two blocks timed at compile time. That timing picked the smaller block (512
+#: elements, 8 warps: 2 bf16 elements, 4 bytes, per thread and load) for some parameter shapes, whose kernels then
+#: moved about two thirds of the bytes per second of the others inside a training step (benchmarks/RESULTS.md); the
+#: arithmetic per element is the same either way
+UPDATE_COMPILE_OPTIONS: Dict[str, Any] = {"triton.autotune_pointwise": False}
 
 #: Megatron's names for the moment dtypes this optimizer stores (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``)
 OPTIMIZER_STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -302,7 +308,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if device.type != "cuda":
             return adamw_multi_update_
         if self._compiled is None:
-            self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True)
+            self._compiled = torch.compile(adamw_multi_update_, dynamic=False, fullgraph=True,
+                                           options=UPDATE_COMPILE_OPTIONS)
         return self._compiled
 
     def _lr(self, index: int, group: Dict[str, Any], device: torch.device) -> Union[float, Tensor]:

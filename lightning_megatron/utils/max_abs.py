@@ -2,9 +2,10 @@
 gradient (finite exactly when this value is; NaN where the tensor holds a NaN).
 
 :class:`MaxAbsPerTensor` on CUDA is one Triton kernel per dtype over all the tensors of that dtype: each program
-reads one chunk of one tensor (the tensor's address comes from a table on the device), keeps the chunk's largest
-``|x|`` (NaN if any element is NaN) and folds it into that tensor's slot with an atomic max (over the value's bits
-as an integer, which orders non-negative floats and NaN as the values: a float atomic max would drop a NaN).
+reads one chunk of one tensor (the tensor's address comes from a table on the device) as integers, keeps the
+chunk's largest ``|x|`` as the largest of the bits without the sign bit (which order as the absolute values do, NaN
+above inf; no element is converted) and folds it into that tensor's slot with an atomic max over fp32 bits (a float
+atomic max would drop a NaN).
 ``torch._foreach_norm`` with ``ord=inf`` computes the same values, more slowly on the benchmark model's gradients
 (benchmarks/RESULTS.md). The tables (which chunk belongs to which tensor, and the tensors' addresses) are built on the
 host and copied to the device once per layout and set of addresses; tensors whose addresses do not change between steps
@@ -39,29 +40,37 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 if triton is not None:
     @triton.jit
-    def _max_abs_kernel(addresses, numels, slots, chunk_tensor, chunk_start, out, DTYPE: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _max_abs_kernel(addresses, numels, slots, chunk_tensor, chunk_start, out, BITS: tl.constexpr,
+                        MAGNITUDE: tl.constexpr, KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Program ``p``: chunk ``chunk_start[p]`` of tensor ``chunk_tensor[p]`` (``numels`` elements at
-        ``addresses``, of ``DTYPE``); its largest ``|x|`` (NaN if any is NaN) atomically maxed into
-        ``out[slots[tensor]]``: int32 holding fp32 bits, zeros to begin with. The values are >= 0 or a positive NaN,
-        whose bits order as integers as the values do (NaN above inf); Triton's float atomic max would drop a NaN."""
+        ``addresses``), read as integers of ``BITS`` (the float's width); its largest ``|x|`` atomically maxed into
+        ``out[slots[tensor]]``: int32 holding fp32 bits, zeros to begin with.
+
+        A float's bits without the sign bit (``& MAGNITUDE``) order as integers as the absolute values do, with inf
+        above every finite value and every NaN above inf, so one integer maximum per element gives the largest
+        ``|x|`` (a NaN if the chunk holds one) without converting any element. ``KIND`` turns the result into fp32
+        bits: 0 fp32 (already), 1 bf16 (the upper half of an fp32), 2 fp16 (converted). Triton's float atomic max
+        would drop a NaN; the integer one keeps it."""
         p = tl.program_id(0)
         t = tl.load(chunk_tensor + p)
         start = tl.load(chunk_start + p)
         n = tl.load(numels + t)
-        base = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
-        largest = tl.zeros((BLOCK,), dtype=tl.float32)
-        nans = tl.zeros((BLOCK,), dtype=tl.int32)
+        base = tl.load(addresses + t).to(tl.pointer_type(BITS))
+        largest = tl.zeros((BLOCK,), dtype=BITS)
         for i in tl.range(0, CHUNK, BLOCK):
             offsets = start + i + tl.arange(0, BLOCK)
-            x = tl.load(base + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-            nans += (x != x).to(tl.int32)
-            largest = tl.maximum(largest, tl.abs(x))
-        value = tl.max(largest, axis=0)
-        value = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), value)   # tl.maximum / tl.max may drop a NaN
-        tl.atomic_max(out + tl.load(slots + t), value.to(tl.int32, bitcast=True))
+            x = tl.load(base + offsets, mask=offsets < n, other=0)
+            largest = tl.maximum(largest, x & MAGNITUDE)
+        value = tl.max(largest, axis=0).to(tl.int32)
+        if KIND == 1:
+            value = value << 16
+        elif KIND == 2:
+            value = value.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        tl.atomic_max(out + tl.load(slots + t), value)
 
-    _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    #: per float dtype: the integers its bits are read as, the mask that drops the sign bit, and ``KIND``
+    _BITS = {torch.float32: (tl.int32, 0x7FFFFFFF, 0), torch.bfloat16: (tl.int16, 0x7FFF, 1),
+             torch.float16: (tl.int16, 0x7FFF, 2)}
 
 
 class MaxAbsPerTensor:
@@ -94,9 +103,10 @@ class MaxAbsPerTensor:
             numels, slots, chunk_tensor, chunk_start = self._layout(
                 device, tuple(tensors[i].numel() for i in members), tuple(members))
             addresses = self._address_table(device, tuple(tensors[i].data_ptr() for i in members))
+            bits, magnitude, kind = _BITS[dtype]
             _max_abs_kernel[(chunk_tensor.numel(),)](addresses, numels, slots, chunk_tensor, chunk_start, out,
-                                                     DTYPE=_TRITON_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK,
-                                                     num_warps=_NUM_WARPS)
+                                                     BITS=bits, MAGNITUDE=magnitude, KIND=kind, CHUNK=_CHUNK,
+                                                     BLOCK=_BLOCK, num_warps=_NUM_WARPS)
         return out.view(torch.float32)
 
     def _layout(self, device: torch.device, numels: Tuple[int, ...],

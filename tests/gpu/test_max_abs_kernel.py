@@ -40,10 +40,14 @@ def test_nan_and_inf_are_kept():
     tensors[1].view(-1)[-1] = float("nan")          # the last element of its tensor
     tensors[3].view(-1)[5] = float("inf")
     tensors[5].view(-1)[1000] = float("-inf")
-    tensors[5].view(-1)[3_000_000] = float("nan")    # NaN beside an inf: NaN
+    tensors[5].view(-1)[3_000_000] = float("nan")    # fp16 NaN beside an inf: NaN
+    tensors[2].view(-1)[7] = float("-inf")           # fp16: inf, from its sign-dropped bits converted
+    tensors[0].view(-1)[0] = -float("nan")           # bf16 NaN with the sign bit set: NaN
+    tensors[4].view(-1)[16384] = -float("nan")       # fp32 (its chunk's only element): NaN
+    tensors[6].view(-1)[0] = float("nan")            # bf16, its first element
     values = MaxAbsPerTensor()(tensors).tolist()
     assert math.isnan(values[1]) and values[3] == math.inf and math.isnan(values[5])
-    assert all(math.isfinite(v) for i, v in enumerate(values) if i not in (1, 3, 5))
+    assert values[2] == math.inf and math.isnan(values[0]) and math.isnan(values[4]) and math.isnan(values[6])
 
 
 def test_address_tables_follow_the_tensors():
