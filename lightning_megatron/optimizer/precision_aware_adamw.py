@@ -386,18 +386,19 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise RuntimeError("PrecisionAwareAdamW.step_param_remainders needs write_param_copies: the bf16 copies "
                                "hold the high half of each fp32 main parameter")
         copies = [self._param_copy(p) for p in members] if self._param_copy is not None else None
-        columns = [copies, grads, exp_avgs, exp_avg_sqs, stepped] if held_in_halves else [stepped, grads, exp_avgs,
-                                                                                           exp_avg_sqs]
-        if copies is not None and not held_in_halves:
-            columns.append(copies)
+        # the column the update writes as parameters first; with remainders the bf16 copies hold the high halves
+        # and the stepped tensors the low ones, otherwise the stepped tensors are the parameters (copies optional)
+        params, extra = (copies, stepped) if held_in_halves else (stepped, copies)
+        columns = [params, grads, exp_avgs, exp_avg_sqs] + ([extra] if extra is not None else [])
         counts = [self._counts[id(p)] for p in members]
         cuts = [i for i in range(1, len(members)) if counts[i] != counts[i - 1]]
         runs = adjacent_runs(columns, cuts)
         flat = [[flat_run(column, a, b) for a, b in runs] for column in columns]
+        flat_extra = flat[4] if extra is not None else None
         return _UpdatePlan(members=members, held=_held(members, self.state, self._stepped), runs=runs,
                            grad_starts=span_starts(grads), params=flat[0], exp_avgs=flat[2],
-                           exp_avg_sqs=flat[3], copies=flat[4] if len(flat) > 4 and not held_in_halves else None,
-                           remainders=flat[4] if held_in_halves else None,
+                           exp_avg_sqs=flat[3], copies=None if held_in_halves else flat_extra,
+                           remainders=flat_extra if held_in_halves else None,
                            run_steps=[states[a]["step"] for a, _ in runs], steps=[s["step"] for s in states])
 
     def _runs(self, members: List[Tensor], device: torch.device, group: Dict[str, Any],

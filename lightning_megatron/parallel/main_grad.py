@@ -140,6 +140,12 @@ def bucket_layout(params: List[nn.Parameter], bucket_size: int) -> List[List[nn.
     return buckets + list(open_.values()) + list(vectors.values())
 
 
+def _slot(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """The view of ``flat`` (a bucket's 1-D buffer) that holds ``like``'s elements from ``offset``, in ``like``'s
+    shape."""
+    return flat[offset:offset + like.numel()].view(like.shape)
+
+
 class MainParams:
     """bf16 parameters with fp32 main parameters and fp32 main gradients for the parameters of ``module``, all views
     into contiguous bucketed buffers (see the module docstring). Built once, after materialisation (the parameters
@@ -196,17 +202,17 @@ class MainParams:
             self.buckets.append(bucket)
             offset = 0
             for p in members:   # one bucket at a time: the parameters' own fp32 storage is freed as they move
-                compute = bucket.compute[offset:offset + p.numel()].view(p.shape)
+                compute = _slot(bucket.compute, offset, p)
                 with torch.no_grad():
                     if bucket.remainder is not None:
-                        rest = bucket.remainder[offset:offset + p.numel()].view(p.shape)
+                        rest = _slot(bucket.remainder, offset, p)
                         high, low = split_fp32(p.data.float().contiguous())
                         compute.copy_(high)
                         rest.copy_(low)
                         self._remainder[id(p)] = rest
                     else:
                         assert bucket.main is not None
-                        main = bucket.main[offset:offset + p.numel()].view(p.shape)
+                        main = _slot(bucket.main, offset, p)
                         main.copy_(p.data)
                         compute.copy_(main)
                         self._main[id(p)] = main
@@ -227,7 +233,7 @@ class MainParams:
         bucket = self.buckets[index]
         if bucket.grad is None:
             bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
-        return bucket.grad[offset:offset + p.numel()].view(p.shape)
+        return _slot(bucket.grad, offset, p)
 
     def start_step(self, direct: bool) -> None:
         """Before a step's first backward: whether its gradients stay as the backward leaves them (``direct``: the
@@ -318,7 +324,7 @@ class MainParams:
             bucket.main = join_fp32(bucket.compute, bucket.remainder)
         for p in self.params:
             index, offset = self._where[id(p)]
-            self._main[id(p)] = self.buckets[index].main[offset:offset + p.numel()].view(p.shape)
+            self._main[id(p)] = _slot(self.buckets[index].main, offset, p)
 
     # ------------------------------------------------------------------ views
     def to_main(self) -> None:
