@@ -284,6 +284,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ("tests/test_param_remainders.py::test_main_view_writes_are_split_back",
          "tests/test_main_grad.py::test_remainders_train_as_fp32_main_parameters_do")),
     Mutation(
+        "update-plan-swaps-the-halves", "with remainders, the update plan takes the remainders as the parameters' "
+        "column and the bf16 copies as the extra one",
+        (Edit("lightning_megatron/optimizer/precision_aware_adamw.py",
+              "        params, extra = (copies, stepped) if held_in_halves else (stepped, copies)\n",
+              "        params, extra = (stepped, copies) if held_in_halves else (stepped, copies)\n"),),
+        ("tests/test_param_remainders.py::test_twenty_steps_over_the_halves_keep_the_fp32_main_parameters_bit_for_bit",
+         "tests/test_main_grad.py::test_remainders_train_as_fp32_main_parameters_do")),
+    Mutation(
         "fp8-weight-quantised-again-with-another-scale", "the backward quantises a bf16 weight again with a scale "
         "other than its forward's",
         (Edit("lightning_megatron/precision/fp8/gemm.py",
