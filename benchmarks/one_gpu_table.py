@@ -45,7 +45,10 @@ before a wave's limit, the arms not yet warmed up are killed (an error row each)
 their turns. A wave with under 30 s left does not start (its arms: error rows). After every wave ``--out`` gets
 the rows so far (a run cut short keeps what finished): ``meta`` (command, torch, GPU, commit), ``waves``,
 ``results`` (the arms' rows as ``profile_step.py`` reads them), ``table`` and ``markdown``. At the end the markdown
-table is printed with the command line, the versions, the GPU and ``git rev-parse --short HEAD``.
+table is printed with the command line, the versions, the GPU, ``git rev-parse --short HEAD`` and the content
+fingerprint of the measured code (:func:`source_fingerprint`: the library's and the benchmarks' Python files). A copy
+of a tree can carry older git metadata than its files; ``python3 benchmarks/one_gpu_table.py --fingerprint`` in a
+checkout prints the fingerprint of that checkout's files, to match a table to its commit.
 
 The GPU's clock. ``nvidia-smi`` samples the GPU's SM clock, power draw and clock-event reasons every 100 ms for the
 whole run (``gpu_clock.py``; nothing where it is missing), and each row's last column sums up the samples taken during
@@ -56,6 +59,7 @@ limit").
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -272,6 +276,23 @@ def _output(cmd: Sequence[str]) -> Optional[str]:
         return None
 
 
+#: the folders (under the repository root) whose Python files make up the measured code
+FINGERPRINTED = ("lightning_megatron", "benchmarks")
+
+
+def source_fingerprint(root: Path = ROOT, folders: Sequence[str] = FINGERPRINTED) -> str:
+    """12 hex digits of a SHA-1 over every ``*.py`` file under ``folders`` of ``root``: each file's path relative to
+    ``root`` and its bytes, in path order (caches and other files left out). The same files give the same
+    fingerprint wherever they are; any change to one of them, a file added or removed, gives another."""
+    digest = hashlib.sha1()
+    files = sorted(f for folder in folders for f in (root / folder).rglob("*.py") if "__pycache__" not in f.parts)
+    for f in files:
+        data = f.read_bytes()
+        digest.update(f"{f.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:12]
+
+
 def meta(argv: Sequence[str]) -> dict:
     """The command line (with ``PYTHONPATH`` when set), versions, GPU and commit; nothing here touches the GPU."""
     command = shlex.join(["python3", Path(__file__).resolve().relative_to(ROOT).as_posix(), *argv[1:]])
@@ -282,7 +303,7 @@ def meta(argv: Sequence[str]) -> dict:
     return dict(command=command, torch=_version("torch"), lightning=_version("lightning"),
                 torchao=_version("torchao"), python=sys.version.split()[0], gpu=gpu,
                 commit=_output(["git", "rev-parse", "--short", "HEAD"]), uncommitted_changes=bool(status),
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+                fingerprint=source_fingerprint(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
 
 def run_waves(waves: Sequence[Sequence[str]], timeouts: Sequence[float], budget_s: float, turns_reserve_s: float,
@@ -324,7 +345,8 @@ def report(info: dict, results: Sequence[dict], log: Sequence[dict], samples: Se
                                                   else "")
     head = [f"`{info['command']}`", "",
             f"{info.get('date')}, GPU {info.get('gpu')}, torch {info.get('torch')}, lightning "
-            f"{info.get('lightning')}, torchao {info.get('torchao')}, commit {commit}.",
+            f"{info.get('lightning')}, torchao {info.get('torchao')}, commit {commit}, code fingerprint "
+            f"{info.get('fingerprint')}.",
             "Waves (arms compiled side by side, then timed in turns): " +
             "; ".join(f"{w['wave']}. {','.join(w['arms'])} ({w['wall_s']:g} s of {w['limit_s']:g} s)" for w in log) +
             ".", ""]
@@ -345,7 +367,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--turns-reserve-s", type=float, default=25.0,
                    help="seconds before a wave's limit kept for the timed turns: arms not warmed up by then are "
                         "killed (default: %(default)s)")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="print the content fingerprint of this checkout's measured code and exit (no GPU needed)")
     args = p.parse_args(argv[1:])
+    if args.fingerprint:
+        print(source_fingerprint())
+        return
     try:
         waves = parse_waves(args.waves)
         timeouts = parse_timeouts(args.wave_timeout_s, len(waves))

@@ -210,6 +210,37 @@ def test_main_writes_the_json_after_each_wave_and_prints_the_table(mods, tmp_pat
     table = [line for line in printed.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(ISSUE_ROWS)
     assert "failed: timeout after 300 s" in printed and "torch " in printed and "commit " in printed
+    assert data["meta"]["fingerprint"] == t.source_fingerprint()
+    assert f"code fingerprint {t.source_fingerprint()}." in printed
+
+
+def test_the_code_fingerprint_follows_the_measured_files_only(mods, tmp_path, capsys):
+    """The fingerprint is a function of the library's and the benchmarks' Python files (paths and bytes): the same
+    files elsewhere give the same one; an edit, a file added or renamed gives another; caches and other files do
+    not count. ``--fingerprint`` prints the checkout's."""
+    t, _, _ = mods
+
+    def tree(root, **files):
+        for name, text in files.items():
+            f = root / name
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+        return root
+
+    base = dict(**{"lightning_megatron/a.py": "x = 1\n", "lightning_megatron/sub/b.py": "y = 2\n",
+                   "benchmarks/c.py": "z = 3\n"})
+    one = t.source_fingerprint(tree(tmp_path / "one", **base))
+    assert len(one) == 12 and one == t.source_fingerprint(tree(tmp_path / "two", **base))
+    assert one == t.source_fingerprint(tree(tmp_path / "one", **{"lightning_megatron/__pycache__/a.py": "cached",
+                                                                   "README.md": "text", "tests/t.py": "w = 0\n"}))
+    renamed = {("lightning_megatron/sub/c.py" if k == "lightning_megatron/sub/b.py" else k): v for k, v in base.items()}
+    changed = [{**base, "lightning_megatron/a.py": "x = 2\n"},   # an edit
+               {**base, "benchmarks/d.py": ""},                   # a file added (empty)
+               renamed]                                           # the same bytes under another name
+    for i, files in enumerate(changed):
+        assert t.source_fingerprint(tree(tmp_path / f"changed{i}", **files)) != one, files
+    t.main(["one_gpu_table.py", "--fingerprint"])
+    assert capsys.readouterr().out.strip() == t.source_fingerprint()
 
 
 def test_profile_step_help_and_arm_names(mods):
