@@ -55,6 +55,7 @@ ran during them (``gc_pauses``: step, generation, ms).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -225,8 +226,6 @@ class GcPauses:
             self.pauses.append([self.step, info["generation"], round((time.perf_counter() - self._start) * 1e3, 2)])
 
     def start(self) -> None:
-        import gc
-
         self.pauses, self.step = [], 0
         gc.callbacks.append(self._callback)
 
@@ -234,8 +233,6 @@ class GcPauses:
         self.step += 1
 
     def stop(self) -> list:
-        import gc
-
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
         return self.pauses

@@ -227,8 +227,8 @@ def test_the_code_fingerprint_follows_the_measured_files_only(mods, tmp_path, ca
             f.write_text(text)
         return root
 
-    base = dict(**{"lightning_megatron/a.py": "x = 1\n", "lightning_megatron/sub/b.py": "y = 2\n",
-                   "benchmarks/c.py": "z = 3\n"})
+    base = {"lightning_megatron/a.py": "x = 1\n", "lightning_megatron/sub/b.py": "y = 2\n",
+            "benchmarks/c.py": "z = 3\n"}
     one = t.source_fingerprint(tree(tmp_path / "one", **base))
     assert len(one) == 12 and one == t.source_fingerprint(tree(tmp_path / "two", **base))
     assert one == t.source_fingerprint(tree(tmp_path / "one", **{"lightning_megatron/__pycache__/a.py": "cached",
