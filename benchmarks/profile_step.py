@@ -48,6 +48,9 @@ Arms (each in a child process of its own):
                              backward replayed as CUDA graphs (docs/performance.md, "Fewer launches")
   <ours arm>-manualgc        the same with ``MemoryHousekeeping(manual_gc=True)``: Python's automatic garbage collection
                              off while training (Megatron's ``--manual-gc``), so no collection pauses a timed step
+  <ours arm>-split<N>        (last) the layers compiled with a norm backward's weight-gradient split N
+                             (``triton.mix_order_reduction_split_size``) instead of the library's
+                             (``parallelize.LAYER_COMPILE_OPTIONS``); ``-splitauto``: Inductor's own choice
 
 Every arm lists, in ``host_lead_ms``, its timed steps' GPU times (``gpu_steps_ms``) and the garbage collections that
 ran during them (``gc_pauses``: step, generation, ms).
@@ -58,6 +61,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -88,6 +92,9 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
 CUDAGRAPH = "-cudagraph"
 MANUAL_GC = "-manualgc"
+#: ``-split<N>`` / ``-splitauto`` (last): the layers compiled with ``triton.mix_order_reduction_split_size`` N instead
+#: of the library's (``LAYER_COMPILE_OPTIONS``), or with Inductor's own choice
+SPLIT = re.compile(r"-split(\d+|auto)$")
 EAGER = "-eager"
 #: kernel family -> substrings of kernel names (first match wins, in this order)
 FAMILIES = (
@@ -108,7 +115,9 @@ def base_arm(name: str) -> str:
 
 def known_arm(name: str) -> bool:
     """Whether ``name`` (``#<tag>`` suffix allowed) is an arm this script runs."""
-    base = base_arm(name)
+    base = SPLIT.sub("", base_arm(name))
+    if base != base_arm(name) and base.startswith("peer"):
+        return False
     if base.endswith(MANUAL_GC) and not base.startswith("peer"):
         base = base[:-len(MANUAL_GC)]
     if base in PEERS or base in OURS:
@@ -383,6 +392,15 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
     from lightning_megatron.cli.callbacks import MemoryHousekeeping
 
+    split = SPLIT.search(name)
+    if split:
+        from lightning_megatron import parallelize
+
+        name = name[:split.start()]
+        options = parallelize.LAYER_COMPILE_OPTIONS
+        options.pop("triton.mix_order_reduction_split_size", None)
+        if split.group(1) != "auto":
+            options["triton.mix_order_reduction_split_size"] = int(split.group(1))
     manual_gc = name.endswith(MANUAL_GC)
     if manual_gc:
         name = name[:-len(MANUAL_GC)]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, List, Optional, Set
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -98,12 +98,22 @@ def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Con
     return convert_to_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
 
 
+#: Inductor options of every compiled transformer layer. ``triton.mix_order_reduction_split_size``: a norm's backward
+#: computes its input gradient row by row and its weight gradient (a sum over the rows) in one kernel, each program
+#: adding ``split`` rows into one partial row of the weight gradient; the partial rows are then summed by one
+#: (eager) column sum, which reads them with few blocks. Inductor's own split for a layer's 8,192 rows is 16 (512
+#: partial rows); 32 leaves 256, which the column sum reads in less than half the time while the norm kernels keep
+#: theirs (benchmarks/RESULTS.md). Only the summation order of the norm weights' gradients depends on it.
+LAYER_COMPILE_OPTIONS: Dict[str, Any] = {"triton.mix_order_reduction_split_size": 32}
+
+
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
     (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
     ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
-    materialisation. With ``config.enable_cuda_graph`` the layers are compiled with ``mode="reduce-overhead"``
-    (each layer's forward and backward replayed as CUDA graphs); the head and the loss, whose outputs the step keeps
+    materialisation, with :data:`LAYER_COMPILE_OPTIONS`. With ``config.enable_cuda_graph`` the layers are also compiled
+    with ``triton.cudagraphs`` (``mode="reduce-overhead"``'s option: each layer's forward and backward replayed as CUDA
+    graphs); the head and the loss, whose outputs the step keeps
     beyond the next replay, are not. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them.
     Returns the number of layers compiled."""
     if not config.compile:
@@ -113,8 +123,11 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     if not layers:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
-    for layer in layers:   # with enable_cuda_graph: Inductor's CUDA graph trees (the step path marks each micro-batch)
-        layer.compile(**({"mode": "reduce-overhead"} if config.enable_cuda_graph else {}))
+    options = dict(LAYER_COMPILE_OPTIONS)
+    if config.enable_cuda_graph:   # mode="reduce-overhead": Inductor's CUDA graph trees (the step path marks each
+        options["triton.cudagraphs"] = True   # micro-batch)
+    for layer in layers:
+        layer.compile(options=options)
     for model in gpt:
         # instance attributes shadow the methods; the pipeline stages call them through the model too
         model.head = torch.compile(model.head)

@@ -106,29 +106,33 @@ def test_enable_cuda_graph_refuses_runs_the_graphs_cannot_serve():
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["compile", "cuda-graph"])
 def test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode(graphs, monkeypatch):
-    """Each transformer layer is compiled with Inductor's CUDA-graph mode exactly when asked; the head and the loss
-    never are (the step keeps their outputs)."""
+    """Each transformer layer is compiled with the library's Inductor options (``LAYER_COMPILE_OPTIONS``: the norm
+    backward's weight-gradient split) and with Inductor's CUDA graphs (``triton.cudagraphs``, what
+    ``mode="reduce-overhead"`` sets) exactly when asked; the head and the loss never are (the step keeps their
+    outputs) and take Inductor's defaults."""
     import torch
     from torch import nn
 
     from lightning_megatron import ParallelConfig
     from lightning_megatron.models.gpt import GPTModel
-    from lightning_megatron.parallelize import apply_compile
+    from lightning_megatron.parallelize import LAYER_COMPILE_OPTIONS, apply_compile
 
-    modes = []
+    assert torch._inductor.list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
+    assert LAYER_COMPILE_OPTIONS == {"triton.mix_order_reduction_split_size": 32}
+    layer_calls = []
     plain_compile = nn.Module.compile
-    monkeypatch.setattr(nn.Module, "compile", lambda self, *a, **kw: (modes.append(kw.get("mode")),
+    monkeypatch.setattr(nn.Module, "compile", lambda self, *a, **kw: (layer_calls.append(kw),
                                                                       plain_compile(self, *a, **kw))[1])
-    heads = []
+    calls = []
     plain_torch_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, *a, **kw: (heads.append(kw.get("mode")),
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **kw: (calls.append(kw),
                                                                 plain_torch_compile(fn, *a, **kw))[1])
     model = GPTModel(tiny_config(num_layers=3))
     assert apply_compile([model], ParallelConfig(compile=True, enable_cuda_graph=graphs)) == 3
-    layer_mode = "reduce-overhead" if graphs else None
-    assert modes == [layer_mode] * 3
+    layer_options = dict(LAYER_COMPILE_OPTIONS, **({"triton.cudagraphs": True} if graphs else {}))
+    assert layer_calls == [{"options": layer_options}] * 3
     # torch.compile calls: the three layers' (through nn.Module.compile), then the head's and the loss's
-    assert heads == [layer_mode] * 3 + [None, None]
+    assert calls == [{"options": layer_options}] * 3 + [{}, {}]
 
 
 def test_cuda_graph_step_path_starts_a_generation_before_every_forward(monkeypatch):
