@@ -292,6 +292,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ("tests/test_param_remainders.py::test_twenty_steps_over_the_halves_keep_the_fp32_main_parameters_bit_for_bit",
          "tests/test_main_grad.py::test_remainders_train_as_fp32_main_parameters_do")),
     Mutation(
+        "layers-compiled-without-their-cuda-graphs", "enable_cuda_graph=True compiles the layers with the library's "
+        "options but without triton.cudagraphs (what mode=\"reduce-overhead\" set before the options replaced it)",
+        (Edit("lightning_megatron/parallelize.py",
+              "        options[\"triton.cudagraphs\"] = True   # micro-batch)\n",
+              "        options[\"triton.cudagraphs\"] = False   # micro-batch)\n"),),
+        ("tests/test_compile.py::test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode",)),
+    Mutation(
         "fp8-weight-quantised-again-with-another-scale", "the backward quantises a bf16 weight again with a scale "
         "other than its forward's",
         (Edit("lightning_megatron/precision/fp8/gemm.py",
