@@ -103,8 +103,19 @@ def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Con
 #: adding ``split`` rows into one partial row of the weight gradient; the partial rows are then summed by one
 #: (eager) column sum, which reads them with few blocks. Inductor's own split for a layer's 8,192 rows is 16 (512
 #: partial rows); 32 leaves 256, which the column sum reads in less than half the time while the norm kernels keep
-#: theirs (benchmarks/RESULTS.md). Only the summation order of the norm weights' gradients depends on it.
+#: theirs (benchmarks/RESULTS.md). Only the summation order of the norm weights' gradients depends on it. Options the
+#: installed Inductor does not know are left out (:func:`known_inductor_options`: torch < 2.10 has no mix-order
+#: reduction, and ``torch.compile`` refuses an unknown option).
 LAYER_COMPILE_OPTIONS: Dict[str, Any] = {"triton.mix_order_reduction_split_size": 32}
+
+
+def known_inductor_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` without the keys the installed Inductor's config lacks (``torch.compile(options=...)`` raises on
+    them), e.g. an option of a newer torch than the one installed."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {key: value for key, value in options.items() if key.replace("-", "_") in known}
 
 
 def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
@@ -123,7 +134,7 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     if not layers:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
-    options = dict(LAYER_COMPILE_OPTIONS)
+    options = known_inductor_options(LAYER_COMPILE_OPTIONS)
     if config.enable_cuda_graph:   # mode="reduce-overhead": Inductor's CUDA graph trees (the step path marks each
         options["triton.cudagraphs"] = True   # micro-batch)
     for layer in layers:

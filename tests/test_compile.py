@@ -135,6 +135,32 @@ def test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode(graphs, m
     assert calls == [{"options": layer_options}] * 3 + [{}, {}]
 
 
+def test_layer_options_unknown_to_the_installed_inductor_are_left_out(monkeypatch):
+    """An option the installed Inductor lacks (a newer torch's: torch 2.9 has no mix-order reduction) is left out of
+    the layers' options, so ``compile=True`` still compiles and trains; known ones are kept."""
+    import torch
+
+    from lightning_megatron import parallelize
+    from lightning_megatron.parallelize import known_inductor_options
+
+    assert known_inductor_options({"triton.cudagraphs": True, "triton.mix_order_reduction_split_size": 32}) == {
+        "triton.cudagraphs": True, "triton.mix_order_reduction_split_size": 32}
+    assert known_inductor_options({"triton.not_an_option_of_any_torch": 1, "triton.cudagraphs": False}) == {
+        "triton.cudagraphs": False}
+    monkeypatch.setitem(parallelize.LAYER_COMPILE_OPTIONS, "triton.not_an_option_of_any_torch", 1)
+    with pytest.raises(RuntimeError, match="not_an_option_of_any_torch"):   # what torch.compile does with it
+        torch.compile(lambda x: x + 1, options=dict(parallelize.LAYER_COMPILE_OPTIONS))(torch.ones(2))
+    from lightning_megatron import ParallelConfig
+    from lightning_megatron.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(num_layers=2))
+    assert parallelize.apply_compile([model], ParallelConfig(compile=True)) == 2
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(ids, labels=ids).float().mean().backward()
+    assert all(p.grad is not None for p in model.decoder.layers["0"].parameters())
+
+
 def test_cuda_graph_step_path_starts_a_generation_before_every_forward(monkeypatch):
     """The step path starts a new graph generation before every micro-batch's forward and every validation batch's,
     and the layers compiled in CUDA-graph mode train as the plain compiled ones. On the CPU Inductor runs the
