@@ -122,11 +122,11 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
     """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
     (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
     ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
-    materialisation, with :data:`LAYER_COMPILE_OPTIONS`. With ``config.enable_cuda_graph`` the layers are also compiled
-    with ``triton.cudagraphs`` (``mode="reduce-overhead"``'s option: each layer's forward and backward replayed as CUDA
-    graphs); the head and the loss, whose outputs the step keeps
-    beyond the next replay, are not. Collectives inside (TP, CP, EP) split a graph where dynamo cannot trace them.
-    Returns the number of layers compiled."""
+    materialisation; the layers with :data:`LAYER_COMPILE_OPTIONS` (those the installed Inductor knows). With
+    ``config.enable_cuda_graph`` the layers are also compiled with ``triton.cudagraphs``, the option
+    ``mode="reduce-overhead"`` sets (each layer's forward and backward replayed as CUDA graphs; the step path marks each
+    micro-batch); the head and the loss, whose outputs the step keeps beyond the next replay, are not. Collectives
+    inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number of layers compiled."""
     if not config.compile:
         return 0
     gpt = [m for m in models if isinstance(m, PipelineModel)]
@@ -135,8 +135,8 @@ def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
         raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
                          "(lightning_megatron.contract.PipelineModel); none was found")
     options = known_inductor_options(LAYER_COMPILE_OPTIONS)
-    if config.enable_cuda_graph:   # mode="reduce-overhead": Inductor's CUDA graph trees (the step path marks each
-        options["triton.cudagraphs"] = True   # micro-batch)
+    if config.enable_cuda_graph:   # Inductor's CUDA graph trees; torch.compile takes options or a mode, not both
+        options["triton.cudagraphs"] = True
     for layer in layers:
         layer.compile(options=options)
     for model in gpt:

@@ -295,8 +295,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "layers-compiled-without-their-cuda-graphs", "enable_cuda_graph=True compiles the layers with the library's "
         "options but without triton.cudagraphs (what mode=\"reduce-overhead\" set before the options replaced it)",
         (Edit("lightning_megatron/parallelize.py",
-              "        options[\"triton.cudagraphs\"] = True   # micro-batch)\n",
-              "        options[\"triton.cudagraphs\"] = False   # micro-batch)\n"),),
+              "        options[\"triton.cudagraphs\"] = True\n",
+              "        options[\"triton.cudagraphs\"] = False\n"),),
         ("tests/test_compile.py::test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode",)),
     Mutation(
         "fp8-weight-quantised-again-with-another-scale", "the backward quantises a bf16 weight again with a scale "
