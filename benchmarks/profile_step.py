@@ -65,6 +65,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -113,16 +114,38 @@ def base_arm(name: str) -> str:
     return name.split("#", 1)[0]
 
 
+@dataclass(frozen=True)
+class OursArm:
+    """One of our arm names taken apart: the :data:`OURS` entry it runs (``key``; ``-eager`` and ``-nocheck`` stay in
+    it) and its suffixes, in the order they may follow it: ``-cudagraph``, ``-manualgc``, ``-split<N>``
+    (``split``: ``"auto"``, the number, or None)."""
+
+    key: str
+    cudagraph: bool
+    manual_gc: bool
+    split: Optional[str]
+
+
+def ours_arm(base: str) -> Optional[OursArm]:
+    """``base`` (an arm name without its ``#<tag>``) as one of our arms, or None when it is not one (a peer's name, a
+    suffix a peer or an eager arm does not take, an unknown entry)."""
+    split = SPLIT.search(base)
+    name = base[:split.start()] if split else base
+    manual_gc = name.endswith(MANUAL_GC)
+    if manual_gc:
+        name = name[:-len(MANUAL_GC)]
+    cudagraph = name.endswith(CUDAGRAPH) and not name.endswith(EAGER + CUDAGRAPH)
+    if cudagraph:
+        name = name[:-len(CUDAGRAPH)]
+    if name not in OURS:
+        return None
+    return OursArm(name, cudagraph, manual_gc, split.group(1) if split else None)
+
+
 def known_arm(name: str) -> bool:
     """Whether ``name`` (``#<tag>`` suffix allowed) is an arm this script runs."""
-    base = SPLIT.sub("", base_arm(name))
-    if base != base_arm(name) and base.startswith("peer"):
-        return False
-    if base.endswith(MANUAL_GC) and not base.startswith("peer"):
-        base = base[:-len(MANUAL_GC)]
-    if base in PEERS or base in OURS:
-        return True
-    return base.endswith(CUDAGRAPH) and base[:-len(CUDAGRAPH)] in OURS and not base.endswith(EAGER + CUDAGRAPH)
+    base = base_arm(name)
+    return base in PEERS or ours_arm(base) is not None
 
 
 def family(name: str) -> str:
@@ -392,22 +415,19 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
     from lightning_megatron.cli.callbacks import MemoryHousekeeping
 
-    split = SPLIT.search(name)
-    if split:
+    arm = ours_arm(name)
+    if arm is None:
+        raise ValueError(f"{name!r} is not one of our arms")
+    if arm.split is not None:
         from lightning_megatron import parallelize
 
-        name = name[:split.start()]
         options = parallelize.LAYER_COMPILE_OPTIONS
         options.pop("triton.mix_order_reduction_split_size", None)
-        if split.group(1) != "auto":
-            options["triton.mix_order_reduction_split_size"] = int(split.group(1))
-    manual_gc = name.endswith(MANUAL_GC)
-    if manual_gc:
-        name = name[:-len(MANUAL_GC)]
-    cudagraph = name.endswith(CUDAGRAPH)
-    if cudagraph:   # Inductor says on stderr why it skips a layer's CUDA graph
+        if arm.split != "auto":
+            options["triton.mix_order_reduction_split_size"] = int(arm.split)
+    if arm.cudagraph:   # Inductor says on stderr why it skips a layer's CUDA graph
         torch._logging.set_logs(perf_hints=True)
-    kwargs = dict(OURS[name[:-len(CUDAGRAPH)] if cudagraph else name])
+    kwargs = dict(OURS[arm.key])
     module_kwargs = {k: kwargs.pop(k) for k in MODULE_KEYS if k in kwargs}
     if "params_dtype" in kwargs:
         kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
@@ -475,14 +495,14 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
 
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
-    strategy = MegatronStrategy(compile=not name.endswith(EAGER), enable_cuda_graph=cudagraph,
-                                check_for_nan_in_loss_and_grad="-nocheck" not in name)
+    strategy = MegatronStrategy(compile=not arm.key.endswith(EAGER), enable_cuda_graph=arm.cudagraph,
+                                check_for_nan_in_loss_and_grad="-nocheck" not in arm.key)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + (profiled_steps if profiled else 0),
                          logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[WaitForTurn(), timer, LeadMarks(), ProfileOne() if profiled else TimedOnly(),
-                                    *([MemoryHousekeeping(manual_gc=True)] if manual_gc else [])])
+                                    *([MemoryHousekeeping(manual_gc=True)] if arm.manual_gc else [])])
     trainer.fit(module, DataLoader(RandomTokens(cfg), batch_size=4, num_workers=2, pin_memory=True))
     from torch._dynamo.utils import counters
 

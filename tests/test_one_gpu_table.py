@@ -251,11 +251,18 @@ def test_profile_step_help_and_arm_names(mods):
     assert ps.base_arm("peer-compile#2") == "peer-compile" and ps.base_arm("ours-fp8-compile") == "ours-fp8-compile"
     for arm in ("peer-eager", "peer-compile#2", "ours-bf16-eager",
                 "ours-fp8-delayed-bf16p-bf16m-rem-compile-cudagraph#2", "ours-bf16p-bf16m-rem-compile-cudagraph-manualgc",
-                "ours-bf16-eager-manualgc#2", *ps.ARMS):
+                "ours-bf16-eager-manualgc#2", "ours-bf16p-bf16m-rem-compile-cudagraph-split32",
+                "ours-bf16p-bf16m-rem-compile-cudagraph-manualgc-splitauto#2", *ps.ARMS):
         assert ps.known_arm(arm), arm
     for arm in ("bogus", "peer-eager-cudagraph", "ours-bf16-eager-cudagraph", "peer-compile-manualgc",
-                "ours-bf16-compile-manualgc-cudagraph"):
+                "ours-bf16-compile-manualgc-cudagraph", "peer-compile-split32", "ours-bf16-compile-split32-manualgc",
+                "ours-bf16-compile-splitx"):
         assert not ps.known_arm(arm), arm
+    assert ps.ours_arm("ours-bf16p-bf16m-rem-compile-nocheck-cudagraph-manualgc-split64") == ps.OursArm(
+        "ours-bf16p-bf16m-rem-compile-nocheck", cudagraph=True, manual_gc=True, split="64")
+    assert ps.ours_arm("ours-bf16-eager") == ps.OursArm("ours-bf16-eager", cudagraph=False, manual_gc=False,
+                                                        split=None)
+    assert ps.ours_arm("peer-compile") is None
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--arms", "peer-compile,bogus"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown arms: bogus" in out.stderr
