@@ -140,7 +140,8 @@ def test_layer_options_unknown_to_the_installed_inductor_are_left_out(monkeypatc
     the layers' options, so ``compile=True`` still compiles and trains; known ones are kept."""
     import torch
 
-    from lightning_megatron import parallelize
+    from lightning_megatron import ParallelConfig, parallelize
+    from lightning_megatron.models.gpt import GPTModel
     from lightning_megatron.parallelize import known_inductor_options
 
     assert known_inductor_options({"triton.cudagraphs": True, "triton.mix_order_reduction_split_size": 32}) == {
@@ -150,9 +151,6 @@ def test_layer_options_unknown_to_the_installed_inductor_are_left_out(monkeypatc
     monkeypatch.setitem(parallelize.LAYER_COMPILE_OPTIONS, "triton.not_an_option_of_any_torch", 1)
     with pytest.raises(RuntimeError, match="not_an_option_of_any_torch"):   # what torch.compile does with it
         torch.compile(lambda x: x + 1, options=dict(parallelize.LAYER_COMPILE_OPTIONS))(torch.ones(2))
-    from lightning_megatron import ParallelConfig
-    from lightning_megatron.models.gpt import GPTModel
-
     torch.manual_seed(0)
     model = GPTModel(tiny_config(num_layers=2))
     assert parallelize.apply_compile([model], ParallelConfig(compile=True)) == 2
