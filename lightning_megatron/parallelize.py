@@ -255,6 +255,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
     main_params = (MainParams(module, params_dtype, config.bucket_size, store_param_remainders)
                    if params_dtype is not None else None)
+    if pipeline is not None and main_params is not None:   # every schedule's weight gradients into the main grads
+        pipeline.weight_grad_sink = main_params.take_weight_grads
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),

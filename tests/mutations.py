@@ -74,6 +74,10 @@ def sharp(case: str) -> str:
     return f"tests/test_parity_sharp.py::test_layout_matches_float64_reference[{case}]"
 
 
+def recipe(name: str, layout: str) -> str:
+    return f"tests/test_parity_recipes.py::test_recipe_under_layout_matches_one_process_with_sgd[{name}-{layout}]"
+
+
 ROPE_TESTS = (
     "tests/test_model_reference.py::test_llama_matches_hf",   # 3 cases; position ids shuffled and gapped
     "tests/test_model_reference.py::test_rotary_rotates_each_pair_by_position_times_frequency",
@@ -311,6 +315,38 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/precision/fp8/gemm.py",
               "    ctx.requantize = weight.element_size() <= 2\n", "    ctx.requantize = False\n"),),
         ("tests/test_fp8.py::test_bf16_weights_are_quantised_again_in_the_backward_not_held_in_fp8",)),
+    Mutation(
+        "main-grads-not-divided-by-the-microbatch-count", "under a pipeline the loss is not divided by the "
+        "micro-batch count and the schedule divides p.grad instead (which fp32 main gradients never pass through)",
+        (Edit(STEP, "            return fns.scale_loss(loss_sum * dp / counts[index] / m)\n",
+              "            return fns.scale_loss(loss_sum * dp / counts[index])\n"),
+         Edit("lightning_megatron/parallel/pipeline.py",
+              "            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)\n",
+              "            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)\n"),
+         Edit("lightning_megatron/parallel/pipeline.py",
+              "        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)\n",
+              "        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)\n")),
+        (recipe("bf16p", "pp2-1f1b-m4"), recipe("bf16p", "pp2-vp2-interleaved"))),
+    Mutation(
+        "weight-gradient-route-skipped", "the zero-bubble schedules' separate weight-gradient pass is not handed to "
+        "the fp32 main gradients",
+        (Edit("lightning_megatron/parallel/pipeline.py",
+              "            backward_weight(bwd_chunk_id, last_backward=last_backward)\n            sink(params)\n",
+              "            backward_weight(bwd_chunk_id, last_backward=last_backward)\n"),),
+        (recipe("bf16p", "pp2-zbv"), recipe("bf16p-rem", "pp2-vp2-interleaved-zero-bubble"))),
+    Mutation(
+        "imported-weights-written-before-the-main-parameters", "the Hugging Face loader writes the bf16 copies in "
+        "the compute view, and the first optimizer step writes the old main parameters back over them",
+        (Edit("lightning_megatron/hf/convert.py",
+              "    with _main_parameters_view(target, model):\n        _copy_hf_tensors(model, builders)\n",
+              "    _copy_hf_tensors(model, builders)\n"),),
+        ("tests/test_hf.py::test_import_with_bf16_parameters_survives_the_optimizer_steps",)),
+    Mutation(
+        "loaded-bf16-copies-not-adopted", "load_state_dict in the compute view writes only the bf16 copies",
+        (Edit("lightning_megatron/parallel/main_grad.py",
+              "        if not self.in_main_view:\n            self.adopt_compute_copies(",
+              "        if False:\n            self.adopt_compute_copies("),),
+        ("tests/test_hf.py::test_load_state_dict_with_bf16_parameters_survives_the_optimizer_steps",)),
 )
 
 

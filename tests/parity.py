@@ -89,10 +89,22 @@ class AdamWGPTModule(ParallelGPTModule):
 BF16_MOMENTS = dict(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
 
 
+class PlainSGDModule(ParallelGPTModule):
+    """:class:`ParallelGPTModule` trained by plain SGD (no momentum, no weight decay, constant learning rate): a
+    step moves every parameter by exactly ``-lr`` times its gradient, so the weight change records the gradients."""
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=self.hparams.lr, momentum=0.0, weight_decay=0.0)
+
+
 def new_module(cfg: GPTConfig, steps: int, adamw: Optional[str] = None) -> ParallelGPTModule:
     """The parity tests' module; ``adamw`` ("fused" or "foreach"): :class:`AdamWGPTModule` with that AdamW,
-    ``"bf16_moments"``: the precision-aware AdamW with bf16 moments (:data:`BF16_MOMENTS`)."""
+    ``"bf16_moments"``: the precision-aware AdamW with bf16 moments (:data:`BF16_MOMENTS`); ``"sgd"``:
+    :class:`PlainSGDModule` (learning rate 0.5)."""
     kwargs = dict(lr=LR, min_lr=LR / 10, lr_warmup_iters=1, lr_decay_iters=steps, weight_decay=0.1)
+    if adamw == "sgd":
+        return PlainSGDModule(cfg, lr=0.5)
     if adamw == "bf16_moments":
         return ParallelGPTModule(cfg, **kwargs, **BF16_MOMENTS)
     if adamw is None:

@@ -138,6 +138,42 @@ def import_pipeline(rank, world, src, dst, layout):
     return out
 
 
+class LoadStateDictAtStart(pl.Callback):
+    """At train start, after setup: the module's own ``load_state_dict`` of the state the strategy reports (its
+    tensors scaled by 1.5 and rounded to bf16, so that the written values are exact in the bf16 copies)."""
+
+    def __init__(self) -> None:
+        self.written: Dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, module) -> None:
+        state = {k: (v.detach().float() * 1.5).to(torch.bfloat16) for k, v in module.state_dict().items()}
+        module.load_state_dict({k: v.to(module.state_dict()[k].dtype) for k, v in state.items()})
+        self.written = {k: v.float().clone() for k, v in state.items()}
+
+
+def import_bf16_params(rank, world, src, layout, how):
+    """bf16 parameters (``MegatronPrecision(params_dtype=torch.bfloat16)``): weights written after setup (``how``:
+    ``"loader"``, the HF loader callback; ``"load_state_dict"``, the module's own) and then 2 AdamW steps at
+    ``lr=1e-9``: this rank's local fp32 main parameters after them, and what was written."""
+    from lightning_megatron import MegatronPrecision
+
+    pl.seed_everything(1, verbose=False)
+    module = ParallelGPTModule(our_config(src), lr=1e-9, min_lr=1e-9, weight_decay=0.0)
+    writer = HFCheckpointLoader(src) if how == "loader" else LoadStateDictAtStart()
+    trainer = trainer_for(world, MegatronStrategy(**layout), 2, callbacks=[writer],
+                          plugins=[MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)])
+    trainer.fit(module, DataLoader(ListDataset(train_samples(8)), batch_size=1))
+    with trainer.strategy.parallelized.main_params.main_view():
+        local = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+    reference = None
+    if how == "loader":   # the same checkpoint read into an unparallelised float32 model of this rank's layout
+        model = ParallelGPTModule(our_config(src))
+        model.configure_model()
+        load_hf_weights(model, src)
+        reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"local": local, "written": getattr(writer, "written", None), "reference": reference}
+
+
 def run_case(rank, world, fn, *args):
     return fn(rank, world, *args)
 
@@ -153,6 +189,11 @@ def distributed(tmp_path_factory) -> Dict[str, Any]:
         ("mixtral-ep2", (import_train_export, str(root / "mixtral"), str(root / "mixtral-out"), dict(ep=2))),
         ("tied-pp2", (import_pipeline, str(root / "tied"), str(root / "tied-out"),
                       dict(pp=2, pipeline_schedule="gpipe"))),
+        ("bf16p-pp2-loader", (import_bf16_params, str(root / "llama"), dict(pp=2, pipeline_schedule="gpipe"),
+                              "loader")),
+        ("bf16p-dp2-loader", (import_bf16_params, str(root / "llama"), dict(), "loader")),
+        ("bf16p-tp2-load_state_dict", (import_bf16_params, str(root / "llama"), dict(tp=2, sequence_parallel=True),
+                                       "load_state_dict")),
     ]
     results = run_distributed(run_each, 2, run_case, cases)
     return {"root": root, "models": models, "results": results}
@@ -209,6 +250,29 @@ def test_pp2_import_and_generate(distributed):
     exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(distributed["root"], "tied-out"))
     assert exported.config.tie_word_embeddings
     torch.testing.assert_close(hf_logits(exported.eval(), ids), hf_logits(ref, ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("case", ["bf16p-pp2-loader", "bf16p-dp2-loader"])
+def test_import_with_bf16_parameters_survives_the_optimizer_steps(distributed, case):
+    """bf16 parameters: the loader writes the fp32 main parameters (not only the bf16 copies, which the first
+    optimizer step would overwrite with the main parameters of the random initialisation); after 2 steps at
+    lr=1e-9 every main parameter equals the imported float32 tensor (pp=2: each stage its own; dp=2: whole)."""
+    for r in _result(distributed, case):
+        local, ref = r["local"], r["reference"]
+        assert local, "no parameters compared"
+        for k, v in local.items():
+            want = ref[k] if ref[k].shape == v.shape else None
+            assert want is not None, (k, v.shape, ref[k].shape)
+            assert (v - want).abs().max() <= 1e-6, (k, float((v - want).abs().max()))
+
+
+def test_load_state_dict_with_bf16_parameters_survives_the_optimizer_steps(distributed):
+    """bf16 parameters under tp=2 + SP: the module's own ``load_state_dict`` in the compute view writes the bf16
+    copies, which become the main parameters (a load_state_dict post-hook); the steps at lr=1e-9 keep them."""
+    for r in _result(distributed, "bf16p-tp2-load_state_dict"):
+        assert r["written"]
+        for k, v in r["local"].items():
+            assert (v - r["written"][k]).abs().max() <= 1e-6, (k, float((v - r["written"][k]).abs().max()))
 
 
 # ------------------------------------------------------------------------------------------ one process

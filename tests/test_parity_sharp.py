@@ -76,6 +76,8 @@ CASES: Dict[str, SharpCase] = {
     "ep2xdp2": SharpCase(4, dict(ep=2), MOE, accumulate=2),
     "pp4-1f1b": SharpCase(4, dict(pp=4), tiny_config(num_layers=4), accumulate=4),
     "cp2xpp2": SharpCase(4, dict(cp=2, pp=2), DENSE, accumulate=2),
+    # the stages' data-parallel buckets started inside the backward (the losses carry the 1/M)
+    "pp2xdp2-overlap": SharpCase(4, dict(pp=2, overlap_grad_reduce=True, bucket_size=2000), DENSE, accumulate=2),
     "cp2xdp2-a2a": SharpCase(4, dict(cp=2, cp_comm_type="a2a"), DENSE, accumulate=2),
     "cp4-p2p": SharpCase(4, dict(cp=4), DENSE),
     "ep4": SharpCase(4, dict(ep=4), MOE),

@@ -7,8 +7,9 @@ over the TP, EP and pipeline groups, as checkpoints do) and writes it from globa
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, ContextManager, Dict, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +22,7 @@ from lightning_megatron.hf.mapping import Lazy, PaddedRows, from_hf, to_hf
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
 from lightning_megatron.checkpoint.state_dict import full_model_state_dict
+from lightning_megatron.contract import parallelized_record
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
 from lightning_megatron.parallel.tensor_parallel.mappings import group_rank, group_size
 
@@ -92,6 +94,22 @@ def load_hf_weights(target: Target, path: Union[str, "os.PathLike[str]"]) -> Non
     model, _ = _model_and_pp_group(target)
     checkpoint = HFCheckpoint(os.fspath(path))
     builders = from_hf(model.config, checkpoint.names, checkpoint.get_slice)
+    with _main_parameters_view(target, model):
+        _copy_hf_tensors(model, builders)
+
+
+def _main_parameters_view(target: Target, model: GPTModel) -> ContextManager:
+    """With bf16 parameters (``MegatronPrecision(params_dtype=torch.bfloat16)``), the context in which the
+    parameters hold their fp32 main values, so that written weights are the main parameters themselves (the bf16
+    copies follow on exit) and the first optimizer step does not write the old main parameters back; else none."""
+    for holder in (target, model):
+        record = parallelized_record(holder)
+        if record is not None and record.main_params is not None:
+            return record.main_params.main_view()
+    return contextlib.nullcontext()
+
+
+def _copy_hf_tensors(model: GPTModel, builders: Dict[str, Any]) -> None:
     for mod_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             name = f"{mod_name}.{pname}" if mod_name else pname

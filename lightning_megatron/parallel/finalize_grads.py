@@ -83,9 +83,10 @@ class GradientFinalizer:
 
     def start_step(self, num_microbatches: int) -> None:
         """Before a step's forward and backward passes (``num_microbatches`` of them per pipeline chunk): arm the
-        overlapped reduction of pipeline stages, if on (the schedule divides gradients by ``num_microbatches``)."""
+        overlapped reduction of pipeline stages, if on (each micro-batch's loss is divided by ``num_microbatches``
+        already: the gradients need no division)."""
         if self.reducer is not None:
-            self.reducer.start_step(num_microbatches, num_microbatches)
+            self.reducer.start_step(num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient; a step that kept its bf16

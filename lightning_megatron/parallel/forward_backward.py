@@ -8,7 +8,8 @@ all but the last. Both paths scale the loss the same way and return the same num
 
 * the gradient is that of the step's loss ``(1/M) * sum_i loss_sum_i / tokens_i`` where ``tokens_i`` is micro-batch
   ``i``'s global token count (over the dp x cp group): each rank backpropagates ``loss_sum_i * dp / tokens_i / M``
-  and the data-parallel reduction averages over dp (pipeline schedules divide by ``M`` themselves);
+  and the data-parallel reduction averages over dp (under a pipeline too: the schedule's own division of ``p.grad``
+  by ``M`` is off, since fp32 main gradients and the zero-bubble schedules' weight gradients never pass through it);
 * the returned value is that step loss, identical on every rank (reduced over dp x cp, broadcast over pp).
 
 :func:`eval_totals` and :func:`predict` run one batch forward only (through every pipeline stage in order) and
@@ -79,7 +80,7 @@ def forward_backward(microbatches: List[Batch], fns: StepFunctions, *, device: t
         def loss_fn(output: Tensor, index: int) -> Tensor:
             loss_sum = fns.loss_sum(output, microbatches[index])
             parts[index] = loss_sum.detach().float() / counts[index]
-            return fns.scale_loss(loss_sum * dp / counts[index])
+            return fns.scale_loss(loss_sum * dp / counts[index] / m)
 
         tokens = torch.cat([mb["tokens"] for mb in microbatches]).to(device)
         pipeline.train_step(tokens, [mb.get("position_ids") for mb in microbatches], loss_fn)

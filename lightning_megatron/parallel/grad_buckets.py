@@ -179,7 +179,7 @@ class GradBucketReducer:
             return
         self._expected = None
         for bucket in self.buckets[self._next:]:
-            self._launch(bucket, 1)   # the schedule has divided these gradients itself
+            self._launch(bucket, 1)
         self._next = len(self.buckets)
         for bucket in self.buckets:
             if bucket.work is None:

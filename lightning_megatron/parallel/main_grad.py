@@ -224,6 +224,32 @@ class MainParams:
         for p in self.params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+        mine = {id(p) for p in self.params}
+        for owner in module.modules():   # weights loaded in the compute view become the main parameters
+            if any(id(p) in mine for p in owner.parameters(recurse=False)):
+                self._hooks.append(owner.register_load_state_dict_post_hook(self._loaded))
+
+    # ------------------------------------------------------------------ weights written from outside
+    def _loaded(self, owner: nn.Module, _incompatible: Any) -> None:
+        """``load_state_dict`` post-hook of a module owning parameters: in the compute view the load wrote the bf16
+        copies, so they become the main parameters (remainders zero), or the next optimizer step would write the
+        old main parameters back over them. In the main view the load wrote the main parameters themselves."""
+        if not self.in_main_view:
+            self.adopt_compute_copies([p for p in owner.parameters(recurse=False) if id(p) in self._where])
+
+    @torch.no_grad()
+    def adopt_compute_copies(self, params: Optional[List[nn.Parameter]] = None) -> None:
+        """Make the bf16 compute copies of ``params`` (default: all) their main parameters, after something wrote the
+        copies in the compute view (``p.copy_(...)``, ``load_state_dict``): fp32 main parameter = the bf16 value
+        (with remainders: remainder 0). Writing in :meth:`main_view` instead keeps the written fp32 values whole."""
+        if self.in_main_view:
+            raise RuntimeError("adopt_compute_copies() in the main view: the parameters hold their fp32 main values "
+                               "there already; call it after writing the bf16 copies in the compute view")
+        for p in self.params if params is None else params:
+            if id(p) in self._remainder:
+                self._remainder[id(p)].zero_()
+            else:
+                self._main[id(p)].copy_(self._compute[id(p)])
 
     # ------------------------------------------------------------------ gradients
     def _grad_view(self, p: Tensor) -> Tensor:
@@ -234,6 +260,27 @@ class MainParams:
         if bucket.grad is None:
             bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
         return _slot(bucket.grad, offset, p)
+
+    def take_weight_grads(self, params: List[nn.Parameter]) -> None:
+        """The gradients a backward route wrote into ``p.grad`` without the post-accumulate hook (the zero-bubble
+        pipeline schedules' separate weight-gradient pass assigns or adds ``weight.grad`` itself): moved into the
+        main gradients as the hook would have (:meth:`_accumulate`), once per micro-batch, so they accumulate in
+        fp32. Parameters without a waiting gradient are left alone."""
+        if self.in_main_view:
+            return
+        for p in params:
+            if p.grad is not None and id(p) in self._where:
+                self._accumulate(p)
+
+    def _check_no_stray_grads(self) -> None:
+        """Raise RuntimeError when a parameter still holds a compute-view gradient at the end of the backward: a
+        gradient route that bypassed :meth:`_accumulate` (it would otherwise be dropped by :meth:`to_main`)."""
+        stray = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if stray:
+            raise RuntimeError(
+                f"{len(stray)} bf16 parameter(s) (first: index {stray[0]}, shape {tuple(self.params[stray[0]].shape)}) "
+                "hold a gradient the fp32 main-gradient hook never saw: a backward route wrote p.grad directly. "
+                "Hand such gradients to MainParams.take_weight_grads after each micro-batch")
 
     def start_step(self, direct: bool) -> None:
         """Before a step's first backward: whether its gradients stay as the backward leaves them (``direct``: the
@@ -286,6 +333,8 @@ class MainParams:
             for p, grad in self._direct.values():
                 p.grad = grad
             return
+        if not self.in_main_view:
+            self._check_no_stray_grads()
         self.to_main()
 
     def _copy_pending(self, index: int) -> None:

@@ -107,7 +107,10 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, vp: int, schedule: str,
 
 
 def build_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable) -> Any:
-    """The ``torch.distributed.pipelining`` schedule object (grads averaged over micro-batches once)."""
+    """The ``torch.distributed.pipelining`` schedule object. Its own division of ``p.grad`` by the micro-batch count
+    is off (``scale_grads=False``): ``loss_fn`` returns each micro-batch's loss already divided by it, as the plain
+    loop does, so every gradient route (``p.grad``, fp32 main gradients moved out of ``p.grad`` by a hook, bucketed
+    reductions started in the backward, the zero-bubble schedules' separate weight gradients) sees the same scale."""
     from torch.distributed import pipelining as P
 
     classes = {
@@ -120,8 +123,8 @@ def build_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Ca
         raise ValueError(f"pipeline_schedule={schedule!r} needs a newer torch (no ScheduleDualPipeV in {torch.__version__})")
     try:
         if schedule in SINGLE_STAGE_SCHEDULES:
-            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     except (ValueError, RuntimeError, AssertionError) as e:
         raise ValueError(
             f"pipeline_schedule={schedule!r} cannot run {n_microbatches} micro-batches per step on these stages "
@@ -155,11 +158,16 @@ class PipelineRunner:
         stage_indices: their global stage indices; ``num_stages``: ``pp*vp``.
         pp_group: the pipeline group; ``pp_ranks``: its global ranks (index = pipeline rank).
         schedule: a name in :data:`SCHEDULE_NAMES`; ``device``: where activations live.
+        weight_grad_sink: called with a stage's parameters after each of its separate weight-gradient passes (the
+            zero-bubble schedules' ``backward_weight_one_chunk``, which writes ``weight.grad`` without the
+            parameters' post-accumulate hooks); e.g. :meth:`~lightning_megatron.parallel.main_grad.MainParams.
+            take_weight_grads`, so that every schedule's gradients reach the fp32 main gradients per micro-batch.
     """
 
     def __init__(self, stage_modules: List[PipelineStageModule],
                  stage_indices: List[int], num_stages: int, pp_group: dist.ProcessGroup, pp_ranks: List[int],
-                 schedule: str, device: torch.device, v_shape: bool) -> None:
+                 schedule: str, device: torch.device, v_shape: bool,
+                 weight_grad_sink: Optional[Callable[[List[nn.Parameter]], None]] = None) -> None:
         self.stage_modules = stage_modules
         self.stage_indices, self.num_stages = stage_indices, num_stages
         self.pp_group, self.pp_ranks = pp_group, pp_ranks
@@ -170,8 +178,23 @@ class PipelineRunner:
         self._loss_fn: Optional[Callable] = None
         self._position_ids: List[Optional[Tensor]] = []
         self._forward_counts = [0] * len(stage_modules)
+        self.weight_grad_sink = weight_grad_sink
         for i, module in enumerate(stage_modules):
             module.position_ids = self._position_provider(i)
+
+    def _route_weight_grads(self, stage: Any, module: nn.Module) -> None:
+        """After each separate weight-gradient pass of ``stage``, hand ``module``'s parameters to the sink."""
+        sink = self.weight_grad_sink
+        if sink is None:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        backward_weight = stage.backward_weight_one_chunk
+
+        def backward_weight_then_sink(bwd_chunk_id: int, last_backward: bool = False) -> None:
+            backward_weight(bwd_chunk_id, last_backward=last_backward)
+            sink(params)
+
+        stage.backward_weight_one_chunk = backward_weight_then_sink
 
     # ---- placement
     def holder(self, global_stage: int) -> int:
@@ -221,8 +244,9 @@ class PipelineRunner:
                     PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
                     for module, index in zip(self.stage_modules, self.stage_indices)
                 ]
-                for stage in self._pipeline_stages:
+                for stage, module in zip(self._pipeline_stages, self.stage_modules):
                     _skip_self_init_p2p(stage)
+                    self._route_weight_grads(stage, module)
             self._schedules[n_microbatches] = build_schedule(
                 self.schedule_name, self._pipeline_stages, n_microbatches, self._call_loss
             )
@@ -236,8 +260,8 @@ class PipelineRunner:
                    loss_fn: Callable[[Tensor, int], Tensor]) -> None:
         """Forward and backward of all micro-batches (``tokens [M*b, s]``, M = ``len(position_ids)``).
 
-        ``loss_fn(last-stage output, microbatch index)`` returns the loss to differentiate; the schedule
-        divides gradients by M once.
+        ``loss_fn(last-stage output, microbatch index)`` returns the loss to differentiate, already divided by M (the
+        schedule does not scale gradients, see :func:`build_schedule`).
         """
         n = len(position_ids)
         b = tokens.shape[0] // n
@@ -348,6 +372,9 @@ class PipelineStages:
                  model: nn.Module, tied_embeddings: bool) -> None:
         self.modules, self.indices, self.num_stages, self.schedule = modules, indices, num_stages, schedule
         self.model, self.tied_embeddings = model, tied_embeddings
+        #: handed to every :class:`PipelineRunner` of these stages (see its ``weight_grad_sink``); set by
+        #: :func:`lightning_megatron.parallelize` when the parameters have fp32 main gradients
+        self.weight_grad_sink: Optional[Callable[[List[nn.Parameter]], None]] = None
 
     @property
     def v_shape(self) -> bool:
@@ -369,7 +396,7 @@ class PipelineStages:
     def runner(self, pp_group: dist.ProcessGroup, pp_ranks: List[int], device: torch.device) -> "PipelineRunner":
         """The :class:`PipelineRunner` of these stages over ``pp_group``."""
         return PipelineRunner(self.modules, self.indices, self.num_stages, pp_group, pp_ranks, self.schedule,
-                              device, self.v_shape)
+                              device, self.v_shape, self.weight_grad_sink)
 
 
 def split_pipeline(model: nn.Module, pp_rank: int, config: Any,

@@ -1,0 +1,114 @@
+"""The sharp tier for every precision recipe: plain SGD and the final weights, one process as the oracle.
+
+AdamW divides a gradient by its own scale and clipping hides a global factor, so a gradient ``M`` times too large
+passes an AdamW parity test (it did: bf16 parameters under pp, where the schedule's division by the micro-batch
+count never reached the fp32 main gradients). Here each recipe trains with plain SGD (no momentum, no weight
+decay, no clipping): after the steps every weight has moved by ``-lr`` times its summed gradients, so a gradient
+wrong by any factor moves the weight change by that factor. Each layout's weight change is compared with one
+process running the same recipe (the same ``MegatronPrecision``, the same seeded weights and data, the real
+Trainer) by ``||change - change_ref|| / ||change_ref||`` per parameter.
+
+Recipes: fp32 parameters under bf16 autocast; bf16 parameters (fp32 main parameters and gradients); bf16
+parameters with the main parameters as remainders; FP8 (hybrid, delayed scaling, torch backend) with bf16
+parameters. Layouts: dp2, dp2 with the distributed optimizer, tp2 + SP, pp2 (1F1B, interleaved and the zero-bubble
+schedules, several micro-batches), cp2 and ep2.
+
+Bounds (the recipe's own rounding): the layouts differ from one process by bf16 round-off of partial sums (a
+row-parallel GEMM rounds each rank's part before the reduction, a data-parallel sum adds in another order) and FP8
+by its quantisation; the pipeline layouts change no operation and match exactly (0.0). Measured worst parameter of
+any layout (torch 2.13, CPU): fp32 parameters 6.3e-3 (tp2 + SP), bf16 parameters 8.2e-3, with remainders 9.0e-3,
+FP8 9.0e-2 (tp2 + SP). Before the fix, bf16 parameters under pp2 gave 2.1 (2 micro-batches), 6.5 (4) and 7.1
+(zbv): a gradient ``M`` times too large, or lost, lands at 1 and above.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Dict, Optional
+
+import pytest
+import torch
+
+from tests._dist import run_distributed, run_each
+from tests.parity import make_samples, plugin_layout_run, tiny_config, weight_change_errors
+
+STEPS = 2
+LR = 0.5
+
+FP32_PARAMS = dict(precision="bf16-mixed")
+BF16_PARAMS = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
+BF16_PARAMS_REM = dict(BF16_PARAMS, store_param_remainders=True)
+FP8_BF16_PARAMS = dict(BF16_PARAMS, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
+                       fp8_amax_compute_algo="max", fp8_backend="torch")
+RECIPES: Dict[str, Dict[str, Any]] = {"fp32p": FP32_PARAMS, "bf16p": BF16_PARAMS, "bf16p-rem": BF16_PARAMS_REM,
+                                      "fp8-bf16p": FP8_BF16_PARAMS}
+
+DENSE = dict(num_query_groups=4)
+DEEP = dict(num_query_groups=4, num_layers=4)
+MOE = dict(num_query_groups=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+           moe_aux_loss_coeff=1e-2)
+
+#: name: (strategy kwargs, config overrides, micro-batches per step); 2 processes each, micro-batch 2 per rank
+LAYOUTS: Dict[str, tuple] = {
+    "dp2": (dict(), DENSE, 2),
+    "dp2-distopt": (dict(use_distributed_optimizer=True), DENSE, 2),
+    "tp2-sp": (dict(tp=2, sequence_parallel=True), DENSE, 2),
+    "pp2-1f1b-m2": (dict(pp=2), DENSE, 2),
+    "pp2-1f1b-m4": (dict(pp=2), DENSE, 4),
+    "pp2-vp2-interleaved": (dict(pp=2, vp=2), DEEP, 4),
+    "pp2-vp2-interleaved-zero-bubble": (dict(pp=2, vp=2, pipeline_schedule="interleaved_zero_bubble"), DEEP, 4),
+    "pp2-zbv": (dict(pp=2, vp=2, pipeline_schedule="zbv"), DEEP, 4),
+    "pp2-dualpipev": (dict(pp=2, vp=2, pipeline_schedule="dualpipev"), DEEP, 4),
+    "cp2": (dict(cp=2), DENSE, 2),
+    "ep2": (dict(ep=2), MOE, 2),
+}
+
+#: relative weight-change error allowed per recipe (measured worst x 3-4; see the module docstring)
+BOUNDS = {"fp32p": 0.03, "bf16p": 0.03, "bf16p-rem": 0.03, "fp8-bf16p": 0.3}
+
+
+def _model_parallel(kwargs: Dict[str, Any]) -> int:
+    size = 1
+    for name in ("tp", "pp", "cp"):
+        size *= kwargs.get(name, 1)
+    return size
+
+
+def _case_args(layout: str, recipe: str, world: int) -> tuple:
+    kwargs, overrides, accumulate = LAYOUTS[layout]
+    cfg = tiny_config(**overrides)
+    per_rank = 2 if world == 2 else 2 * (2 // _model_parallel(kwargs))   # the same global batch as the layout
+    samples = make_samples(cfg, STEPS * accumulate * 4)
+    return (cfg, kwargs if world == 2 else {}, RECIPES[recipe], samples, per_rank, accumulate, None, STEPS, "cpu",
+            "sgd")
+
+
+def _reference_key(layout: str, recipe: str) -> str:
+    """The one-process run a layout compares with: same model, data, global batch, micro-batches and recipe."""
+    kwargs, overrides, accumulate = LAYOUTS[layout]
+    return f"{recipe}/{sorted(overrides.items())}/mb{2 * (2 // _model_parallel(kwargs))}/acc{accumulate}"
+
+
+@lru_cache(maxsize=None)
+def _runs() -> Dict[str, Any]:
+    cases = [(f"{recipe}/{layout}", _case_args(layout, recipe, 2)) for recipe in RECIPES for layout in LAYOUTS]
+    refs = {}
+    for recipe in RECIPES:
+        for layout in LAYOUTS:
+            refs.setdefault(_reference_key(layout, recipe), _case_args(layout, recipe, 1))
+    one = run_distributed(run_each, 1, plugin_layout_run, list(refs.items()))[0]
+    two = run_distributed(run_each, 2, plugin_layout_run, cases)[0]
+    return {"one": one, "two": two}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_under_layout_matches_one_process_with_sgd(recipe: str, layout: str) -> None:
+    runs = _runs()
+    result = runs["two"][f"{recipe}/{layout}"]
+    ref = runs["one"][_reference_key(layout, recipe)]
+    assert not isinstance(result, str), result
+    assert not isinstance(ref, str), ref
+    errors = weight_change_errors(result, ref)
+    worst = max(errors, key=errors.get)
+    print(f"\n{recipe} {layout}: worst relative weight-change error {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= BOUNDS[recipe], {k: f"{v:.2e}" for k, v in errors.items() if v > BOUNDS[recipe]}
