@@ -15,6 +15,11 @@ weights stay float32 (master weights) too. Three quantities are compared:
 - the final weights after 3 AdamW steps. AdamW's first steps move each weight by about ``lr * sign(grad)``, so
   a weight whose gradient is near zero flips with any round-off: the weight error is the loosest of the three,
   and the gradients are the sharp check of the gradient path.
+
+The precision is asked for as a Lightning user does: Lightning's own ``MixedPrecision`` plugin, the one
+``Trainer(precision="16-mixed" | "bf16-mixed")`` builds (on CPU Lightning turns the string ``"16-mixed"`` into bf16,
+so the tests pass the plugin). ``MegatronStrategy`` runs it as ``MegatronPrecision`` of the same name: fp16 under
+pp = 2, and an overflow on one tensor-parallel rank skipping the step on every rank, work as with that plugin.
 """
 from __future__ import annotations
 
@@ -100,6 +105,7 @@ def precision_run(rank: int, world: int, cfg, strategy_kwargs: Dict[str, Any], s
                           plugins=precision_plugins(precision))
     trainer.fit(module, DataLoader(ListDataset(samples), batch_size=MICRO_BATCH, shuffle=False))
     state = trainer.strategy.lightning_module_state_dict()
+    assert type(trainer.precision_plugin).__name__ == "MegatronPrecision", trainer.precision_plugin
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {"losses": recorder.losses, "grads": grads.grads, "state": state if rank == 0 else None,
             "scale": scaler.get_scale() if scaler is not None else None, "compute_dtype": dtype.dtype}
@@ -130,16 +136,7 @@ CASES = {
     "fp16-tp2-sp": (2, dict(tp=2, sequence_parallel=True), dict(num_query_groups=4), "16-mixed", (5e-6, 3e-3, 1.5e-2)),
     "fp16-pp2": (2, dict(pp=2), {}, "16-mixed", (5e-6, 2e-3, 2e-3)),
 }
-BROKEN = {
-    "fp16-pp2": pytest.mark.xfail(strict=True, reason=(
-        "fp16 under pp > 1 fails at the first optimizer step ('Attempted unscale_ but _scale is None'): the "
-        "pipeline schedule backpropagates its own loss (MegatronStrategy._pipeline_train_step's loss_fn) and "
-        "Lightning's backward, where MixedPrecision.pre_backward scales the loss, is skipped; the scaler then "
-        "unscales gradients it never scaled")),
-}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=BROKEN.get(c, ())) for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_mixed_precision_matches_single_process(case):
     world, kwargs, overrides, precision, (loss_band, grad_band, weight_band) = CASES[case]
     cfg = tiny_config(**overrides)
@@ -190,10 +187,6 @@ def overflow_run(rank: int, world: int, cfg, strategy_kwargs: Dict[str, Any], sa
             "scale": trainer.precision_plugin.scaler.get_scale()}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fp16 found-inf is not reduced over the model-parallel ranks: Lightning's MixedPrecision.optimizer_step calls "
-    "GradScaler.unscale_ / step per rank, so the rank whose TP shard overflowed skips the step and halves its scale "
-    "while its TP peer steps and keeps its scale (Megatron all-reduces found_inf over the model-parallel group)"))
 def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank():
     cfg = tiny_config(num_query_groups=4)
     samples = make_samples(cfg, ACCUMULATE * MICRO_BATCH)

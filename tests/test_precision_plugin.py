@@ -1,4 +1,5 @@
-"""MegatronPrecision: every argument validated; the plugin works with MegatronStrategy through the Trainer; fp16's
+"""MegatronPrecision: every argument validated; the plugin works with MegatronStrategy through the Trainer, and
+Lightning's precision strings with MegatronStrategy mean the MegatronPrecision of the same name; fp16's
 dynamic loss scaling under tp2 and pp2 skips the same step on every rank when only one rank's gradients overflow
 (the found-inf flag is reduced over all ranks) and halves the loss scale everywhere; the MoE aux-loss gradient
 gets the loss scale too."""
@@ -20,7 +21,8 @@ from tests.parity import SEED, ListDataset, collate, make_samples, new_module, t
 # ---------------------------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(precision="bf16-true"), "precision must be one of 'bf16-mixed', '16-mixed', '32-true'"),
-    (dict(precision="bf16-true"), "pass Lightning's own Trainer(precision='bf16-true') without this plugin"),
+    (dict(precision="bf16-true"), "fp32 main parameters behind bf16 ones: MegatronPrecision('bf16-mixed', "
+                                  "params_dtype=torch.bfloat16)"),
     (dict(precision="fp8"), "precision must be one of"),
     (dict(fp8="e5m2"), "fp8='e5m2'): fp8 must be None, 'e4m3' or 'hybrid'"),
     (dict(fp8="hybrid", fp8_recipe="bogus"), "fp8_recipe='bogus'): must be one of 'delayed', 'tensorwise', 'rowwise'"),
@@ -94,6 +96,46 @@ def test_the_trainer_takes_it_with_the_strategy():
         assert seen.scale == scale and (plugin.scaler is not None) == (precision == "16-mixed")
     with pytest.raises(Exception, match="Received both `precision="):
         pl.Trainer(strategy=MegatronStrategy(), precision="bf16-mixed", plugins=[MegatronPrecision()])
+
+
+def test_lightning_precision_strings_mean_megatron_precision():
+    """``Trainer(precision="bf16-mixed" | "16-mixed")`` (Lightning's ``MixedPrecision``, also passed as a plugin) with
+    ``MegatronStrategy`` runs as ``MegatronPrecision`` of the same name, with its defaults; on CPU Lightning itself
+    turns ``"16-mixed"`` into bf16 before the strategy sees it. ``"bf16-true"`` / ``"16-true"`` (half-precision weights
+    without fp32 main parameters) are refused before anything starts, naming the ``MegatronPrecision`` to use, and so
+    is a ``GradScaler`` with settings of its own. Other precisions and other plugins stay as given; other strategies
+    keep Lightning's plugins."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision
+
+    def plugin_of(**kwargs):
+        return pl.Trainer(accelerator="cpu", devices=2, strategy=MegatronStrategy(), logger=False, **kwargs) \
+            .precision_plugin
+
+    for precision, want in (("bf16-mixed", "bf16-mixed"), ("16-mixed", "bf16-mixed")):
+        plugin = plugin_of(precision=precision)
+        assert isinstance(plugin, MegatronPrecision) and plugin.precision == want, plugin
+    for precision in ("16-mixed", "bf16-mixed"):
+        plugin = plugin_of(plugins=[MixedPrecision(precision, "cpu")])
+        assert isinstance(plugin, MegatronPrecision) and plugin.precision == precision, plugin
+        assert (plugin.initial_loss_scale, plugin.loss_scale_window) == (2.0 ** 16, 1000)   # Megatron's defaults
+    assert pl.Trainer(accelerator="cpu", devices=2, strategy="megatron", precision="bf16-mixed",
+                      logger=False).precision_plugin.__class__ is MegatronPrecision
+    own = MegatronPrecision("16-mixed", initial_loss_scale=128.0)
+    assert plugin_of(plugins=[own]) is own
+    assert type(plugin_of(precision="32-true")).__name__ == "Precision"
+    assert isinstance(plugin_of(precision="64-true"), DoublePrecision)
+    assert type(pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", precision="bf16-mixed",
+                           logger=False).precision_plugin) is MixedPrecision
+    for precision, use in (("bf16-true", "MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16)"),
+                           ("16-true", "MegatronPrecision('16-mixed')")):
+        with pytest.raises(ValueError, match=rf"Trainer\(precision='{precision}'\) with MegatronStrategy: "
+                                             r"Lightning's HalfPrecision") as exc:
+            plugin_of(precision=precision)
+        assert use in str(exc.value), str(exc.value)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    with pytest.raises(ValueError, match=r"the scaler's own settings \(init_scale=1024.0, growth_interval=100\) "
+                                         r"would be lost.*MegatronPrecision\('16-mixed', initial_loss_scale="):
+        plugin_of(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
 
 
 # ---------------------------------------------------------------------------------------------- fp16 overflow

@@ -315,7 +315,12 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "fp8_recipe='mxfp8' needs fp8_backend='te'"),
     (["--fp8-format", "hybrid", "--first-last-layers-bf16"], "does not work with fp8_recipe='delayed'"),
     (["--fp8-format", "e4m3", "--fp8-hybrid"], "--fp8-hybrid contradicts --fp8-format e4m3"),
-    (["--fp8-format", "hybrid", "--precision", "bf16-true"], "MegatronPrecision keeps fp32 parameters"),
+    (["--fp8-format", "hybrid", "--precision", "bf16-true"], "--precision bf16-true: half-precision weights without "
+                                                             "fp32 main parameters"),
+    (["--precision", "bf16-true"], "use --bf16 (fp32 parameters, bf16 compute) or --bf16 "
+                                   "--accumulate-allreduce-grads-in-fp32"),
+    (["--precision", "16-true"], "--precision 16-true: half-precision weights without fp32 main parameters (no "
+                                 "Megatron recipe keeps them; MegatronStrategy refuses them); use --fp16"),
     (["--bf16", "--initial-loss-scale", "1024"], "apply to precision='16-mixed' only"),
     (["--fp16", "--accumulate-allreduce-grads-in-fp32"], "bf16 parameters need precision='bf16-mixed'"),
     (["--bf16", "--store-param-remainders"], "complete bf16 parameters to their fp32 main parameters"),
@@ -355,7 +360,6 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0"),
     (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype needs --use-precision-aware-optimizer"),
-    (["--apply-layernorm-1p", "--precision", "bf16-true"], "--apply-layernorm-1p with --precision bf16-true"),
     (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "--decoupled-min-lr 0.001 is larger than"),
 ])
 def test_bad_combinations_exit_before_launch(capsys, argv, needle):
@@ -609,7 +613,7 @@ CASES = [
     (GPT_DATA, ["--seed", "7"], {"GPTDataModule.seed": 7}),
     ([], ["--bf16"], {"MegatronPrecision.precision": "bf16-mixed"}),
     ([], ["--fp16"], {"MegatronPrecision.precision": "16-mixed"}),
-    ([], ["--precision", "bf16-true"], {"Trainer.precision": "bf16-true"}),
+    ([], ["--precision", "64-true"], {"Trainer.precision": "64-true"}),
     (["--fp8-format", "hybrid"], ["--precision", "bf16-mixed"], {"MegatronPrecision.precision": "bf16-mixed"}),
     (["--fp16"], ["--initial-loss-scale", "1024"], {"MegatronPrecision.initial_loss_scale": 1024.0}),
     (["--fp16"], ["--loss-scale-window", "100"], {"MegatronPrecision.loss_scale_window": 100}),

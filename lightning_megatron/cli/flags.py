@@ -395,7 +395,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                       "accepted)", type=float, default=None)
     add_accepted_flag(g, "--apply-layernorm-1p", "norm weights stay fp32 and, as in Megatron, get no weight decay, "
                       "so storing them as scale - 1 would train the same up to fp32 rounding; they are stored as the "
-                      "scale (refused with a bf16-true / 16-true --precision)", action="store_true")
+                      "scale", action="store_true")
     add_accepted_flag(g, "--cross-entropy-loss-fusion", "the vocabulary-parallel cross entropy is already one "
                       "autograd function over the logit shards (no separate unfused path)", action="store_true")
     add_accepted_flag(g, "--calculate-per-token-loss", "without a loss mask every micro-batch counts the same "

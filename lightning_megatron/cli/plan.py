@@ -199,10 +199,6 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     if args.save_interval is not None and not args.save:
         raise FlagError("--save-interval needs --save")
     precision = _precision(args)
-    if args.apply_layernorm_1p and precision in ("bf16-true", "16-true", "bf16", "16", "half"):
-        raise FlagError(f"--apply-layernorm-1p with --precision {precision}: the norm weights would be half-precision "
-                        "scales near 1, where zero-centred storage (not implemented) keeps precision; use a -mixed "
-                        "precision (fp32 weights) or drop --apply-layernorm-1p")
     precision_kwargs = _precision_kwargs(args, precision)
     plugin = None
     if precision_kwargs is not None:
@@ -505,6 +501,14 @@ def _callback_kwargs(args: argparse.Namespace, micro_batches: int) -> Dict[str, 
     return out
 
 
+#: Lightning's half-precision-weight strings, refused (as ``MegatronStrategy`` refuses them), and the flags to use
+HALF_WEIGHTS = {
+    "bf16-true": "--bf16 (fp32 parameters, bf16 compute) or --bf16 --accumulate-allreduce-grads-in-fp32 (bf16 "
+                 "parameters with fp32 main parameters: Megatron's bf16)",
+    "16-true": "--fp16 (fp32 parameters, fp16 compute, a loss scaler shared by all ranks)",
+}
+
+
 def _precision(args: argparse.Namespace) -> str:
     if args.bf16 and args.fp16:
         raise FlagError("--bf16 and --fp16 are mutually exclusive")
@@ -512,6 +516,9 @@ def _precision(args: argparse.Namespace) -> str:
     if precision and args.precision and args.precision != precision:
         raise FlagError(f"--{'bf16' if args.bf16 else 'fp16'} means --precision {precision}, "
                         f"but --precision {args.precision} was given")
+    if args.precision in HALF_WEIGHTS:
+        raise FlagError(f"--precision {args.precision}: half-precision weights without fp32 main parameters (no "
+                        f"Megatron recipe keeps them; MegatronStrategy refuses them); use {HALF_WEIGHTS[args.precision]}")
     return precision or args.precision or "32-true"
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Optional, Unio
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
@@ -109,8 +109,8 @@ class MegatronPrecision(MixedPrecision):
         if precision not in PRECISIONS:
             hint = ""
             if precision in ("bf16", "bf16-true", "16", "16-true", "fp16", "32", "fp32"):
-                hint = ("; MegatronPrecision keeps fp32 parameters (use 'bf16-mixed' or '16-mixed'), or pass "
-                        f"Lightning's own Trainer(precision={precision!r}) without this plugin")
+                hint = ("; MegatronPrecision keeps fp32 parameters (use 'bf16-mixed' or '16-mixed'), or fp32 main "
+                        "parameters behind bf16 ones: MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16)")
             raise ValueError(f"MegatronPrecision(precision={precision!r}): precision must be one of "
                              f"{', '.join(repr(p) for p in PRECISIONS)}{hint}")
         if fp8 is not None and fp8 not in FP8_FORMATS:
@@ -342,4 +342,50 @@ class MegatronPrecision(MixedPrecision):
         return f"MegatronPrecision({self.precision!r}{params}{fp8})"
 
 
-__all__ = ["MegatronPrecision", "PRECISIONS"]
+#: what ``torch.amp.GradScaler()`` starts with; a Lightning ``MixedPrecision`` scaler with other settings was built by
+#: the user and is not replaced silently (:func:`megatron_precision_for`)
+_DEFAULT_SCALER = {"_init_scale": 2.0 ** 16, "_growth_factor": 2.0, "_backoff_factor": 0.5, "_growth_interval": 2000,
+                   "_enabled": True}
+
+
+def megatron_precision_for(plugin: Optional[Precision]) -> Optional[Precision]:
+    """The precision plugin :class:`~lightning_megatron.MegatronStrategy` runs with when Lightning hands it
+    ``plugin`` (built from ``Trainer(precision=...)``, or given in ``plugins``).
+
+    * Lightning's own ``MixedPrecision`` (``"16-mixed"`` / ``"bf16-mixed"``, the plugin of those strings): the
+      :class:`MegatronPrecision` of the same name, whose fp16 loss scaler works under every layout (the loss scaled
+      inside the pipeline schedule, the found-inf flag reduced over all ranks). Lightning's plugin scales the loss in
+      a backward the step path does not run, and checks for overflow per process.
+    * Lightning's ``HalfPrecision`` (``"bf16-true"`` / ``"16-true"``: half-precision weights without fp32 main
+      parameters): refused (ValueError naming the ``MegatronPrecision`` to use).
+    * Anything else (``MegatronPrecision``, ``"32-true"``, ``"64-true"``, a subclass of Lightning's plugins): as it is.
+
+    Raises:
+        ValueError: ``HalfPrecision``; a ``MixedPrecision`` with a ``GradScaler`` of its own settings (pass them to
+            ``MegatronPrecision("16-mixed", initial_loss_scale=..., loss_scale_window=...)``).
+    """
+    if isinstance(plugin, HalfPrecision):
+        use = ("Trainer(plugins=[MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16)]) (bf16 parameters with "
+               "fp32 main parameters and gradients: Megatron's --bf16) or Trainer(precision='bf16-mixed') (fp32 "
+               "parameters, bf16 compute)") if plugin.precision == "bf16-true" else (
+            "Trainer(plugins=[MegatronPrecision('16-mixed')]) (fp16 compute, fp32 parameters, a loss scaler shared "
+            "by all ranks)")
+        raise ValueError(f"Trainer(precision={plugin.precision!r}) with MegatronStrategy: Lightning's "
+                         f"{type(plugin).__name__} keeps weights and optimizer states in half precision without fp32 "
+                         f"main parameters, which no Megatron recipe does; use {use}")
+    if type(plugin) is not MixedPrecision:
+        return plugin
+    scaler = plugin.scaler
+    if scaler is not None:
+        own = {name: getattr(scaler, name, default) for name, default in _DEFAULT_SCALER.items()
+               if getattr(scaler, name, default) != default}
+        if own:
+            raise ValueError(f"MixedPrecision({plugin.precision!r}, scaler=GradScaler(...)) with MegatronStrategy: the "
+                             f"scaler's own settings ({', '.join(f'{k[1:]}={v!r}' for k, v in own.items())}) would be "
+                             "lost; MegatronStrategy runs fp16 with MegatronPrecision's loss scaler (shared by all "
+                             "ranks): pass plugins=[MegatronPrecision('16-mixed', initial_loss_scale=..., "
+                             "loss_scale_window=...)] instead (doubling and halving the scale, as Megatron)")
+    return MegatronPrecision(plugin.precision)
+
+
+__all__ = ["MegatronPrecision", "PRECISIONS", "megatron_precision_for"]

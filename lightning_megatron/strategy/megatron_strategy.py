@@ -36,7 +36,7 @@ from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
-from lightning_megatron.precision.plugin import MegatronPrecision
+from lightning_megatron.precision.plugin import MegatronPrecision, megatron_precision_for
 from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
@@ -119,6 +119,19 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self._sharded_io: Optional[Any] = None
         self.skipped_steps: int = 0   # steps dropped by check_for_nan_in_loss_and_grad="skip" (logged as such)
         self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin (Lightning's ``Precision()``, fp32, when none was given)."""
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Lightning's precision strings mean what :class:`MegatronPrecision` of the same name means:
+        ``Trainer(precision="16-mixed" | "bf16-mixed")`` (Lightning's ``MixedPrecision``) becomes
+        ``MegatronPrecision("16-mixed" | "bf16-mixed")``; ``"bf16-true"`` / ``"16-true"`` are refused with the
+        ``MegatronPrecision`` to use (:func:`~lightning_megatron.precision.plugin.megatron_precision_for`)."""
+        self._precision_plugin = megatron_precision_for(plugin)
 
     @property
     def pipeline_schedule(self) -> str:
