@@ -93,6 +93,27 @@ def check_token_ids(batch: Any, vocab_size: int) -> None:
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
 
+def gpt_config_of(config: Any) -> GPTConfig:
+    """``config`` as a :class:`GPTConfig`: itself, or built from its :meth:`GPTConfig.to_dict` mapping (the form the
+    hyper-parameters and checkpoints hold it in, so ``ParallelGPTModule.load_from_checkpoint(path)`` rebuilds the
+    module from a checkpoint's ``hyper_parameters``).
+
+    Raises:
+        ValueError: a mapping that is not a valid ``GPTConfig`` (an unknown or invalid field, named).
+        TypeError: anything else.
+    """
+    if isinstance(config, GPTConfig):
+        return config
+    if isinstance(config, Mapping):
+        try:
+            return GPTConfig(**dict(config))
+        except TypeError as e:
+            raise ValueError(f"config (a mapping of GPTConfig fields, e.g. a checkpoint's hyper_parameters['config']) "
+                             f"is not a GPTConfig: {e}") from e
+    raise TypeError(f"config={config!r} ({type(config).__name__}) must be a GPTConfig or the dict of its fields "
+                    "(GPTConfig.to_dict())")
+
+
 def check_optimizer_arguments(*, lr: float, min_lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float,
                               adam_eps: float, lr_warmup_iters: int, lr_decay_iters: Optional[int],
                               lr_decay_style: str) -> None:
@@ -126,6 +147,10 @@ class ParallelGPTModule(pl.LightningModule):
     ``[b, s]`` (float, 1 = counted) and ``position_ids`` ``[b, s]``. The loss is the global token-mean over
     the data-parallel (x context-parallel) group: the gradient is exactly that of the mean over all tokens
     of the global micro-batch, and ``train_loss`` / ``val_loss`` are the same value on every rank.
+
+    ``config`` is the model's :class:`GPTConfig`, or the dict of its fields (:meth:`GPTConfig.to_dict`): the
+    hyper-parameters hold it as that dict, so checkpoints carry it and ``ParallelGPTModule.load_from_checkpoint(path)``
+    rebuilds the module (a plain one, full weights on the CPU) from a checkpoint of any layout.
 
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
     no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments, or with
@@ -165,6 +190,7 @@ class ParallelGPTModule(pl.LightningModule):
         exp_avg_sq_dtype: Union[str, torch.dtype] = "fp32",
     ) -> None:
         super().__init__()
+        config = gpt_config_of(config)
         check_optimizer_arguments(lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
                                   adam_beta2=adam_beta2, adam_eps=adam_eps, lr_warmup_iters=lr_warmup_iters,
                                   lr_decay_iters=lr_decay_iters, lr_decay_style=lr_decay_style)
