@@ -253,7 +253,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
         fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
-    main_params = (MainParams(module, params_dtype, config.bucket_size, store_param_remainders)
+    main_params = (MainParams(module, params_dtype, config.bucket_size, store_param_remainders,
+                              expert_params=expert_parameters(module))
                    if params_dtype is not None else None)
     if pipeline is not None and main_params is not None:   # every schedule's weight gradients into the main grads
         pipeline.weight_grad_sink = main_params.take_weight_grads

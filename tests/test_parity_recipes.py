@@ -10,8 +10,11 @@ Trainer) by ``||change - change_ref|| / ||change_ref||`` per parameter.
 
 Recipes: fp32 parameters under bf16 autocast; bf16 parameters (fp32 main parameters and gradients); bf16
 parameters with the main parameters as remainders; FP8 (hybrid, delayed scaling, torch backend) with bf16
-parameters. Layouts: dp2, dp2 with the distributed optimizer, tp2 + SP, pp2 (1F1B, interleaved and the zero-bubble
-schedules, several micro-batches), cp2 and ep2.
+parameters; Megatron's production recipe as one (bf16 parameters as remainders, FP8, the distributed optimizer,
+the overlapped gradient reduction, full recompute), also with the gradients reduced in bf16. Layouts: dp2 (the
+reduction overlapped with the backward, the default, and not), dp2 with the distributed optimizer, tp2 + SP, pp2
+(1F1B, interleaved and the zero-bubble schedules, several micro-batches), cp2, ep2, and on 4 processes pp2 x dp2
+(with and without the overlapped reduction, small buckets) and tp2 x dp2 + SP.
 
 Bounds (the recipe's own rounding): the layouts differ from one process by bf16 round-off of partial sums (a
 row-parallel GEMM rounds each rank's part before the reduction, a data-parallel sum adds in another order) and FP8
@@ -39,17 +42,29 @@ BF16_PARAMS = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
 BF16_PARAMS_REM = dict(BF16_PARAMS, store_param_remainders=True)
 FP8_BF16_PARAMS = dict(BF16_PARAMS, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
                        fp8_amax_compute_algo="max", fp8_backend="torch")
-RECIPES: Dict[str, Dict[str, Any]] = {"fp32p": FP32_PARAMS, "bf16p": BF16_PARAMS, "bf16p-rem": BF16_PARAMS_REM,
-                                      "fp8-bf16p": FP8_BF16_PARAMS}
+#: Megatron's production options (``--use-distributed-optimizer --overlap-grad-reduce --recompute-*``) on top
+PRODUCTION = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, recompute_granularity="full",
+                  recompute_method="uniform", recompute_num_layers=1)
+#: name: (MegatronPrecision kwargs, extra MegatronStrategy kwargs)
+RECIPES: Dict[str, tuple] = {
+    "fp32p": (FP32_PARAMS, {}), "bf16p": (BF16_PARAMS, {}), "bf16p-rem": (BF16_PARAMS_REM, {}),
+    "fp8-bf16p": (FP8_BF16_PARAMS, {}),
+    # bf16 parameters as remainders + FP8 + distributed optimizer + overlapped reduction + full recompute
+    "production": (dict(FP8_BF16_PARAMS, store_param_remainders=True), PRODUCTION),
+    # the same with the gradients communicated in bf16 (Megatron's --grad-reduce-in-bf16)
+    "production-bf16-reduce": (dict(FP8_BF16_PARAMS, store_param_remainders=True),
+                               dict(PRODUCTION, grad_reduce_in_bf16=True)),
+}
 
 DENSE = dict(num_query_groups=4)
 DEEP = dict(num_query_groups=4, num_layers=4)
 MOE = dict(num_query_groups=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
            moe_aux_loss_coeff=1e-2)
 
-#: name: (strategy kwargs, config overrides, micro-batches per step); 2 processes each, micro-batch 2 per rank
+#: name: (strategy kwargs, config overrides, micro-batches per step[, processes: 2]); micro-batch 2 per rank
 LAYOUTS: Dict[str, tuple] = {
     "dp2": (dict(), DENSE, 2),
+    "dp2-no-overlap": (dict(overlap_grad_reduce=False), DENSE, 2),
     "dp2-distopt": (dict(use_distributed_optimizer=True), DENSE, 2),
     "tp2-sp": (dict(tp=2, sequence_parallel=True), DENSE, 2),
     "pp2-1f1b-m2": (dict(pp=2), DENSE, 2),
@@ -60,10 +75,14 @@ LAYOUTS: Dict[str, tuple] = {
     "pp2-dualpipev": (dict(pp=2, vp=2, pipeline_schedule="dualpipev"), DEEP, 4),
     "cp2": (dict(cp=2), DENSE, 2),
     "ep2": (dict(ep=2), MOE, 2),
+    "pp2xdp2": (dict(pp=2, bucket_size=3000), DENSE, 2, 4),
+    "pp2xdp2-overlap": (dict(pp=2, overlap_grad_reduce=True, bucket_size=3000), DENSE, 2, 4),
+    "tp2xdp2-sp": (dict(tp=2, sequence_parallel=True), DENSE, 2, 4),
 }
 
 #: relative weight-change error allowed per recipe (measured worst x 3-4; see the module docstring)
-BOUNDS = {"fp32p": 0.03, "bf16p": 0.03, "bf16p-rem": 0.03, "fp8-bf16p": 0.3}
+BOUNDS = {"fp32p": 0.03, "bf16p": 0.03, "bf16p-rem": 0.03, "fp8-bf16p": 0.3, "production": 0.3,
+          "production-bf16-reduce": 0.3}
 
 
 def _model_parallel(kwargs: Dict[str, Any]) -> int:
@@ -73,38 +92,51 @@ def _model_parallel(kwargs: Dict[str, Any]) -> int:
     return size
 
 
+def _world(layout: str) -> int:
+    return LAYOUTS[layout][3] if len(LAYOUTS[layout]) > 3 else 2
+
+
+def _global_batch(layout: str) -> int:
+    return 2 * (_world(layout) // _model_parallel(LAYOUTS[layout][0]))
+
+
 def _case_args(layout: str, recipe: str, world: int) -> tuple:
-    kwargs, overrides, accumulate = LAYOUTS[layout]
+    """``plugin_layout_run``'s arguments: the layout's on its processes, or (``world=1``) one process with the
+    same global batch."""
+    kwargs, overrides, accumulate = LAYOUTS[layout][:3]
+    precision, extra = RECIPES[recipe]
     cfg = tiny_config(**overrides)
-    per_rank = 2 if world == 2 else 2 * (2 // _model_parallel(kwargs))   # the same global batch as the layout
-    samples = make_samples(cfg, STEPS * accumulate * 4)
-    return (cfg, kwargs if world == 2 else {}, RECIPES[recipe], samples, per_rank, accumulate, None, STEPS, "cpu",
-            "sgd")
+    per_rank = 2 if world > 1 else _global_batch(layout)
+    samples = make_samples(cfg, STEPS * accumulate * _global_batch(layout))
+    strategy = dict(kwargs, **extra) if world > 1 else dict(extra)
+    return (cfg, strategy, precision, samples, per_rank, accumulate, None, STEPS, "cpu", "sgd")
 
 
 def _reference_key(layout: str, recipe: str) -> str:
     """The one-process run a layout compares with: same model, data, global batch, micro-batches and recipe."""
-    kwargs, overrides, accumulate = LAYOUTS[layout]
-    return f"{recipe}/{sorted(overrides.items())}/mb{2 * (2 // _model_parallel(kwargs))}/acc{accumulate}"
+    _, overrides, accumulate = LAYOUTS[layout][:3]
+    return f"{recipe}/{sorted(overrides.items())}/mb{_global_batch(layout)}/acc{accumulate}"
 
 
 @lru_cache(maxsize=None)
 def _runs() -> Dict[str, Any]:
-    cases = [(f"{recipe}/{layout}", _case_args(layout, recipe, 2)) for recipe in RECIPES for layout in LAYOUTS]
     refs = {}
     for recipe in RECIPES:
         for layout in LAYOUTS:
             refs.setdefault(_reference_key(layout, recipe), _case_args(layout, recipe, 1))
-    one = run_distributed(run_each, 1, plugin_layout_run, list(refs.items()))[0]
-    two = run_distributed(run_each, 2, plugin_layout_run, cases)[0]
-    return {"one": one, "two": two}
+    out: Dict[str, Any] = {"one": run_distributed(run_each, 1, plugin_layout_run, list(refs.items()))[0]}
+    for world in sorted({_world(layout) for layout in LAYOUTS}):
+        cases = [(f"{recipe}/{layout}", _case_args(layout, recipe, world)) for recipe in RECIPES
+                 for layout in LAYOUTS if _world(layout) == world]
+        out[world] = run_distributed(run_each, world, plugin_layout_run, cases)[0]
+    return out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipe_under_layout_matches_one_process_with_sgd(recipe: str, layout: str) -> None:
     runs = _runs()
-    result = runs["two"][f"{recipe}/{layout}"]
+    result = runs[_world(layout)][f"{recipe}/{layout}"]
     ref = runs["one"][_reference_key(layout, recipe)]
     assert not isinstance(result, str), result
     assert not isinstance(ref, str), ref

@@ -64,12 +64,15 @@ class GradientFinalizer:
         self.guard = NonFiniteGuard(parallelized.module, enabled=bool(check), skip=check == "skip")
         #: pipeline stages' data-parallel reduction started in backward (``overlap_grad_reduce``), else None
         self.reducer: Optional[GradBucketReducer] = None
-        if (stages is not None and mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config) and not config.fsdp
-                and parallelized.main_params is None):   # FSDP reduce-scatters per unit in backward by itself
-            uses: dict = {}
-            for stage in stages.modules:
-                for q in stage.parameters():
-                    uses[id(q)] = uses.get(id(q), 0) + 1
+        uses: dict = {}   # backward passes per micro-batch of a parameter several stages of this rank use
+        for stage in stages.modules if stages is not None else []:
+            for q in stage.parameters():
+                uses[id(q)] = uses.get(id(q), 0) + 1
+        overlap = mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config) and not config.fsdp   # FSDP: its own
+        if overlap and parallelized.main_params is not None:   # bf16 parameters: the main-gradient buckets reduce
+            parallelized.main_params.overlap_reduction(mesh.group("dp_cp"), mesh.size("dp_cp"), uses,
+                                                       self.reduce_dtype)
+        elif overlap and stages is not None:
             dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
             self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
 
@@ -87,6 +90,9 @@ class GradientFinalizer:
         already: the gradients need no division)."""
         if self.reducer is not None:
             self.reducer.start_step(num_microbatches)
+        main_params = self.parallelized.main_params
+        if main_params is not None:
+            main_params.arm_reduction(num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:
         """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient; a step that kept its bf16
@@ -98,7 +104,9 @@ class GradientFinalizer:
         p, mesh = self.parallelized, self.mesh
         if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
             p.main_params.finish_backward()
-        if self.reducer is not None:
+        if p.main_params is not None and p.main_params.reduces_data_parallel:
+            p.main_params.finish_reduction()
+        elif self.reducer is not None:
             self.reducer.finish()
         elif (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]

@@ -64,9 +64,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Tuple
+from typing import Any, Dict, Generator, List, Optional, Set, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
@@ -85,12 +86,12 @@ def check_bf16_params_options(config: Any, fitting: bool) -> None:
     """Raise ValueError for the :class:`ParallelConfig` options that bf16 parameters (``MegatronPrecision(
     params_dtype=torch.bfloat16)``) do not combine with: the overlapped gradient reduction and parameter gather,
     and (when ``fitting``) FSDP's sharding levels."""
-    if config.overlap_grad_reduce or config.overlap_param_gather:
+    if config.overlap_param_gather:
         raise ValueError(
-            f"overlap_grad_reduce={config.overlap_grad_reduce}, overlap_param_gather={config.overlap_param_gather} "
-            "with MegatronPrecision(params_dtype=torch.bfloat16): the fp32 main gradients are reduced after the "
-            "backward and the main parameters copied back to bf16 right after the optimizer step, so neither "
-            "overlap is built for bf16 parameters; leave both options unset (or use the default fp32 parameters)")
+            f"overlap_param_gather={config.overlap_param_gather} with MegatronPrecision(params_dtype=torch.bfloat16): "
+            "the distributed optimizer's deferred broadcast writes fp32 main parameters after the bf16 copies were "
+            "taken from them (a per-bucket all-gather of the bf16 copies is not built yet); leave "
+            "overlap_param_gather unset (overlap_grad_reduce works), or use the default fp32 parameters")
     if fitting and config.fsdp:
         raise ValueError(
             f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with "
@@ -115,12 +116,35 @@ class _Bucket:
     grad: Optional[Tensor] = None
     expecting: int = 0
     pending: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
+    #: holds routed-expert parameters (reduced over expert data parallel by the caller, never here)
+    expert: bool = False
+    #: parameters whose last gradient of the step has arrived (overlapped reduction)
+    ready: int = 0
+    #: the bucket's reduction in flight: its work and the tensor reduced (the gradients or a bf16 copy)
+    work: Any = None
+    flat: Optional[Tensor] = None
 
 
-def bucket_layout(params: List[nn.Parameter], bucket_size: int) -> List[List[nn.Parameter]]:
+@dataclass
+class _Reduction:
+    """The data-parallel reduction of the dense buckets (:meth:`MainParams.overlap_reduction`)."""
+
+    group: Any
+    size: int
+    uses: Dict[int, int]
+    reduce_dtype: Optional[torch.dtype]
+
+
+def bucket_layout(params: List[nn.Parameter], bucket_size: int,
+                  apart: Optional[Set[int]] = None) -> List[List[nn.Parameter]]:
     """``params`` cut into buckets: in their order, one device per bucket, a new bucket when the next parameter would
     take it past ``bucket_size`` elements (a larger parameter gets one of its own); matrices only, the vectors
-    (``dim() < 2``) of a device in one bucket of their own after them."""
+    (``dim() < 2``) of a device in one bucket of their own after them. The parameters whose ``id`` is in ``apart``
+    (routed experts, reduced over another group) are laid out the same way in buckets of their own, after the
+    others."""
+    if apart:
+        return (bucket_layout([p for p in params if id(p) not in apart], bucket_size)
+                + bucket_layout([p for p in params if id(p) in apart], bucket_size))
     buckets: List[List[nn.Parameter]] = []
     vectors: Dict[torch.device, List[nn.Parameter]] = {}
     open_: Dict[torch.device, List[nn.Parameter]] = {}
@@ -157,10 +181,13 @@ class MainParams:
         bucket_size: elements per bucket of the buffers (None: :data:`DEFAULT_BUCKET_ELEMENTS`).
         store_param_remainders: hold each fp32 main parameter as its bf16 copy plus an int16 remainder (see the
             module docstring): 2 bytes per parameter less.
+        expert_params: routed-expert parameters: buckets of their own, which :meth:`overlap_reduction` leaves to
+            the caller's expert-data-parallel reduction.
     """
 
     def __init__(self, module: nn.Module, params_dtype: torch.dtype = torch.bfloat16,
-                 bucket_size: Optional[int] = None, store_param_remainders: bool = False) -> None:
+                 bucket_size: Optional[int] = None, store_param_remainders: bool = False,
+                 expert_params: Optional[List[nn.Parameter]] = None) -> None:
         if params_dtype not in PARAMS_DTYPES or params_dtype is None:
             raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 "
                              "(with fp32 main parameters); use params_dtype=torch.bfloat16 or None (fp32)")
@@ -192,7 +219,16 @@ class MainParams:
                 continue
             seen.add(id(p))
             self.params.append(p)
-        for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS)):
+        experts = {id(p) for p in expert_params or []}
+        #: the overlapped data-parallel reduction of the dense buckets (:meth:`overlap_reduction`), or None
+        self._reduce: Optional[_Reduction] = None
+        #: this step's backward passes per parameter (:meth:`arm_reduction`), None when not armed
+        self._expected: Optional[int] = None
+        self._arrivals: Dict[int, int] = {}
+        self._next_launch = -1
+        #: buckets whose reduction started inside a backward, over all steps (the rest in :meth:`finish_reduction`)
+        self.started_in_backward = 0
+        for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS, experts)):
             numel = sum(p.numel() for p in members)
             device = members[0].device
             remainders = self.store_param_remainders
@@ -221,6 +257,7 @@ class MainParams:
                 p.data = compute
                 offset += p.numel()
             bucket.expecting = sum(1 for p in members if p.requires_grad)
+            bucket.expert = id(members[0]) in experts
         for p in self.params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
@@ -317,6 +354,111 @@ class MainParams:
                 if len(bucket.pending) >= bucket.expecting:
                     self._copy_pending(index)
         p.grad = None
+        if self._expected is not None:
+            self._arrived(p, index)
+
+    # ------------------------------------------------------------------ data-parallel reduction
+    def overlap_reduction(self, group: Any, size: int, uses: Optional[Dict[int, int]] = None,
+                          reduce_dtype: Optional[torch.dtype] = None) -> None:
+        """Average the dense buckets' main gradients over ``group`` (``size`` ranks: dp x cp) by this object, each
+        bucket's all-reduce started as soon as the step's last gradient of its every parameter has arrived
+        (Megatron's ``overlap_grad_reduce``), from the last bucket to the first (the order the backward completes
+        them, the same on every rank); :meth:`finish_reduction` starts the rest and waits. ``uses``: backward passes
+        per micro-batch of a parameter used by more than one pipeline stage on this rank (default 1);
+        ``reduce_dtype``: communicate in that dtype (``grad_reduce_in_bf16``: a bf16 copy, averaged before the
+        sum). Expert buckets are left to the caller (reduced over expert data parallel)."""
+        self._reduce = _Reduction(group, size, dict(uses or {}), reduce_dtype) if size > 1 else None
+
+    @property
+    def reduces_data_parallel(self) -> bool:
+        """Whether :meth:`finish_reduction` owns the dense buckets' data-parallel average."""
+        return self._reduce is not None
+
+    def arm_reduction(self, microbatches: int) -> None:
+        """Before a step's first backward: each parameter's gradient arrives ``microbatches`` times (times its
+        ``uses``); a bucket's reduction starts at its parameters' last arrival."""
+        if self._reduce is None:
+            return
+        self._expected, self._arrivals = microbatches, {}
+        self._next_launch = len(self.buckets) - 1
+        for bucket in self.buckets:
+            bucket.ready, bucket.work, bucket.flat = 0, None, None
+
+    def _arrived(self, p: Tensor, index: int) -> None:
+        assert self._reduce is not None and self._expected is not None
+        bucket = self.buckets[index]
+        if bucket.flat is not None:
+            raise RuntimeError(
+                f"a gradient of a parameter of shape {tuple(p.shape)} arrived after its bucket's data-parallel "
+                f"reduction started (expected {self._expected * self._reduce.uses.get(id(p), 1)} backward passes per "
+                "step): pass the step's micro-batch count to arm_reduction and each parameter's pipeline uses")
+        n = self._arrivals.get(id(p), 0) + 1
+        self._arrivals[id(p)] = n
+        if n == self._expected * self._reduce.uses.get(id(p), 1):
+            bucket.ready += 1
+            before = self._next_launch
+            self._launch_ready()
+            self.started_in_backward += sum(1 for b in self.buckets[self._next_launch + 1:before + 1] if not b.expert)
+
+    def _launch_ready(self) -> None:
+        """Start the complete buckets from :attr:`_next_launch` down, in order (expert buckets are passed over)."""
+        while self._next_launch >= 0:
+            bucket = self.buckets[self._next_launch]
+            if not bucket.expert:
+                if bucket.ready < bucket.expecting:
+                    return
+                self._launch(self._next_launch)
+            self._next_launch -= 1
+
+    @torch.no_grad()
+    def _launch(self, index: int) -> None:
+        reduce = self._reduce
+        assert reduce is not None
+        bucket = self.buckets[index]
+        if bucket.expecting == 0:
+            return
+        self._copy_pending(index)
+        for p in self.params_of(index):   # a parameter without a gradient this step takes part with zeros
+            if id(p) not in self._grads and p.requires_grad:
+                self._grads[id(p)] = self._grad_view(p).zero_()
+                if self.in_main_view:
+                    p.grad = self._grads[id(p)]
+        flat = bucket.grad
+        assert flat is not None
+        if reduce.reduce_dtype is not None:
+            flat = flat.to(reduce.reduce_dtype).div_(reduce.size)
+        bucket.flat = flat
+        bucket.work = dist.all_reduce(flat, group=reduce.group, async_op=True)
+
+    @torch.no_grad()
+    def finish_reduction(self) -> None:
+        """Start the dense buckets the backward did not (same order), wait for every one and leave the averages in
+        the main gradients. Collective over the reduction's group; disarms until the next :meth:`arm_reduction`.
+        In the main view (after :meth:`finish_backward`)."""
+        if self._reduce is None:
+            return
+        if self._expected is None:   # not armed (a loop that does not announce its micro-batches): all at once
+            self._next_launch = len(self.buckets) - 1
+            for bucket in self.buckets:
+                bucket.ready, bucket.work, bucket.flat = 0, None, None
+        self._expected = None
+        while self._next_launch >= 0:
+            if not self.buckets[self._next_launch].expert:
+                self._launch(self._next_launch)
+            self._next_launch -= 1
+        for bucket in self.buckets:
+            if bucket.work is None:
+                continue
+            bucket.work.wait()
+            if bucket.flat is bucket.grad:
+                bucket.grad.div_(self._reduce.size)
+            else:
+                bucket.grad.copy_(bucket.flat)
+            bucket.work, bucket.flat = None, None
+
+    def params_of(self, index: int) -> List[nn.Parameter]:
+        """The parameters of bucket ``index``."""
+        return [p for p in self.params if self._where[id(p)][0] == index]
 
     def _leave_direct(self) -> None:
         """End direct mode for this step: the gradients kept so far go the way of a step's first gradients
