@@ -7,8 +7,8 @@ precision-aware optimizer's bf16 moments (``moment_bytes=4``) under the distribu
 parameters (``MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)``, ``params_dtype="bf16"``: the bf16
 copies and fp32 main parameters, the fp32 main gradients before the optimizer step, which then drops them) without
 sharding and under the distributed optimizer, and with their fp32 main parameters as int16 remainders
-(``store_param_remainders=True``: 4 bytes per parameter instead of 6); FSDP with bf16 parameters is refused by the
-strategy and by the planner alike."""
+(``store_param_remainders=True``: 4 bytes per parameter instead of 6); under FSDP bf16 parameters are FSDP2's own
+(fp32 shards, the same bytes as fp32 parameters)."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +53,8 @@ BF16_PARAMS = {
 # the same with the fp32 main parameters held as int16 remainders next to the bf16 copies
 BF16_PARAMS.update({f"{name}-rem": case for name, case in BF16_PARAMS.items() if "distopt" in name})
 CASES.update(BF16_PARAMS)
-#: FSDP's levels with bf16 parameters: the strategy refuses them (check_bf16_params_options), so does the planner
-REFUSED = {"tp2sp-dp2-fsdp-optim_grads-bf16-params": CASES["tp2sp-dp2-fsdp-optim_grads"]}
+#: FSDP's levels with bf16 parameters: FSDP2 holds them (fp32 shards, bf16 compute copies gathered per unit)
+CASES["tp2sp-dp2-fsdp-optim_grads-bf16-params"] = CASES["tp2sp-dp2-fsdp-optim_grads"]
 
 
 def _moment_bytes(case: str) -> int:
@@ -125,7 +125,7 @@ def _run(rank: int, world: int, kwargs: Dict[str, Any], accumulate: int, model: 
 def allocations():
     cases = [(name, (case[0], case[2], case[3] if len(case) > 3 else {},
                      "bf16_moments" if _moment_bytes(name) == 4 else None, _params_dtype(name), _remainders(name)))
-             for name, case in {**CASES, **REFUSED}.items()]
+             for name, case in CASES.items()]
     return run_distributed(run_each, 4, _run, cases)
 
 
@@ -157,19 +157,3 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
                 assert 0 < got["grads"] < whole.grads and 0 < got["params"] < whole.params, (case, rank, got, whole)
                 other = state_bytes(cfg, layout, pp_rank, dp_rank=1 - dp_rank)
                 assert got["params"] != other.params, (case, rank, got, other)
-
-
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_fsdp_with_bf16_params_is_refused_by_the_strategy_and_the_planner(allocations, case):
-    """The strategy refuses FSDP with bf16 parameters on every rank (check_bf16_params_options); the planner's
-    state_bytes raises the same error, naming the level and MegatronPrecision(params_dtype=torch.bfloat16)."""
-    layout = CASES[case.replace("-bf16-params", "")][1]
-    cfg = tiny_config(num_layers=4, **UNEVEN)
-    with pytest.raises(ValueError) as refused:
-        state_bytes(cfg, layout, params_dtype="bf16")
-    message = str(refused.value)
-    assert message.startswith(f"data_parallel_sharding_strategy={layout.sharding!r} with "
-                              "MegatronPrecision(params_dtype=torch.bfloat16): FSDP"), message
-    for rank, result in enumerate(allocations):
-        got = result[case]
-        assert isinstance(got, str) and f"ValueError: {message}" in got, (rank, got)

@@ -483,13 +483,3 @@ class ParallelConfig:
                 f"MegatronStrategy(sequence_parallel=True) or tp=1"
             )
 
-
-def check_fsdp_fp8(config: "ParallelConfig", fp8: bool) -> None:
-    """Refuse an FSDP sharding level together with FP8 layers (``fp8``: the model has them), which is not built.
-
-    Raises:
-        ValueError: ``config.fsdp`` and ``fp8``, naming the level and the fix.
-    """
-    if fp8 and config.fsdp:
-        raise ValueError(f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with FP8 "
-                         "layers is not built: use 'no_shard' / 'optim' with FP8, or drop FP8")

@@ -84,20 +84,15 @@ PARAMS_DTYPES = (None, torch.bfloat16)
 
 def check_bf16_params_options(config: Any, fitting: bool) -> None:
     """Raise ValueError for the :class:`ParallelConfig` options that bf16 parameters (``MegatronPrecision(
-    params_dtype=torch.bfloat16)``) do not combine with: the overlapped gradient reduction and parameter gather,
-    and (when ``fitting``) FSDP's sharding levels."""
+    params_dtype=torch.bfloat16)``) held by :class:`MainParams` do not combine with: the distributed optimizer's
+    overlapped parameter gather. (Under FSDP's sharding levels FSDP2 holds bf16 parameters itself, by its
+    mixed-precision policy, and no MainParams exists; ``fitting`` is kept for the callers.)"""
     if config.overlap_param_gather:
         raise ValueError(
             f"overlap_param_gather={config.overlap_param_gather} with MegatronPrecision(params_dtype=torch.bfloat16): "
             "the distributed optimizer's deferred broadcast writes fp32 main parameters after the bf16 copies were "
             "taken from them (a per-bucket all-gather of the bf16 copies is not built yet); leave "
             "overlap_param_gather unset (overlap_grad_reduce works), or use the default fp32 parameters")
-    if fitting and config.fsdp:
-        raise ValueError(
-            f"data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} with "
-            "MegatronPrecision(params_dtype=torch.bfloat16): FSDP keeps its own bf16 compute copies and fp32 "
-            "sharded parameters (its mixed-precision policy follows the precision plugin); drop params_dtype, "
-            "or use data_parallel_sharding_strategy='optim' (the distributed optimizer) with bf16 parameters")
 
 
 @dataclass(eq=False)

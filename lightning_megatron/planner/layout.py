@@ -1,8 +1,7 @@
 """A candidate layout, its translation to ``ParallelConfig`` / ``MegatronStrategy`` / Megatron flags, and the
 enumeration of candidates. Validity is decided by the library's own rules only: a candidate is valid when
 ``ParallelConfig(...)`` (with the layout's sharding level), ``resolve(world)`` and ``validate_model(model)`` accept
-it (their ValueError is the rejection reason), plus the strategy's FP8 rule for FSDP
-(:func:`~lightning_megatron.parallel.config.check_fsdp_fp8`), the pipeline schedule's fewest micro-batches
+it (their ValueError is the rejection reason), plus the pipeline schedule's fewest micro-batches
 (``min_microbatches``) and the global batch dividing into micro-batches."""
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig, check_fsdp_fp8
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig
 from lightning_megatron.parallel.layout_rules import default_schedule, min_microbatches
 
 __all__ = ["Layout", "RECOMPUTE_PRESETS", "recompute_options", "enumerate_layouts", "check_layout",
@@ -147,8 +146,7 @@ def check_layout(layout: Layout, model: Any, global_batch_size: int, precision: 
     """The reason ``layout`` cannot run ``model`` in ``precision`` (``"bf16"`` / ``"fp8"``: FP8 layers), the
     library's ValueError text, or None when it can."""
     try:
-        config = layout.parallel_config(model)
-        check_fsdp_fp8(config, precision == "fp8")
+        layout.parallel_config(model)
     except ValueError as e:
         return refusal_reason(e)
     per_step = layout.micro_batch_size * layout.num_microbatches * layout.dp

@@ -245,9 +245,14 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         return self.parallelized
 
     def _params_dtype(self) -> Optional[torch.dtype]:
-        """Megatron's bf16 parameters (``MegatronPrecision(params_dtype=...)``), else None."""
+        """Megatron's bf16 parameters (``MegatronPrecision(params_dtype=...)``) held by ``MainParams``, else None.
+        Under an FSDP sharding level FSDP2 holds them instead (fp32 sharded main parameters, bf16 compute copies
+        gathered per unit by its mixed-precision policy, :func:`~lightning_megatron.parallel.fsdp.
+        mixed_precision_policy`): None."""
         plugin = self.precision_plugin
-        return plugin.params_dtype if isinstance(plugin, MegatronPrecision) else None
+        if not isinstance(plugin, MegatronPrecision) or self.parallel_config.fsdp:
+            return None
+        return plugin.params_dtype
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence

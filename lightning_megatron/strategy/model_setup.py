@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch import nn
 
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule, TiedWeightsModel
-from lightning_megatron.parallel.config import ParallelConfig, check_fsdp_fp8
+from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
@@ -57,7 +57,6 @@ def shard_fsdp(module: nn.Module, parallelized: ParallelizedModel, mesh: Paralle
     """FSDP2 over dp x cp (experts: edp) at ``cfg.data_parallel_sharding_strategy``
     (:func:`~lightning_megatron.parallel.fsdp.apply_fsdp`), mixed precision from the plugin's ``precision``;
     ``parallelized`` then refers to the sharded parameters."""
-    check_fsdp_fp8(cfg, parallelized.fp8 is not None)
     stages = parallelized.pipeline
     fsdp = apply_fsdp(module, parallelized.models, mesh, cfg,
                       pipeline_modules=stages.modules if stages is not None else None,
