@@ -47,6 +47,7 @@ from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWOR
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
 from lightning_megatron.strategy.step_path import StepPath
+from lightning_megatron.strategy.summary import count_whole_model
 
 log = logging.getLogger(__name__)
 __all__ = ["MegatronStrategy", "LAYOUT_OPTIONS"]
@@ -214,6 +215,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        count_whole_model(trainer, self._pp_group())   # the model summary: the whole model, not this rank's part
 
     def wait_for_parameters(self) -> None:
         """With ``overlap_param_gather``: wait for the distributed optimizer's parameter broadcasts still in flight
