@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,5 +72,25 @@ def test_tiny_cpu_configuration_trains(tmp_path):
     assert 7.60 < first < 7.72, first
     assert last < first - 1.0, (first, last)
     assert rows[-1]["val_loss"] and float(rows[-1]["val_loss"]) < first - 1.0
-    assert (tmp_path / "config.yaml").is_file()   # LightningCLI's record of the resolved configuration
+    # LightningCLI's record of the resolved configuration, beside the loss curve, not in the working directory
+    assert (tmp_path / "lightning_logs" / "config.yaml").is_file() and not (tmp_path / "config.yaml").exists()
     assert (tmp_path / "lightning_logs" / "loss_curve.png").is_file()   # with or without matplotlib
+    # what the user sees: the model summary counts the whole model (tp=2's rank 0 holds half of it; 1,262,720
+    # parameters: GPTConfig.num_parameters of the file's model), and no warning about on_before_batch_transfer
+    assert re.search(r"Total params\W+1\.3 M|1\.3 M\s+Total params", log), log[-4000:]
+    assert "on_before_batch_transfer" not in log, log[-4000:]
+
+
+def test_tiny_cpu_configuration_validates_as_the_default_run():
+    """``tiny_cpu.yaml`` is the default run of ``examples/pretrain_gpt.py`` as YAML: the same Trainer arguments,
+    validation included (every 100 steps over the whole run, ``check_val_every_n_epoch=None``: at 100, 200, 300 and
+    400, not at 100, 200 and the epoch's end)."""
+    from lightning_megatron.cli import MegatronCLI, parse_pretrain_args
+
+    default = parse_pretrain_args([]).trainer_kwargs
+    trainer = MegatronCLI(args=["--config", str(CONFIGS / "tiny_cpu.yaml")], run=False, check_only=True).config.trainer
+    keys = ["accelerator", "devices", "max_steps", "accumulate_grad_batches", "val_check_interval",
+            "check_val_every_n_epoch", "limit_val_batches", "gradient_clip_val", "log_every_n_steps",
+            "num_sanity_val_steps", "logger", "enable_checkpointing"]
+    assert {k: trainer[k] for k in keys} == {k: default[k] for k in keys}
+    assert default["check_val_every_n_epoch"] is None and default["val_check_interval"] == 100

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import lightning.pytorch as pl
@@ -21,6 +22,13 @@ from lightning_megatron.parallel.tensor_parallel.mappings import gather_from_ten
 from lightning_megatron.utils.host_value import LaggedHostValue
 
 Batch = Dict[str, Tensor]
+
+# Lightning warns on every run that passes a LightningDataModule, in the middle of the progress bar: "You have
+# overridden `on_before_batch_transfer` in `LightningModule` but have passed in a `LightningDataModule`. It will use
+# the implementation from `LightningModule` instance." That is what ParallelGPTModule means: its hook checks the token
+# ids on the host (and drops default position ids) under any data module. Only this message is silenced.
+warnings.filterwarnings("ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but "
+                                          r"have passed in a `LightningDataModule`")
 
 
 def megatron_lr_lambda(step: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: Optional[int],
@@ -230,7 +238,9 @@ class ParallelGPTModule(pl.LightningModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Check the token ids and labels against the vocabulary (:func:`check_token_ids`) while the batch is still
         on the host, under every strategy and layout, and leave out ``position_ids`` that are the default positions
-        (:func:`without_default_positions`). An override should call ``super()``."""
+        (:func:`without_default_positions`). An override should call ``super()``. A LightningDataModule's own
+        ``on_before_batch_transfer`` replaces this one (Lightning's rule); Lightning's warning that this one runs with
+        a data module that has none is silenced (this module's import filters that one message)."""
         check_token_ids(batch, self.config.vocab_size)
         return without_default_positions(batch)
 
