@@ -418,7 +418,8 @@ def plugin_layout_run(rank: int, world: int, cfg: GPTConfig, strategy_kwargs: Di
     return {"losses": recorder.losses, "initial": initial.state,
             "final": {k: v.detach().cpu().clone() for k, v in final.items()} if rank == 0 else None,
             "fp8_converted": fp8.converted if fp8 is not None else None,
-            "fp8_gathers": sum(getattr(g, "fp8_gathers", 0) for g in fp8.gemms) if fp8 is not None else 0}
+            "fp8_gathers": sum(getattr(g, "fp8_gathers", 0) for g in fp8.gemms) if fp8 is not None else 0,
+            "late_grads": main.late_grads if (main := trainer.strategy.parallelized.main_params) is not None else 0}
 
 
 def run_plugin_cases(rank: int, world: int, cases: Sequence[Tuple[str, Tuple]]) -> Dict[str, Any]:

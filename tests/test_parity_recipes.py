@@ -144,6 +144,8 @@ def test_recipe_under_layout_matches_one_process_with_sgd(recipe: str, layout: s
     ref = runs["one"][_reference_key(layout, recipe)]
     assert not isinstance(result, str), result
     assert not isinstance(ref, str), ref
+    # every gradient reached the fp32 main gradients by the hook route, per micro-batch (none folded in late)
+    assert result["late_grads"] == 0, result["late_grads"]
     errors = weight_change_errors(result, ref)
     worst = max(errors, key=errors.get)
     print(f"\n{recipe} {layout}: worst relative weight-change error {errors[worst]:.2e} ({worst})")

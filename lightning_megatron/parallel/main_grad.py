@@ -62,6 +62,7 @@ torch DDP around a module with main parameters: its reducer would own the bf16 g
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Set, Tuple
@@ -223,6 +224,9 @@ class MainParams:
         self._next_launch = -1
         #: buckets whose reduction started inside a backward, over all steps (the rest in :meth:`finish_reduction`)
         self.started_in_backward = 0
+        #: gradients found on parameters at the end of a backward, over all steps (:meth:`_fold_late_grads`)
+        self.late_grads = 0
+        self._warned_late = False
         for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS, experts)):
             numel = sum(p.numel() for p in members)
             device = members[0].device
@@ -304,15 +308,24 @@ class MainParams:
             if p.grad is not None and id(p) in self._where:
                 self._accumulate(p)
 
-    def _check_no_stray_grads(self) -> None:
-        """Raise RuntimeError when a parameter still holds a compute-view gradient at the end of the backward: a
-        gradient route that bypassed :meth:`_accumulate` (it would otherwise be dropped by :meth:`to_main`)."""
-        stray = [i for i, p in enumerate(self.params) if p.grad is not None]
-        if stray:
-            raise RuntimeError(
-                f"{len(stray)} bf16 parameter(s) (first: index {stray[0]}, shape {tuple(self.params[stray[0]].shape)}) "
-                "hold a gradient the fp32 main-gradient hook never saw: a backward route wrote p.grad directly. "
-                "Hand such gradients to MainParams.take_weight_grads after each micro-batch")
+    def _fold_late_grads(self) -> None:
+        """At the end of the backward: gradients still on parameters in the compute view came by a route that
+        bypassed :meth:`_accumulate` (and :meth:`take_weight_grads`); they are folded into the main gradients now,
+        rather than dropped by :meth:`to_main`, counted in :attr:`late_grads` and warned about once (they were
+        summed in bf16 across the micro-batches). Rank-local, so no rank stops where the others go on."""
+        late = [p for p in self.params if p.grad is not None]
+        if not late:
+            return
+        self.late_grads += len(late)
+        if not self._warned_late:
+            self._warned_late = True
+            warnings.warn(
+                f"{len(late)} bf16 parameter(s) (first of shape {tuple(late[0].shape)}) held a gradient the fp32 "
+                "main-gradient hook never saw (a backward route wrote p.grad directly); it was folded into the main "
+                "gradients at the end of the backward, after summing in bf16. Hand such gradients to "
+                "MainParams.take_weight_grads after each micro-batch", RuntimeWarning, stacklevel=2)
+        for p in late:
+            self._accumulate(p)
 
     def start_step(self, direct: bool) -> None:
         """Before a step's first backward: whether its gradients stay as the backward leaves them (``direct``: the
@@ -471,7 +484,7 @@ class MainParams:
                 p.grad = grad
             return
         if not self.in_main_view:
-            self._check_no_stray_grads()
+            self._fold_late_grads()
         self.to_main()
 
     def _copy_pending(self, index: int) -> None:
