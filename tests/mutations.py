@@ -347,6 +347,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        if not self.in_main_view:\n            self.adopt_compute_copies(",
               "        if False:\n            self.adopt_compute_copies("),),
         ("tests/test_hf.py::test_load_state_dict_with_bf16_parameters_survives_the_optimizer_steps",)),
+    Mutation(
+        "gathered-main-parameters-not-copied-to-bf16", "with bf16 parameters the distributed optimizer's overlapped "
+        "broadcast writes the fp32 main parameters but the bf16 copies of other ranks' shards stay stale",
+        (Edit("lightning_megatron/strategy/model_setup.py",
+              "after_wait=main.adopt_broadcast if main is not None else None)", "after_wait=None)"),),
+        (recipe("bf16p", "dp2-distopt-param-gather"), recipe("bf16p-rem", "dp2-distopt-param-gather"))),
 )
 
 

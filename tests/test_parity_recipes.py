@@ -43,8 +43,8 @@ BF16_PARAMS_REM = dict(BF16_PARAMS, store_param_remainders=True)
 FP8_BF16_PARAMS = dict(BF16_PARAMS, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
                        fp8_amax_compute_algo="max", fp8_backend="torch")
 #: Megatron's production options (``--use-distributed-optimizer --overlap-grad-reduce --recompute-*``) on top
-PRODUCTION = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, recompute_granularity="full",
-                  recompute_method="uniform", recompute_num_layers=1)
+PRODUCTION = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                  recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 #: name: (MegatronPrecision kwargs, extra MegatronStrategy kwargs)
 RECIPES: Dict[str, tuple] = {
     "fp32p": (FP32_PARAMS, {}), "bf16p": (BF16_PARAMS, {}), "bf16p-rem": (BF16_PARAMS_REM, {}),
@@ -66,6 +66,8 @@ LAYOUTS: Dict[str, tuple] = {
     "dp2": (dict(), DENSE, 2),
     "dp2-no-overlap": (dict(overlap_grad_reduce=False), DENSE, 2),
     "dp2-distopt": (dict(use_distributed_optimizer=True), DENSE, 2),
+    # the distributed optimizer's broadcasts waited per module in the next forward
+    "dp2-distopt-param-gather": (dict(use_distributed_optimizer=True, overlap_param_gather=True), DENSE, 2),
     "tp2-sp": (dict(tp=2, sequence_parallel=True), DENSE, 2),
     "pp2-1f1b-m2": (dict(pp=2), DENSE, 2),
     "pp2-1f1b-m4": (dict(pp=2), DENSE, 4),

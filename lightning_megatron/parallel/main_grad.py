@@ -83,19 +83,6 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 PARAMS_DTYPES = (None, torch.bfloat16)
 
 
-def check_bf16_params_options(config: Any, fitting: bool) -> None:
-    """Raise ValueError for the :class:`ParallelConfig` options that bf16 parameters (``MegatronPrecision(
-    params_dtype=torch.bfloat16)``) held by :class:`MainParams` do not combine with: the distributed optimizer's
-    overlapped parameter gather. (Under FSDP's sharding levels FSDP2 holds bf16 parameters itself, by its
-    mixed-precision policy, and no MainParams exists; ``fitting`` is kept for the callers.)"""
-    if config.overlap_param_gather:
-        raise ValueError(
-            f"overlap_param_gather={config.overlap_param_gather} with MegatronPrecision(params_dtype=torch.bfloat16): "
-            "the distributed optimizer's deferred broadcast writes fp32 main parameters after the bf16 copies were "
-            "taken from them (a per-bucket all-gather of the bf16 copies is not built yet); leave "
-            "overlap_param_gather unset (overlap_grad_reduce works), or use the default fp32 parameters")
-
-
 @dataclass(eq=False)
 class _Bucket:
     """One bucket of the contiguous buffers: ``numel`` elements on ``device``; the bf16 compute copies and fp32 main
@@ -296,6 +283,27 @@ class MainParams:
         if bucket.grad is None:
             bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
         return _slot(bucket.grad, offset, p)
+
+    @torch.no_grad()
+    def adopt_broadcast(self, p: nn.Parameter, main_value: Tensor) -> None:
+        """``p``'s fp32 main value ``main_value`` arrived from the rank whose optimizer shard stepped it (the
+        distributed optimizer's broadcast, overlapped with the next forward: :class:`~lightning_megatron.parallel.
+        param_gather.OverlappedParamGather`): its bf16 copy (with remainders: and its remainder) follows, as
+        :meth:`to_compute` would have made it had the value been there at the step's end."""
+        key = id(p)
+        if key not in self._compute:
+            return
+        if key in self._remainder:
+            high, low = split_fp32(main_value.float().contiguous())
+            self._compute[key].copy_(high)
+            self._remainder[key].copy_(low)
+            main = self._main.get(key) if self.in_main_view else None
+            if main is not None and main.data_ptr() != main_value.data_ptr():
+                main.copy_(main_value)
+        else:
+            if self._main[key].data_ptr() != main_value.data_ptr():
+                self._main[key].copy_(main_value)
+            self._compute[key].copy_(self._main[key])
 
     def take_weight_grads(self, params: List[nn.Parameter]) -> None:
         """The gradients a backward route wrote into ``p.grad`` without the post-accumulate hook (the zero-bubble

@@ -11,11 +11,11 @@ end of training). The values are the broadcast values: the result is identical t
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["OverlappedParamGather", "zero_optimizers"]
@@ -45,11 +45,17 @@ class OverlappedParamGather:
         module: the model; every submodule with parameters of its own gets a pre-hook.
         also_waits: extra parameters a module reads besides its own, e.g. ``{output_layer: [word embedding
             weight]}`` for a tied LM head on a pipeline stage whose embedding does not run.
+        after_wait: called with ``(parameter, the tensor broadcast into)`` once a broadcast is complete: bf16
+            parameters (:meth:`~lightning_megatron.parallel.main_grad.MainParams.adopt_broadcast`) take their bf16
+            copies (and remainders) from the fp32 main values the optimizer's owner rank sent.
     """
 
     def __init__(self, optimizers: Sequence[ZeroRedundancyOptimizer], module: nn.Module,
-                 also_waits: Optional[Dict[nn.Module, List[nn.Parameter]]] = None) -> None:
-        self.pending: Dict[int, Any] = {}
+                 also_waits: Optional[Dict[nn.Module, List[nn.Parameter]]] = None,
+                 after_wait: Optional[Callable[[nn.Parameter, Tensor], None]] = None) -> None:
+        #: ``id(p)`` -> (the broadcast's work, p, the tensor it writes)
+        self.pending: Dict[int, Tuple[Any, nn.Parameter, Tensor]] = {}
+        self.after_wait = after_wait
         #: broadcasts waited for by a forward pre-hook, over all steps (the rest by :meth:`wait_all`)
         self.waited_in_forward = 0
         self.optimizers = list(optimizers)
@@ -74,7 +80,8 @@ class OverlappedParamGather:
                 src = dist.get_global_rank(group, rank)
                 for param_group in partitions[rank]:
                     for p in param_group["params"]:
-                        self.pending[id(p)] = dist.broadcast(p.data, src=src, group=group, async_op=True)
+                        data = p.data
+                        self.pending[id(p)] = (dist.broadcast(data, src=src, group=group, async_op=True), p, data)
         return launch
 
     def _waiter(self, params: List[nn.Parameter]):
@@ -84,17 +91,23 @@ class OverlappedParamGather:
         def wait_own(module: nn.Module, args: Any) -> None:
             if self.pending:
                 for i in ids:
-                    work = self.pending.pop(i, None)
-                    if work is not None:
-                        work.wait()
+                    entry = self.pending.pop(i, None)
+                    if entry is not None:
+                        self._finish(entry)
                         self.waited_in_forward += 1
         return wait_own
 
     def wait_all(self) -> None:
         """Wait for every broadcast still in flight (in the order they were started)."""
-        works, self.pending = list(self.pending.values()), {}
-        for work in works:
-            work.wait()
+        entries, self.pending = list(self.pending.values()), {}
+        for entry in entries:
+            self._finish(entry)
+
+    def _finish(self, entry: Tuple[Any, nn.Parameter, Tensor]) -> None:
+        work, p, data = entry
+        work.wait()
+        if self.after_wait is not None:
+            self.after_wait(p, data)
 
     def remove(self) -> None:
         """Wait, then restore the optimizers' blocking broadcast and remove the hooks."""

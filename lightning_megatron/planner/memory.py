@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES, ParallelConfig
+from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_per_stage, pad_vocab_size, stage_placement
 
 __all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
@@ -188,16 +188,10 @@ def check_dtype_name(name: str, value: str, table: Dict[str, Any]) -> None:
 
 
 def check_params_dtype(sharding: str, params_dtype: str) -> None:
-    """Raise ValueError when ``params_dtype`` (``"fp32"`` / ``"bf16"``) is unknown or does not combine with the
-    sharding level: the library's own rule (:func:`~lightning_megatron.parallel.main_grad.check_bf16_params_options`:
-    bf16 parameters are refused under FSDP's levels, run with ``no_shard`` and the distributed optimizer). The rule
-    lives beside ``MainParams``, which needs torch: it is imported only for bf16 parameters, so planning fp32
-    parameters stays torch-free."""
+    """Raise ValueError when ``params_dtype`` (``"fp32"`` / ``"bf16"``) is unknown. Every sharding level takes bf16
+    parameters (under FSDP's levels FSDP2 holds them: fp32 shards, see :func:`state_bytes`); ``sharding`` is kept
+    for the callers."""
     check_dtype_name("params_dtype", params_dtype, PARAMS_DTYPE_BYTES)
-    if params_dtype == "bf16":
-        from lightning_megatron.parallel.main_grad import check_bf16_params_options
-
-        check_bf16_params_options(ParallelConfig(data_parallel_sharding_strategy=sharding), fitting=True)
 
 
 def check_param_remainders(params_dtype: str, store_param_remainders: bool) -> None:

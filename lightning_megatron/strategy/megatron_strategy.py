@@ -31,7 +31,6 @@ from lightning_megatron.parallel.context_parallel.layout import split_batch
 from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel
-from lightning_megatron.parallel.main_grad import check_bf16_params_options
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
@@ -192,8 +191,6 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
         parallelized, cfg, mesh = self.parallelized, self.parallel_config, self.mesh
-        if parallelized.main_params is not None:
-            check_bf16_params_options(cfg, fitting)
         if fitting and cfg.fsdp and self.fsdp is None:   # FSDP once; the finaliser then works on the shards
             self.fsdp = shard_fsdp(self.lightning_module, parallelized, mesh, cfg, self.precision_plugin.precision)
             guard_grads = self._grads.guard.grads

@@ -81,7 +81,9 @@ def shard_optimizer_states(optimizers: List[Any], lr_scheduler_configs: List[Any
         return optimizers, previous_gather
     if previous_gather is not None:
         previous_gather.remove()
-    return optimizers, OverlappedParamGather(zero_optimizers(optimizers), model, tied_head_waits(parallelized.models))
+    main = parallelized.main_params   # bf16 parameters: their copies follow the broadcast fp32 main values
+    return optimizers, OverlappedParamGather(zero_optimizers(optimizers), model, tied_head_waits(parallelized.models),
+                                             after_wait=main.adopt_broadcast if main is not None else None)
 
 
 def tied_head_waits(models: List[nn.Module]) -> Dict[Any, List[Any]]:
