@@ -25,9 +25,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_megatron.strategy import LAYOUT_OPTIONS
 from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, MFUMonitor, ParallelGPTModule
-from lightning_megatron.callbacks import LossCurve
+from lightning_megatron.callbacks import CheckpointWeights, LossCurve
 from lightning_megatron.cli.callbacks import MemoryHousekeeping, StepProfiler
-from lightning_megatron.cli.flags import accepted_flags
+from lightning_megatron.cli.flags import TINY, accepted_flags
 from lightning_megatron.cli import (
     FLAG_MAPPING,
     FlagError,
@@ -461,8 +461,34 @@ def test_precision_tokenizers_and_load(tmp_path):
     empty = plan_of(["--load", str(tmp_path)])
     assert empty.resume is None and "starting from scratch" in empty.notes[0]
     (tmp_path / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(FlagError, match=r"last.ckpt is not a readable checkpoint \("):
+        plan_of(["--load", str(tmp_path)])
+    torch.save({"state_dict": {}, "optimizer_states": [], "loops": {}, "pytorch-lightning_version": "2.6.0"},
+               tmp_path / "last.ckpt")
     assert plan_of(["--load", str(tmp_path)]).resume == str(tmp_path / "last.ckpt")
     assert plan_of(["--load", str(tmp_path / "last.ckpt")]).resume == str(tmp_path / "last.ckpt")
+    # a file of weights only (python -m lightning_megatron.hf import): started from, at iteration 0; its config must
+    # give the weights the flags' shapes, and other model differences are noted
+    weights = tmp_path / "weights.ckpt"
+    tiny = plan_of([]).config
+    for saved, error, note in ((tiny, None, None),
+                               (tiny.replace(num_layers=2), "num_layers=2 (here 4) [--num-layers]", None),
+                               (tiny.replace(norm_epsilon=1e-6, seq_length=64), None,
+                                "norm_epsilon=1e-06 (here 1e-05) [--norm-epsilon]")):
+        torch.save({"state_dict": {}, "hyper_parameters": {"config": saved.to_dict()}}, weights)
+        if error is not None:
+            with pytest.raises(FlagError, match="the checkpoint's model has other weights than the flags' model") as e:
+                plan_of(["--load", str(weights)])
+            assert error in str(e.value), str(e.value)
+            continue
+        plan = plan_of(["--load", str(weights)])
+        assert plan.resume is None and plan.callback_kwargs["CheckpointWeights"] == dict(path=str(weights))
+        assert isinstance(plan.build_callbacks()[0], CheckpointWeights)
+        assert "training starts from these weights at iteration 0 with a fresh optimizer" in plan.notes[-1]
+        assert (note is None) == (len(plan.notes) == 1) and (note is None or note in plan.notes[0]), plan.notes
+    torch.save({"hyper_parameters": {}}, weights)
+    with pytest.raises(FlagError, match="weights.ckpt holds no state_dict"):
+        plan_of(["--load", str(weights)])
 
 
 # ---------------------------------------------------------------------------------------------- every flag lands
@@ -474,6 +500,7 @@ TARGET_OWNERS = {  # "Class" of a "Class.argument" target -> the callable whose 
     "Trainer.fit": pl.Trainer.fit,
     "MockGPTDataModule": MockGPTDataModule, "TensorBoardLogger": TensorBoardLogger, "Timer": Timer,
     "StepProfiler": StepProfiler, "MemoryHousekeeping": MemoryHousekeeping, "LossCurve": LossCurve,
+    "CheckpointWeights": CheckpointWeights,
 }
 
 
@@ -716,9 +743,13 @@ def spm_model(tmp_path_factory):
 def test_every_flag_sets_its_targets(tmp_path, spm_model):
     """Every flag of the parser (refused ones aside) sets each of its targets to the value it was given; the
     table covers every (flag, target) pair the parser declares, so a new flag needs a case here."""
-    (tmp_path / "last.ckpt").write_bytes(b"x")
+    torch.save({"state_dict": {}, "optimizer_states": [], "loops": {}, "pytorch-lightning_version": "2.6.0"},
+               tmp_path / "last.ckpt")   # a training checkpoint: resumed from
+    torch.save({"state_dict": {}, "hyper_parameters": {"config": GPTConfig(**TINY).to_dict()}},
+               tmp_path / "weights.ckpt")   # weights only (python -m lightning_megatron.hf import): started from
     cases = CASES + [
         ([], ["--load", str(tmp_path)], {"Trainer.fit.ckpt_path": str(tmp_path / "last.ckpt")}),
+        ([], ["--load", str(tmp_path / "weights.ckpt")], {"CheckpointWeights.path": str(tmp_path / "weights.ckpt")}),
         # no context without a tokenizer model is valid: only the values are checked
         (None, ["--tokenizer-model", spm_model, "--data-path", "x", "--tokenizer-type", "SentencePieceTokenizer",
                 "--eod-mask-loss"], {"GPTConfig.vocab_size": 512, "GPTDataModule.eod_id": 2}),

@@ -1,8 +1,10 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count; the
-loss curve as CSV / PNG (``LossCurve``)."""
+loss curve as CSV / PNG (``LossCurve``); the weights of a checkpoint without training state at the start
+(``CheckpointWeights``)."""
 from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
+    "CheckpointWeights": "lightning_megatron.callbacks.checkpoint_weights",
     "flops_per_token": "lightning_megatron.callbacks.flops",
     "num_floating_point_operations": "lightning_megatron.callbacks.flops",
     "LossCurve": "lightning_megatron.callbacks.loss_curve",

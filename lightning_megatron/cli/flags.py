@@ -44,7 +44,8 @@ How the flags map (each flag's help ends with what it sets: "-> Class.argument")
   * --bf16 / --fp16 and the FP8 flags (--fp8-format, --fp8-recipe, ...) build MegatronPrecision, passed to the
     Trainer as a plugin; without them --precision is Lightning's (default 32-true).
   * --save DIR keeps DIR/last.ckpt (and one every --save-interval steps, and at the end); --load resumes from
-    a file or DIR/last.ckpt (a directory without one starts fresh, as Megatron).
+    a file or DIR/last.ckpt (a directory without one starts fresh, as Megatron); a file of weights only
+    (python -m lightning_megatron.hf import) starts from those weights at iteration 0.
 
 Defaults are those of the shipped tiny run where it needs them, which differ from Megatron-LM's in places:
 sequence parallelism is on when tp > 1 (--no-sequence-parallel), lr decay is cosine, weight decay 0.1, Adam
@@ -354,7 +355,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="checkpoint directory (last.ckpt at the end)")
     add_flag(g, "--save-interval", "ModelCheckpoint.every_n_train_steps", type=int, default=None,
              help="also save every N optimizer steps")
-    add_flag(g, "--load", "Trainer.fit.ckpt_path", default=None, help="checkpoint file, or a directory holding last.ckpt")
+    add_flag(g, "--load", ("Trainer.fit.ckpt_path", "CheckpointWeights.path"), default=None,
+             help="checkpoint file, or a directory holding last.ckpt, to resume from; a file of weights only (python "
+                  "-m lightning_megatron.hf import) is started from at iteration 0")
     add_flag(g, "--ckpt-format", "MegatronStrategy.ckpt_format", choices=("torch", "torch_dist"), default=None,
              help="torch: one file of full tensors (default); torch_dist: a directory of each rank's shards")
     add_flag(g, "--async-save", "MegatronStrategy.async_save", action="store_true",

@@ -19,9 +19,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, Timer, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from lightning_megatron.callbacks.checkpoint_weights import (CheckpointWeights, config_differences, describe,
+                                                             holds_training_state, read_checkpoint)
 from lightning_megatron.callbacks.loss_curve import LossCurve
 from lightning_megatron.cli.callbacks import MemoryHousekeeping, StepProfiler
-from lightning_megatron.cli.flags import DESCRIPTION, TINY, TINY_LR, accepted_flags, build_parser, refused_flags
+from lightning_megatron.cli.flags import (DESCRIPTION, TINY, TINY_LR, accepted_flags, build_parser, flag_targets,
+                                          refused_flags)
 from lightning_megatron.data import (
     ByteTokenizer,
     GPTDataModule,
@@ -56,8 +59,8 @@ TINY_TOKENIZERS = {"SentencePieceTokenizer": "sentencepiece", "GPTSentencePieceT
                    "ByteTokenizer": "byte"}
 DEFAULT_TRAIN_ITERS = 400
 # The plan's callbacks by class, in the order they run (PretrainPlan.callback_kwargs keys).
-PLAN_CALLBACKS = {"Timer": Timer, "StepProfiler": StepProfiler, "MemoryHousekeeping": MemoryHousekeeping,
-                  "LossCurve": LossCurve, "TQDMProgressBar": TQDMProgressBar}
+PLAN_CALLBACKS = {"CheckpointWeights": CheckpointWeights, "Timer": Timer, "StepProfiler": StepProfiler,
+                  "MemoryHousekeeping": MemoryHousekeeping, "LossCurve": LossCurve, "TQDMProgressBar": TQDMProgressBar}
 
 
 class FlagError(ValueError):
@@ -81,7 +84,8 @@ class PretrainPlan:
             ``TensorBoardLogger`` / ``CSVLogger`` with ``--tensorboard-dir``, else False).
         mfu_kwargs: ``MFUMonitor(**mfu_kwargs)``, or None for no throughput logging.
         checkpoint_kwargs: ``ModelCheckpoint(**checkpoint_kwargs)``, or None for no checkpoints.
-        resume: ``trainer.fit(ckpt_path=...)``.
+        resume: ``trainer.fit(ckpt_path=...)`` (None for a ``--load`` file of weights only: its
+            ``CheckpointWeights`` callback, in :attr:`callback_kwargs`, loads them at the start).
         seed: for ``pl.seed_everything``.
         global_batch_size, num_microbatches: global batch = micro-batch x dp x ``num_microbatches``
             (= ``trainer_kwargs["accumulate_grad_batches"]``).
@@ -90,8 +94,8 @@ class PretrainPlan:
         precision: the ``MegatronPrecision`` plugin for ``pl.Trainer(plugins=[precision])`` (``--bf16``, ``--fp16``,
             the FP8 flags), or None (then ``trainer_kwargs["precision"]`` is Lightning's string).
         precision_kwargs: what ``precision`` was built from (None without it).
-        callback_kwargs: ``{"Timer" | "StepProfiler" | "MemoryHousekeeping" | "LossCurve": kwargs}`` of the
-            flags' callbacks (:meth:`build_callbacks`).
+        callback_kwargs: ``{"CheckpointWeights" | "Timer" | "StepProfiler" | "MemoryHousekeeping" | "LossCurve":
+            kwargs}`` of the flags' callbacks (:meth:`build_callbacks`).
         logger_kwargs: what the logger of ``--tensorboard-dir`` was built from (None without it).
     """
 
@@ -417,8 +421,10 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
         checkpoint_kwargs = dict(dirpath=args.save, save_last=True, enable_version_counter=False)
         if args.save_interval is not None:
             checkpoint_kwargs["every_n_train_steps"] = args.save_interval
-    resume, load_notes = _resume_path(args.load)
+    resume, weights, load_notes = _load_path(args.load, config)
     notes += load_notes
+    if weights is not None:   # loaded at the start, before the other callbacks see the model
+        callback_kwargs = {"CheckpointWeights": dict(path=weights), **callback_kwargs}
     return PretrainPlan(config=config, strategy=strategy, data_module=data_module, module_kwargs=module_kwargs,
                         trainer_kwargs=trainer_kwargs, mfu_kwargs=mfu_kwargs, checkpoint_kwargs=checkpoint_kwargs,
                         resume=resume, seed=args.seed, global_batch_size=gbs, num_microbatches=micro_batches,
@@ -620,6 +626,51 @@ def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
         raise FlagError(f"{flags} need --num-experts (the model is dense without it)")
     kw.update({MOE_FLAGS[dest]: value for dest, value in given.items()})
     return kw
+
+
+def _load_path(load: Optional[str], config: GPTConfig) -> Tuple[Optional[str], Optional[str], List[str]]:
+    """``--load``: ``(checkpoint to resume from, checkpoint to start from, notes)``. A file without training state
+    (no optimizer states or loop progress: ``python -m lightning_megatron.hf import``'s output, a
+    ``save_weights_only`` checkpoint) cannot be resumed; its weights are loaded at the start instead
+    (:class:`~lightning_megatron.callbacks.CheckpointWeights`) and training starts at iteration 0 with a fresh
+    optimizer, as Megatron does with a converted checkpoint. Its saved ``GPTConfig`` must match the flags' in every
+    field that shapes the weights (else FlagError naming the fields and their flags); other model fields that differ
+    are noted."""
+    resume, notes = _resume_path(load)
+    if resume is None or Path(resume).is_dir():   # nothing, or a sharded (torch_dist) training checkpoint
+        return resume, None, notes
+    try:
+        checkpoint = read_checkpoint(resume)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same flag error
+        raise FlagError(f"--load {load}: {resume} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise FlagError(f"--load {load}: {resume} holds no state_dict (not a Lightning or lightning-megatron "
+                        "checkpoint)")
+    if holds_training_state(checkpoint):
+        return resume, None, notes
+    saved = (checkpoint.get("hyper_parameters") or {}).get("config")
+    if isinstance(saved, dict):
+        shape, model = config_differences(saved, config)
+        flags: Dict[str, List[str]] = {}
+        for flag, targets in flag_targets(build_parser()).items():
+            for target in targets:
+                if target.startswith("GPTConfig."):
+                    flags.setdefault(target[len("GPTConfig."):], []).append(flag)
+
+        def named(differences: Dict[str, Tuple[Any, Any]]) -> str:
+            return "; ".join(f"{describe({field: pair})} [{' / '.join(flags.get(field, ['no flag']))}]"
+                             for field, pair in differences.items())
+
+        if shape:
+            raise FlagError(f"--load {load}: the checkpoint's model has other weights than the flags' model: "
+                            f"{named(shape)}; give the flags the checkpoint's values (python -m "
+                            "lightning_megatron.hf import prints its GPTConfig)")
+        if model:
+            notes.append(f"--load {load}: the weights load, into a model that computes differently from the one "
+                         f"they were saved with: {named(model)}")
+    notes.append(f"--load {load}: the checkpoint holds weights only (no optimizer state or iteration, as a converted "
+                 "checkpoint): training starts from these weights at iteration 0 with a fresh optimizer")
+    return None, resume, notes
 
 
 def _resume_path(load: Optional[str]) -> Tuple[Optional[str], List[str]]:
