@@ -8,8 +8,8 @@ attribute names one at a time):
   the ones it supports; asking for a parallelism its model does not implement raises an error naming the
   protocol.
 * **the LightningModule** (e.g. :class:`lightning_megatron.ParallelGPTModule`): what
-  :class:`lightning_megatron.MegatronStrategy` calls to run one optimizer step through
-  :func:`lightning_megatron.parallel.forward_backward.forward_backward` (:class:`ParallelLightningModule`).
+  :class:`lightning_megatron.MegatronStrategy` calls to run one optimizer step (:class:`ParallelLightningModule`),
+  and what the strategy hands the module's own step hooks for the library's forward and loss (:class:`StepRunner`).
   A LightningModule without it still trains under the strategy through Lightning's own loop (pp = 1 only).
 
 Nothing here imports the strategy; the strategy and ``parallelize`` import this module.
@@ -17,7 +17,7 @@ Nothing here imports the strategy; the strategy and ``parallelize`` import this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence,
+from typing import (Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple,
                     runtime_checkable)
 
 from torch import Tensor, nn
@@ -166,6 +166,33 @@ class ConfiguredModule(Protocol):
     config: Any
 
 
+@runtime_checkable
+class StepRunner(Protocol):
+    """The library's forward and loss of one batch under :class:`MegatronStrategy`, for a LightningModule's own
+    Lightning hooks (the strategy's step path: ``lightning_megatron.strategy.step_path.StepPath``).
+
+    The strategy calls the module's ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step``
+    (Lightning's hooks, so a subclass's overrides run); :class:`lightning_megatron.ParallelGPTModule`'s own
+    implementations call these methods (an override reaches them through ``super()``). Every rank of the layout calls
+    them for every batch, pipeline stages included.
+    """
+
+    def train(self, batch: Batch) -> Tensor:
+        """This micro-batch's training loss: the value is this data-parallel rank's token-mean loss of the micro-batch
+        (what one process holding that batch computes; the same on its tensor-, context- and pipeline-parallel peers),
+        its gradient that of the library's global token-mean (pp == 1; Lightning's backward runs it). Under pipeline
+        parallelism the schedule has already run the step's forward and backward when the strategy calls
+        ``training_step``; the value is the same and carries no gradient."""
+
+    def evaluate(self, batch: Batch) -> Tuple[Tensor, Tensor]:
+        """``(totals, loss)``: ``totals`` = ``[loss_sum, token_count]`` of this rank's part of ``batch`` (summed over
+        the data-parallel x context-parallel group at the epoch's end); ``loss`` = this data-parallel rank's token-mean
+        loss of the batch, on every rank of the layout."""
+
+    def predict(self, batch: Batch) -> Tensor:
+        """Per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """What a LightningModule learns about the layout from the strategy (:meth:`set_parallel_context`).
@@ -175,12 +202,15 @@ class ParallelContext:
         token_groups: groups that together hold the rest of a micro-batch's tokens (dp x cp, and tp under
             sequence parallelism): MoE routers' global statistics are reduced over them.
         pp_group: the pipeline group, or None without pipeline parallelism.
+        step: the strategy's :class:`StepRunner` (the library's forward and loss for the module's own step hooks),
+            or None outside :class:`MegatronStrategy`.
     """
 
     dp_group: Any = None
     dp_size: int = 1
     token_groups: List[Any] = field(default_factory=list)
     pp_group: Any = None
+    step: Optional[StepRunner] = None
 
     @property
     def pipeline(self) -> bool:
@@ -191,9 +221,13 @@ class ParallelContext:
 class ParallelLightningModule(Protocol):
     """What :class:`MegatronStrategy` calls on a LightningModule to run its one step path.
 
-    The strategy collects the micro-batches of one optimizer step and runs them through
-    :func:`~lightning_megatron.parallel.forward_backward.forward_backward` (a pipeline schedule, or the plain loop
-    when pp == 1); evaluation and prediction go through the same forward.
+    The strategy calls the module's own Lightning step hooks (``training_step`` and the others), which reach the
+    library's forward and loss through ``ParallelContext.step`` (:class:`StepRunner`). With pp == 1 Lightning's own
+    loop runs the rest (zero_grad, backward, DDP's ``no_sync`` for accumulated micro-batches). With pp > 1 the
+    strategy collects the micro-batches of one optimizer step, runs them through the pipeline schedule of
+    :func:`~lightning_megatron.parallel.forward_backward.forward_backward` at the last one, then calls
+    ``training_step`` for each of them in order on every rank; evaluation and prediction go through the same
+    pieces (:meth:`forward_step`, :meth:`loss_sum`).
     """
 
     def set_parallel_context(self, context: ParallelContext) -> None:
@@ -215,7 +249,8 @@ class ParallelLightningModule(Protocol):
         """Gradient scale of auxiliary losses attached in forward (the main loss's scale)."""
 
     def log_train_step(self, loss: Tensor, num_microbatches: int) -> None:
-        """Log the step's loss (global token-mean, the same on every rank), once per optimizer step."""
+        """Log the step's loss (global token-mean, the same on every rank), once per optimizer step (called inside
+        the step's last ``training_step``)."""
 
     def accumulate_eval_totals(self, totals: Tensor) -> None:
         """Add ``[loss_sum, token_count]`` of one evaluation batch."""

@@ -297,8 +297,7 @@ class ParallelGPTModule(pl.LightningModule):
     # ---------------------------------------------------------------- mixture of experts
     def set_moe_aux_loss_scale(self, scale: float) -> None:
         """Gradient the routers' aux / z losses get in backward (see :func:`lightning_megatron.moe.set_aux_loss_scale_of`):
-        the main loss's scale (``dp_cp / micro-batches``; ``dp_cp`` under pipeline parallelism, whose schedule
-        divides gradients by the micro-batch count itself)."""
+        the main loss's scale (``dp_cp / micro-batches``, times the fp16 loss scale)."""
         if self.model is not None and self.config.is_moe:
             set_aux_loss_scale_of(self.model, scale)
 
@@ -350,7 +349,10 @@ class ParallelGPTModule(pl.LightningModule):
         """Add ``[loss_sum, token_count]`` of one evaluation batch (this data-parallel rank's part)."""
         self._val_totals = totals if self._val_totals is None else self._val_totals + totals
 
-    # ---------------------------------------------------------------- Lightning steps (used by other strategies)
+    # ---------------------------------------------------------------- Lightning steps
+    # Under MegatronStrategy these hooks are called by the strategy (a subclass's overrides run, on every rank) and
+    # reach the library's forward and loss through the strategy's step runner (ParallelContext.step); under any
+    # other strategy (single device, Lightning's DDP) they compute them here.
     def _dp_group(self) -> Tuple[Optional[dist.ProcessGroup], int]:
         if self._parallel is None:
             return None, 1
@@ -362,9 +364,25 @@ class ParallelGPTModule(pl.LightningModule):
             dist.all_reduce(value, group=group)
         return value
 
+    def _step_runner(self) -> Any:
+        """The strategy's :class:`~lightning_megatron.contract.StepRunner`, or None outside MegatronStrategy."""
+        return self._parallel.step if self._parallel is not None else None
+
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        """One micro-batch's token-mean loss. :class:`MegatronStrategy` does not call this (it runs the step's
-        micro-batches through :meth:`forward_step` / :meth:`loss_sum`); other strategies (single device, DDP) do."""
+        """One micro-batch's loss: its value is this data-parallel rank's token-mean loss of the micro-batch (what
+        one process holding that batch computes), so ``self.log(name, value, sync_dist=True)`` of it (or of anything
+        computed from it) in an override logs what Lightning's DDP logs.
+
+        Under :class:`MegatronStrategy` the gradient is the library's global token-mean over the data-parallel
+        group (pp = 1: Lightning's backward runs it, so an override may add loss terms to what this returns);
+        ``train_loss`` (the optimizer step's global token-mean) is logged once per step, at its last micro-batch.
+        Under pp > 1 the schedule has run the step's forward and backward when the strategy calls this (once per
+        micro-batch, on every rank, in order, at the step's last micro-batch): the returned loss carries no
+        gradient and an override must return it unchanged. Under other strategies ``train_loss`` is logged per
+        micro-batch (``sync_dist``)."""
+        runner = self._step_runner()
+        if runner is not None:
+            return runner.train(batch)
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0   # fp16: the aux losses' too
@@ -379,9 +397,16 @@ class ParallelGPTModule(pl.LightningModule):
     def _is_distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def _eval_step(self, batch: Batch) -> None:
+    def _eval_step(self, batch: Batch) -> Tensor:
+        runner = self._step_runner()
+        if runner is not None:
+            totals, loss = runner.evaluate(batch)
+            self.accumulate_eval_totals(totals)
+            return loss
         loss_sum, count = self.loss_sum_and_count(batch)
-        self.accumulate_eval_totals(torch.stack([loss_sum.detach().float(), count.float()]))
+        totals = torch.stack([loss_sum.detach().float(), count.float()])
+        self.accumulate_eval_totals(totals)
+        return totals[0] / totals[1].clamp(min=1.0)
 
     def _eval_epoch_end(self, name: str) -> None:
         if self._val_totals is None:
@@ -395,20 +420,27 @@ class ParallelGPTModule(pl.LightningModule):
         self.log(name, totals[0] / totals[1].clamp(min=1.0), prog_bar=True, sync_dist=self._is_distributed())
         self._val_totals = None
 
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self._eval_step(batch)
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """Add the batch to the epoch's ``val_loss`` (the global token-mean, logged at the epoch's end); returns this
+        data-parallel rank's token-mean loss of the batch (on every rank of its layout), for an override to log."""
+        return self._eval_step(batch)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val_loss")
 
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self._eval_step(batch)
+    def test_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """As :meth:`validation_step`, for ``test_loss``."""
+        return self._eval_step(batch)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test_loss")
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        """Per-token loss if the batch has labels, else this rank's logits ``[b, s, V_pad/tp]``."""
+        """Per-token loss ``[b, s]`` if the batch has labels, else this rank's logits ``[b, s, V_pad/tp]`` (under
+        :class:`MegatronStrategy` on every rank of the layout, pipeline stages included)."""
+        runner = self._step_runner()
+        if runner is not None:
+            return runner.predict(batch)
         return self(batch["tokens"], batch.get("position_ids"), batch.get("labels"))
 
     # ---------------------------------------------------------------- generation

@@ -95,8 +95,9 @@ def stage_placement(pp: int, vp: int, v_shape: bool) -> List[List[int]]:
     return [[v * pp + r for v in range(vp)] for r in range(pp)]
 
 def min_microbatches(schedule: str, pp: int) -> int:
-    """Fewest micro-batches per step a schedule needs (torch's rules, checked early with a clear error)."""
-    return 1 if schedule == "gpipe" else pp
+    """Fewest micro-batches per step a schedule needs (torch's rules, checked early with a clear error; DualPipeV
+    needs one per stage, ``2 * pp``)."""
+    return 1 if schedule == "gpipe" else 2 * pp if schedule == "dualpipev" else pp
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")

@@ -150,6 +150,13 @@ def _skip_self_init_p2p(stage: Any) -> None:
     stage._get_init_p2p_neighbors_ops = ops_without_self
 
 
+#: a schedule that runs any number of micro-batches on the same stages, for a step with fewer than a schedule needs
+#: (GPipe for one stage per rank; looped BFS for the loop placement of virtual stages; ZBV runs any number itself;
+#: DualPipeV needs as many micro-batches as stages and has no stand-in)
+SHORT_STEP_SCHEDULES = {"gpipe": "gpipe", "1f1b": "gpipe", "interleaved_1f1b": "looped_bfs",
+                        "looped_bfs": "looped_bfs", "interleaved_zero_bubble": "looped_bfs", "zbv": "zbv"}
+
+
 class PipelineRunner:
     """Runs training steps (a schedule) and forward-only passes over this rank's pipeline stages.
 
@@ -229,27 +236,37 @@ class PipelineRunner:
         self._forward_counts = [0] * len(self.stage_modules)
 
     # ---- training
-    def _schedule(self, n_microbatches: int) -> Any:
-        if n_microbatches < min_microbatches(self.schedule_name, self.pp):
-            raise ValueError(
-                f"pipeline_schedule={self.schedule_name!r} with pp={self.pp} needs at least "
-                f"{min_microbatches(self.schedule_name, self.pp)} micro-batches per optimizer step, got "
-                f"{n_microbatches}: set Trainer(accumulate_grad_batches>={min_microbatches(self.schedule_name, self.pp)})"
-            )
-        if n_microbatches not in self._schedules:
-            if self._pipeline_stages is None:
-                from torch.distributed.pipelining import PipelineStage
+    @property
+    def runs_short_steps(self) -> bool:
+        """Whether a step of fewer micro-batches than the schedule needs (``fast_dev_run``, an epoch's short last
+        step) runs, under a stand-in schedule of the same stages (:data:`SHORT_STEP_SCHEDULES`)."""
+        return self.schedule_name in SHORT_STEP_SCHEDULES
 
-                self._pipeline_stages = [
-                    PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
-                    for module, index in zip(self.stage_modules, self.stage_indices)
-                ]
-                for stage, module in zip(self._pipeline_stages, self.stage_modules):
-                    _skip_self_init_p2p(stage)
-                    self._route_weight_grads(stage, module)
-            self._schedules[n_microbatches] = build_schedule(
-                self.schedule_name, self._pipeline_stages, n_microbatches, self._call_loss
-            )
+    def _schedule(self, n_microbatches: int) -> Any:
+        name = self.schedule_name
+        need = min_microbatches(name, self.pp)
+        if n_microbatches < need:
+            # same stages, same gradients (a schedule only orders the micro-batches' passes): one that runs any number
+            name = SHORT_STEP_SCHEDULES.get(name)
+            if name is None:
+                raise ValueError(
+                    f"pipeline_schedule={self.schedule_name!r} with pp={self.pp} needs at least {need} micro-batches "
+                    f"per optimizer step, got a step of {n_microbatches} (Trainer(accumulate_grad_batches=...), "
+                    "fast_dev_run, or an epoch's short last step): give every step enough or use a schedule that runs "
+                    "any number (its placement has no stand-in)")
+        if n_microbatches not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            # Stages of their own per micro-batch count: a torch stage keeps the buffers of the first count it ran,
+            # and a schedule prepares its stages once, so a step of another count (an epoch's short last step, a
+            # changed accumulate_grad_batches) on shared stages would run past their buffers
+            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
+                      for module, index in zip(self.stage_modules, self.stage_indices)]
+            for stage, module in zip(stages, self.stage_modules):
+                _skip_self_init_p2p(stage)
+                self._route_weight_grads(stage, module)
+            self._pipeline_stages = stages
+            self._schedules[n_microbatches] = build_schedule(name, stages, n_microbatches, self._call_loss)
         return self._schedules[n_microbatches]
 
     def _call_loss(self, output: Tensor, target: Tensor) -> Tensor:

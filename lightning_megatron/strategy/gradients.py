@@ -33,6 +33,8 @@ class GradientHooks:
 
         def closure_then_finalize() -> Any:
             result = closure()
+            if self._steps is not None:   # pp: gradients kept out of the reach of Lightning's zero_grad
+                self._steps.restore_grads()
             if guard is not None:
                 self.settle_non_finite()
             self.finalize_gradients()
@@ -47,6 +49,10 @@ class GradientHooks:
         except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
             self._count_skipped(skipped)
             return None
+        finally:
+            self._finalized = False
+            if self._steps is not None:
+                self._steps.end_step()
         if guard is not None:
             guard.end_step()
         return result
@@ -82,9 +88,17 @@ class GradientHooks:
         self.settle_non_finite(log_skip=False)
         super().on_train_end()
 
+    #: the step's gradients are finished (by clipping before the optimizer step, under manual optimization)
+    _finalized = False
+
     def finalize_gradients(self) -> None:
-        """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`)."""
+        """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`): before the
+        optimizer step, or before clipping when the user clips first (manual optimization calls
+        ``self.clip_gradients`` before ``optimizer.step()``); the second call of a step does nothing."""
         assert self._grads is not None
+        if self._finalized:
+            return
+        self._finalized = True
         self.wait_for_parameters()   # before the step writes the parameters again
         self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
         self._grads.guard.step = self.lightning_module.trainer.global_step
@@ -118,6 +132,8 @@ class GradientHooks:
             plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
-        """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping."""
+        """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping. The
+        step's gradients are finished first (reduced over every group), if they are not yet."""
         assert self._grads is not None
+        self.finalize_gradients()
         return self._grads.clip([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))

@@ -3,12 +3,16 @@
 ``setup_environment`` starts the process group and builds the :class:`ParallelMesh` and RNG streams; ``setup``
 calls :func:`~lightning_megatron.parallelize.parallelize`, then :mod:`~lightning_megatron.strategy.model_setup`
 (data parallelism, the distributed optimizer). Training runs every layout through one step path
-(:class:`~lightning_megatron.strategy.step_path.StepPath`), with Lightning's own backward switched off (the one
-place its loop is bypassed). Gradient hooks: :mod:`~lightning_megatron.strategy.gradients`; checkpoint hooks:
+(:class:`~lightning_megatron.strategy.step_path.StepPath`) that calls the module's own step hooks; under pipeline
+parallelism the schedule runs the step's forward and backward and the strategy's ``backward`` only fires Lightning's
+hooks (the one place its loop is bypassed). Lightning features a layout cannot run are refused at
+``setup_environment`` (:mod:`~lightning_megatron.strategy.lightning_features`). Gradient hooks: :mod:`~lightning_megatron.strategy.gradients`; checkpoint hooks:
 :mod:`~lightning_megatron.strategy.checkpoints`; keyword routing: :mod:`~lightning_megatron.strategy.options`.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,12 +36,15 @@ from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel
 from lightning_megatron.parallel.mesh import ParallelMesh
+from lightning_megatron.parallel.layout_rules import min_microbatches
 from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
 from lightning_megatron.precision.plugin import MegatronPrecision, megatron_precision_for
 from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
+from lightning_megatron.strategy.lightning_features import (attach_weight_averages, check_lightning_features,
+                                                          check_short_pipeline_steps)
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
                                                   kill_launched)
 from lightning_megatron.strategy.model_setup import (check_pipeline_module, parallel_context, shard_fsdp,
@@ -149,7 +156,11 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
-        """Start the process group, build the mesh, check the model's shape, seed the RNG streams."""
+        """Refuse the Lightning features this layout cannot run (every rank at once, before any collective), start
+        the process group, build the mesh, check the model's shape, seed the RNG streams."""
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            check_lightning_features(module.trainer, module, self.parallel_config, self._params_dtype())
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
@@ -212,6 +223,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            attach_weight_averages(trainer, self.lightning_module, self.wait_for_parameters)
         count_whole_model(trainer, self._pp_group())   # the model summary: the whole model, not this rank's part
 
     def wait_for_parameters(self) -> None:
@@ -239,8 +251,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         stages = self.parallelized.pipeline
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
-        if isinstance(module, ParallelLightningModule):
-            module.set_parallel_context(parallel_context(mesh, cfg))
+        if isinstance(module, ParallelLightningModule):   # its step hooks reach the step path through the context
+            module.set_parallel_context(dataclasses.replace(parallel_context(mesh, cfg), step=self._steps))
         return self.parallelized
 
     def _params_dtype(self) -> Optional[torch.dtype]:
@@ -264,36 +276,73 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         return split_batch(batch, self.parallel_config.cp, self.mesh.rank("cp"))
 
     def on_train_start(self) -> None:
-        """The step path runs forward and backward inside ``training_step``: Lightning's own backward is off."""
+        """Under pp > 1, refuse (on every rank, before the first batch) steps the schedule cannot run."""
         super().on_train_start()
-        if self._steps is not None:
-            self.lightning_module.trainer.fit_loop._skip_backward = True
+        pipeline = self._steps.pipeline if self._steps is not None else None
+        if pipeline is not None:
+            check_short_pipeline_steps(self.lightning_module.trainer, pipeline.schedule_name, pipeline.pp,
+                                       min_microbatches, pipeline.runs_short_steps)
 
     def on_train_end(self) -> None:
         self.wait_for_parameters()
         self.finish_checkpoints()
-        try:
-            super().on_train_end()   # GradientHooks: the last step's non-finite verdict, when decided on the device
-        finally:
-            if self._steps is not None:
-                self.lightning_module.trainer.fit_loop._skip_backward = False
+        super().on_train_end()   # GradientHooks: the last step's non-finite verdict, when decided on the device
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Collect the step's micro-batches and run them at the last one (:meth:`StepPath.train`)."""
-        return self._steps.train(args[0]) if self._steps else super().training_step(*args, **kwargs)
+        """The module's own ``training_step``: under pp = 1 through Lightning's (DDP's forward, then Lightning's
+        backward); under pp > 1 collected, and at the step's last micro-batch run after the schedule for each
+        micro-batch of the step (:meth:`StepPath.pipeline_training_step`)."""
+        steps = self._steps
+        if steps is None:
+            return super().training_step(*args, **kwargs)
+        if steps.pipeline is not None:
+            return steps.pipeline_training_step(args, kwargs)
+        steps.begin_microbatch()
+        return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward; under pp > 1 the schedule ran it, and this fires ``on_before_backward`` /
+        ``on_after_backward`` (:meth:`StepPath.pipeline_backward`)."""
+        if self._steps is not None and self._steps.pipeline is not None:
+            return self._steps.pipeline_backward(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's accumulated micro-batches skip the data-parallel reduction: DDP's ``no_sync`` or, with FSDP2,
+        its units' (their backward accumulates unsharded gradients)."""
+        if self.fsdp is not None:
+            with self.fsdp.no_sync():
+                yield
+            return
+        with super().block_backward_sync():
+            yield
+
+    def _eval_context(self, context: Any) -> Any:
+        """The precision plugin's context around an evaluation hook (pp = 1); pipeline stages enter it themselves."""
+        return contextlib.nullcontext() if self._steps.pipeline is not None else context()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Add the batch's loss sum and token count to the module's totals (:meth:`StepPath.evaluate`)."""
-        steps, context = self._steps, self.precision_plugin.val_step_context
-        return steps.evaluate(args[0], context) if steps else super().validation_step(*args, **kwargs)
+        """The module's own ``validation_step`` (the library's adds the batch to the epoch's ``val_loss``)."""
+        if self._steps is None:
+            return super().validation_step(*args, **kwargs)
+        with self._eval_context(self.precision_plugin.val_step_context):
+            return self.lightning_module.validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        steps, context = self._steps, self.precision_plugin.test_step_context
-        return steps.evaluate(args[0], context) if steps else super().test_step(*args, **kwargs)
+        """The module's own ``test_step`` (the library's adds the batch to the epoch's ``test_loss``)."""
+        if self._steps is None:
+            return super().test_step(*args, **kwargs)
+        with self._eval_context(self.precision_plugin.test_step_context):
+            return self.lightning_module.test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Per-token loss ``[b, s]`` (with labels) or logits ``[b, s, V_pad/tp]``, on every rank."""
-        return self._steps.predict(args[0]) if self._steps else super().predict_step(*args, **kwargs)
+        """The module's own ``predict_step`` (the library's: per-token loss ``[b, s]`` with labels, else logits
+        ``[b, s, V_pad/tp]``, on every rank)."""
+        if self._steps is None:
+            return super().predict_step(*args, **kwargs)
+        with self._eval_context(self.precision_plugin.predict_step_context):
+            return self.lightning_module.predict_step(*args, **kwargs)
 
     @classmethod
     def from_plan(cls, plan: Any, **options: Any) -> "MegatronStrategy":
