@@ -38,12 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PEAK = 989e12
 BASE_ARMS = {
     "bf16-autocast": dict(precision="bf16-mixed"),
-    "bf16-params": dict(precision="bf16-mixed", params_dtype="bfloat16"),
+    "bf16-params": dict(precision="bf16-mixed", params_dtype="bfloat16", store_param_remainders=False),
     "fp8-tensorwise": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="tensorwise", fp8_backend="torch"),
     "fp8-rowwise": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="rowwise", fp8_backend="torch"),
     "fp8-delayed": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_backend="torch"),
     "fp8-te-delayed": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_backend="te"),
-    "bf16-params-bf16-moments": dict(precision="bf16-mixed", params_dtype="bfloat16", exp_avg_dtype="bf16",
+    "bf16-params-bf16-moments": dict(precision="bf16-mixed", params_dtype="bfloat16", store_param_remainders=False,
+                                     exp_avg_dtype="bf16",
                                      exp_avg_sq_dtype="bf16"),
     "fp8-tensorwise-bf16-moments": dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="tensorwise",
                                         fp8_backend="torch", exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),

@@ -117,8 +117,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
                     "tests/test_parity_tp_dp.py::test_matches_single_process[tp2-sp-clip]")),
     Mutation(
         "loss-x2-pipeline", "the pipeline loss_fn returns twice the loss: every gradient x2 under pp",
-        (Edit(STEP, "return fns.scale_loss(loss_sum * dp / counts[index])",
-              "return fns.scale_loss(2 * loss_sum * dp / counts[index])"),),
+        (Edit(STEP, "return fns.scale_loss(loss_sum * dp / counts[index] / m)",
+              "return fns.scale_loss(2 * loss_sum * dp / counts[index] / m)"),),
         (sharp("pp2-1f1b"), sharp("pp2-tied-clip")),
         fp32_tests=("tests/test_parity_pp.py::test_pipeline_matches_single_process[pp2-1f1b]",)),
     Mutation(

@@ -43,7 +43,7 @@ from tests.parity import (
     weight_change_errors,
 )
 
-BF16P = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
+BF16P = dict(precision="bf16-mixed", params_dtype=torch.bfloat16, store_param_remainders=False)
 BF16P_REM = dict(BF16P, store_param_remainders=True)
 FP8_DELAYED = dict(precision="bf16-mixed", fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
                    fp8_amax_compute_algo="max", fp8_backend="torch")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_megatron.cli import FlagError, build_parser, plan_from_args, refused_flags
 from lightning_megatron.cli.flags import accepted_flags
@@ -98,8 +99,14 @@ def test_every_flag_of_megatrons_llama3_8b_fp8_script_is_known(tmp_path):
     assert plan.module_kwargs["lr_warmup_iters"] == 3906252 // 128
     assert plan.module_kwargs["lr_decay_iters"] == 1949218748 // 128
     assert (plan.module_kwargs["decoupled_lr"], plan.module_kwargs["decoupled_min_lr"]) == (5.0e-4, 4.5e-5)
+    # --bf16 is Megatron's bf16: bf16 parameters (fp32 main parameters as remainders by default), with the FP8 recipe
     assert plan.precision_kwargs == dict(precision="bf16-mixed", fp8="hybrid", fp8_amax_history_len=1024,
-                                         fp8_amax_compute_algo="max")
+                                         fp8_amax_compute_algo="max", params_dtype=torch.bfloat16)
+    assert plan.precision.store_param_remainders
+    # the production options as one: distributed optimizer, both overlaps, gradients reduced in bf16
+    options = plan.strategy_kwargs
+    assert (options["use_distributed_optimizer"], options["overlap_grad_reduce"], options["overlap_param_gather"],
+            options["grad_reduce_in_bf16"]) == (True, True, True, True), options
     assert isinstance(plan.data_module, MockGPTDataModule) and plan.config.vocab_size == 128257
     assert plan.callback_kwargs["Timer"]["duration"] == {"minutes": 235.0}
     assert plan.callback_kwargs["StepProfiler"]["start_step"] == 4

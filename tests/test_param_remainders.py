@@ -103,7 +103,7 @@ def test_main_view_writes_are_split_back():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(store_param_remainders=True), "add params_dtype=torch.bfloat16"),
-    (dict(params_dtype=torch.bfloat16, store_param_remainders=1), "must be a bool"),
+    (dict(params_dtype=torch.bfloat16, store_param_remainders=1), r"must be None \(on with bf16 parameters\) or a bool"),
 ])
 def test_store_param_remainders_is_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):

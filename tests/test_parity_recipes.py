@@ -38,7 +38,7 @@ STEPS = 2
 LR = 0.5
 
 FP32_PARAMS = dict(precision="bf16-mixed")
-BF16_PARAMS = dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
+BF16_PARAMS = dict(precision="bf16-mixed", params_dtype=torch.bfloat16, store_param_remainders=False)
 BF16_PARAMS_REM = dict(BF16_PARAMS, store_param_remainders=True)
 FP8_BF16_PARAMS = dict(BF16_PARAMS, fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
                        fp8_amax_compute_algo="max", fp8_backend="torch")
@@ -49,10 +49,10 @@ PRODUCTION = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, over
 RECIPES: Dict[str, tuple] = {
     "fp32p": (FP32_PARAMS, {}), "bf16p": (BF16_PARAMS, {}), "bf16p-rem": (BF16_PARAMS_REM, {}),
     "fp8-bf16p": (FP8_BF16_PARAMS, {}),
-    # bf16 parameters as remainders + FP8 + distributed optimizer + overlapped reduction + full recompute
-    "production": (dict(FP8_BF16_PARAMS, store_param_remainders=True), PRODUCTION),
+    # bf16 parameters (remainders by default) + FP8 + distributed optimizer + both overlaps + full recompute
+    "production": (dict(FP8_BF16_PARAMS, store_param_remainders=None), PRODUCTION),
     # the same with the gradients communicated in bf16 (Megatron's --grad-reduce-in-bf16)
-    "production-bf16-reduce": (dict(FP8_BF16_PARAMS, store_param_remainders=True),
+    "production-bf16-reduce": (dict(FP8_BF16_PARAMS, store_param_remainders=None),
                                dict(PRODUCTION, grad_reduce_in_bf16=True)),
 }
 
@@ -98,6 +98,11 @@ def _model_parallel(kwargs: Dict[str, Any]) -> int:
     return size
 
 
+def _applies(recipe: str, layout: str) -> bool:
+    """Explicit remainders are refused under FSDP (see the last test): those pairs are not in the matrix."""
+    return not (RECIPES[recipe][0].get("store_param_remainders") is True and "fsdp" in layout)
+
+
 def _world(layout: str) -> int:
     return LAYOUTS[layout][3] if len(LAYOUTS[layout]) > 3 else 2
 
@@ -129,17 +134,29 @@ def _runs() -> Dict[str, Any]:
     refs = {}
     for recipe in RECIPES:
         for layout in LAYOUTS:
-            refs.setdefault(_reference_key(layout, recipe), _case_args(layout, recipe, 1))
+            if _applies(recipe, layout):
+                refs.setdefault(_reference_key(layout, recipe), _case_args(layout, recipe, 1))
     out: Dict[str, Any] = {"one": run_distributed(run_each, 1, plugin_layout_run, list(refs.items()))[0]}
     for world in sorted({_world(layout) for layout in LAYOUTS}):
         cases = [(f"{recipe}/{layout}", _case_args(layout, recipe, world)) for recipe in RECIPES
-                 for layout in LAYOUTS if _world(layout) == world]
+                 for layout in LAYOUTS if _world(layout) == world and _applies(recipe, layout)]
+        if world == 2:   # remainders asked for under FSDP, which shards the fp32 main parameters itself
+            args = list(_case_args("dp2-fsdp-optim_grads", "bf16p-rem", 2))
+            cases.append(("refused/fsdp-remainders", tuple(args)))
         out[world] = run_distributed(run_each, world, plugin_layout_run, cases)[0]
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_explicit_remainders_under_fsdp_are_refused_at_setup() -> None:
+    """``store_param_remainders=True`` with an FSDP level: FSDP2 holds the fp32 main parameters as shards of its own
+    (no bf16 halves to complete), so the strategy refuses it at setup, naming the level; the default (None) turns
+    remainders off there instead."""
+    result = _runs()[2]["refused/fsdp-remainders"]
+    assert isinstance(result, str) and "ValueError: MegatronPrecision(store_param_remainders=True) with " \
+        "data_parallel_sharding_strategy='optim_grads': FSDP2 holds the fp32 main parameters" in result, result
+
+
+@pytest.mark.parametrize("recipe, layout", [(r, lay) for r in RECIPES for lay in LAYOUTS if _applies(r, lay)])
 def test_recipe_under_layout_matches_one_process_with_sgd(recipe: str, layout: str) -> None:
     runs = _runs()
     result = runs[_world(layout)][f"{recipe}/{layout}"]

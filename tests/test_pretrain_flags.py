@@ -112,7 +112,8 @@ def test_megatron_llama_command_maps_onto_strategy_model_trainer(tmp_path):
                                       adam_eps=1e-8, lr_warmup_iters=10, lr_decay_iters=900, lr_decay_style="linear")
     t = plan.trainer_kwargs
     assert (t["accelerator"], t["devices"], t["max_steps"]) == ("gpu", 8, 1000) and "precision" not in t
-    assert plan.precision_kwargs == dict(precision="bf16-mixed") and plan.precision.precision == "bf16-mixed"
+    assert plan.precision_kwargs == dict(precision="bf16-mixed", params_dtype=torch.bfloat16)   # Megatron's bf16
+    assert plan.precision.precision == "bf16-mixed" and plan.precision.store_param_remainders
     assert t["accumulate_grad_batches"] == 16
     assert t["val_check_interval"] == 50 * 16  # Lightning counts micro-batches, Megatron optimizer steps
     assert t["gradient_clip_val"] == 0.5 and t["log_every_n_steps"] == 5 and t["enable_checkpointing"]
@@ -317,13 +318,14 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--fp8-format", "e4m3", "--fp8-hybrid"], "--fp8-hybrid contradicts --fp8-format e4m3"),
     (["--fp8-format", "hybrid", "--precision", "bf16-true"], "--precision bf16-true: half-precision weights without "
                                                              "fp32 main parameters"),
-    (["--precision", "bf16-true"], "use --bf16 (fp32 parameters, bf16 compute) or --bf16 "
-                                   "--accumulate-allreduce-grads-in-fp32"),
+    (["--precision", "bf16-true"], "use --precision bf16-mixed (fp32 parameters, bf16 compute) or --bf16 (bf16 "
+                                   "parameters with fp32 main parameters"),
     (["--precision", "16-true"], "--precision 16-true: half-precision weights without fp32 main parameters (no "
                                  "Megatron recipe keeps them; MegatronStrategy refuses them); use --fp16"),
     (["--bf16", "--initial-loss-scale", "1024"], "apply to precision='16-mixed' only"),
     (["--fp16", "--accumulate-allreduce-grads-in-fp32"], "bf16 parameters need precision='bf16-mixed'"),
-    (["--bf16", "--store-param-remainders"], "complete bf16 parameters to their fp32 main parameters"),
+    (["--precision", "bf16-mixed", "--store-param-remainders"],
+     "complete bf16 parameters to their fp32 main parameters"),
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt"),
     (["--min-lr", "1.0"], "--min-lr"),
@@ -443,7 +445,11 @@ def test_tensorboard_dir_logs_with_tensorboard_or_says_it_writes_csv(monkeypatch
 
 
 def test_precision_tokenizers_and_load(tmp_path):
-    assert plan_of(["--bf16"]).precision_kwargs == dict(precision="bf16-mixed")
+    # --bf16 is Megatron's bf16: bf16 parameters, fp32 main parameters as remainders (the default), fp32 gradients
+    bf16 = plan_of(["--bf16"])
+    assert bf16.precision_kwargs == dict(precision="bf16-mixed", params_dtype=torch.bfloat16)
+    assert bf16.precision.params_dtype == torch.bfloat16 and bf16.precision.store_param_remainders
+    assert not plan_of(["--bf16", "--no-store-param-remainders"]).precision.store_param_remainders
     assert plan_of(["--fp16"]).precision.scaler is None and plan_of(["--fp16"]).precision.precision == "16-mixed"
     assert plan_of(["--precision", "bf16-mixed"]).trainer_kwargs["precision"] == "bf16-mixed"   # Lightning's own
     fp8 = plan_of(["--bf16", "--fp8-format", "hybrid"])
@@ -638,7 +644,7 @@ CASES = [
     ([], ["--clip-grad", "0.5"], {"Trainer.gradient_clip_val": 0.5}),
     ([], ["--seed", "7"], {"seed_everything.seed": 7}),
     (GPT_DATA, ["--seed", "7"], {"GPTDataModule.seed": 7}),
-    ([], ["--bf16"], {"MegatronPrecision.precision": "bf16-mixed"}),
+    ([], ["--bf16"], {"MegatronPrecision.precision": "bf16-mixed", "MegatronPrecision.params_dtype": torch.bfloat16}),
     ([], ["--fp16"], {"MegatronPrecision.precision": "16-mixed"}),
     ([], ["--precision", "64-true"], {"Trainer.precision": "64-true"}),
     (["--fp8-format", "hybrid"], ["--precision", "bf16-mixed"], {"MegatronPrecision.precision": "bf16-mixed"}),
@@ -652,9 +658,9 @@ CASES = [
     (FP8, ["--fp8-amax-compute-algo", "max"], {"MegatronPrecision.fp8_amax_compute_algo": "max"}),
     (FP8, ["--fp8-backend", "torch"], {"MegatronPrecision.fp8_backend": "torch"}),
     (FP8_CS, ["--first-last-layers-bf16"], {"MegatronPrecision.first_last_layers_bf16": True}),
-    (["--bf16"], ["--accumulate-allreduce-grads-in-fp32"], {"MegatronPrecision.params_dtype": torch.bfloat16}),
-    (["--bf16", "--accumulate-allreduce-grads-in-fp32"], ["--store-param-remainders"],
-     {"MegatronPrecision.store_param_remainders": True}),
+    (["--precision", "bf16-mixed"], ["--accumulate-allreduce-grads-in-fp32"],
+     {"MegatronPrecision.params_dtype": torch.bfloat16}),
+    (["--bf16"], ["--no-store-param-remainders"], {"MegatronPrecision.store_param_remainders": False}),
     (FP8_CS + ["--first-last-layers-bf16"], ["--num-layers-at-start-in-bf16", "2"],
      {"MegatronPrecision.num_layers_at_start_in_bf16": 2}),
     (FP8_CS + ["--first-last-layers-bf16"], ["--num-layers-at-end-in-bf16", "0"],

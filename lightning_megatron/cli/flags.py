@@ -297,18 +297,22 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              help="peak TFLOP/s per device, for mfu")
 
     g = p.add_argument_group("precision (MegatronPrecision; docs/precision.md)")
-    add_flag(g, "--bf16", "MegatronPrecision.precision", action="store_true", help="bf16-mixed")
+    add_flag(g, "--bf16", ("MegatronPrecision.precision", "MegatronPrecision.params_dtype"), action="store_true",
+             help="Megatron's bf16: bf16-mixed with parameters stored in bf16, fp32 main parameters (as 16-bit "
+                  "remainders unless --no-store-param-remainders) and fp32 main gradients (params_dtype="
+                  "torch.bfloat16); fp32 parameters under bf16 autocast: --precision bf16-mixed")
     add_flag(g, "--fp16", "MegatronPrecision.precision", action="store_true",
              help="16-mixed, dynamic loss scaling over all ranks")
     add_flag(g, "--precision", ("Trainer.precision", "MegatronPrecision.precision"), default=None,
              help="(not a Megatron flag) Lightning's precision string (default 32-true); with the flags here, the "
                   "plugin's (bf16-mixed, 16-mixed, 32-true)")
     add_flag(g, "--accumulate-allreduce-grads-in-fp32", "MegatronPrecision.params_dtype", action="store_true",
-             help="with --bf16: parameters stored in bf16, fp32 main parameters in the optimizer, gradients "
-                  "accumulated, reduced and clipped in fp32 (Megatron's bf16; params_dtype=torch.bfloat16)")
-    add_flag(g, "--store-param-remainders", "MegatronPrecision.store_param_remainders", action="store_true",
-             help="with --accumulate-allreduce-grads-in-fp32: fp32 main parameters held as the bf16 parameters plus "
-                  "16-bit remainders (the same values, 2 bytes per parameter less)")
+             help="what --bf16 does already (Megatron sets it with --bf16): parameters stored in bf16, fp32 main "
+                  "parameters in the optimizer, gradients accumulated, reduced and clipped in fp32")
+    add_flag(g, "--store-param-remainders", "MegatronPrecision.store_param_remainders",
+             action=argparse.BooleanOptionalAction, default=None,
+             help="with bf16 parameters: fp32 main parameters held as the bf16 parameters plus 16-bit remainders "
+                  "(the same values, 2 bytes per parameter less); on by default with --bf16, as Megatron's")
     add_flag(g, "--initial-loss-scale", "MegatronPrecision.initial_loss_scale", type=float, default=None,
              help="fp16: starting loss scale (default 65536)")
     add_flag(g, "--loss-scale-window", "MegatronPrecision.loss_scale_window", type=int, default=None,

@@ -509,8 +509,8 @@ def _callback_kwargs(args: argparse.Namespace, micro_batches: int) -> Dict[str, 
 
 #: Lightning's half-precision-weight strings, refused (as ``MegatronStrategy`` refuses them), and the flags to use
 HALF_WEIGHTS = {
-    "bf16-true": "--bf16 (fp32 parameters, bf16 compute) or --bf16 --accumulate-allreduce-grads-in-fp32 (bf16 "
-                 "parameters with fp32 main parameters: Megatron's bf16)",
+    "bf16-true": "--precision bf16-mixed (fp32 parameters, bf16 compute) or --bf16 (bf16 parameters with fp32 main "
+                 "parameters: Megatron's bf16)",
     "16-true": "--fp16 (fp32 parameters, fp16 compute, a loss scaler shared by all ranks)",
 }
 
@@ -548,10 +548,10 @@ def _precision_kwargs(args: argparse.Namespace, precision: str) -> Optional[Dict
         given["fp8"] = "hybrid"
     if args.first_last_layers_bf16:
         given["first_last_layers_bf16"] = True
-    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+    if args.bf16 or getattr(args, "accumulate_allreduce_grads_in_fp32", False):   # Megatron's bf16
         given["params_dtype"] = torch.bfloat16
-    if getattr(args, "store_param_remainders", False):
-        given["store_param_remainders"] = True
+    if getattr(args, "store_param_remainders", None) is not None:
+        given["store_param_remainders"] = args.store_param_remainders
     if not (given or args.bf16 or args.fp16):
         return None
     return dict(precision=precision, **given)

@@ -49,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Adam's second moment (bf16: the precision-aware optimizer)")
     p.add_argument("--params-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="parameters (bf16: MegatronPrecision(params_dtype=torch.bfloat16), fp32 main parameters and "
-                        "gradients; not with FSDP's sharding levels)")
+                        "gradients, Megatron's --bf16; under FSDP's levels FSDP2's fp32 shards)")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", dest="params_dtype", action="store_const", const="bf16",
                    help="Megatron's flag for bf16 parameters with fp32 main gradients: --params-dtype bf16")
-    p.add_argument("--store-param-remainders", action="store_true",
+    p.add_argument("--store-param-remainders", action=argparse.BooleanOptionalAction, default=None,
                    help="with bf16 parameters: fp32 main parameters held as 16-bit remainders next to the bf16 "
-                        "parameters (MegatronPrecision(store_param_remainders=True): 2 bytes per parameter less)")
+                        "parameters (2 bytes per parameter less; on by default with bf16 parameters, as "
+                        "MegatronPrecision's and Megatron's)")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
@@ -102,15 +103,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     if result.feasible:
         best = result.best
         bf16_params = args.params_dtype == "bf16"
-        remainders = ", store_param_remainders=True" if args.store_param_remainders else ""
+        remainders = ", store_param_remainders=False" if not result.work.store_param_remainders else ""
         plugin = (f", plugins=[MegatronPrecision('bf16-mixed', params_dtype=torch.bfloat16{remainders})]"
                   if bf16_params else "")
         print(f"best: MegatronStrategy(**{best.strategy_kwargs()}) with micro-batch {best.micro_batch_size} and "
               f"Trainer(accumulate_grad_batches={best.num_microbatches}{plugin}); MegatronStrategy.from_plan(plan) "
               "builds it")
-        flags = best.flags(args.global_batch_size) + (["--bf16 --accumulate-allreduce-grads-in-fp32"] if bf16_params
-                                                      else []) + (["--store-param-remainders"]
-                                                                  if args.store_param_remainders else [])
+        flags = best.flags(args.global_batch_size) + (["--bf16"] if bf16_params else []) + (
+            ["--no-store-param-remainders"] if bf16_params and not result.work.store_param_remainders else [])
         print("flags: " + " ".join(flags))
     return result
 

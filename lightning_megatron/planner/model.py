@@ -54,8 +54,9 @@ class Workload:
     the current code), the Adam moments' dtypes ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``"fp32"`` or
     ``"bf16"``: ``ParallelGPTModule``'s arguments of the same names) and ``params_dtype`` (``"fp32"`` or ``"bf16"``:
     ``MegatronPrecision(params_dtype=torch.bfloat16)``, bf16 parameters with fp32 main parameters and gradients;
-    Megatron's ``--accumulate-allreduce-grads-in-fp32``); ``store_param_remainders`` (with ``"bf16"``: the fp32 main
-    parameters held as int16 remainders, ``MegatronPrecision(store_param_remainders=True)``)."""
+    Megatron's ``--bf16``); ``store_param_remainders`` (with ``"bf16"``: the fp32 main parameters held as int16
+    remainders, ``MegatronPrecision(store_param_remainders=...)``; None: on with ``"bf16"``, the library's and
+    Megatron's default)."""
 
     model: Any
     seq_length: int
@@ -65,9 +66,11 @@ class Workload:
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     params_dtype: str = "fp32"
-    store_param_remainders: bool = False
+    store_param_remainders: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        if self.store_param_remainders is None:
+            object.__setattr__(self, "store_param_remainders", self.params_dtype == "bf16")
         for name, table in (("exp_avg_dtype", MOMENT_BYTES), ("exp_avg_sq_dtype", MOMENT_BYTES),
                             ("params_dtype", PARAMS_DTYPE_BYTES)):
             check_dtype_name(name, getattr(self, name), table)

@@ -70,7 +70,8 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
          hardware: str = "h200", gpu_memory_gib: Optional[float] = None, precision: str = "bf16",
          recompute: Sequence[str] = ("none", "selective", "full"), sharding: Sequence[str] = SUPPORTED_SHARDING,
          micro_batch_sizes: Sequence[int] = (1, 2, 4), exp_avg_dtype: str = "fp32",
-         exp_avg_sq_dtype: str = "fp32", params_dtype: str = "fp32", store_param_remainders: bool = False) -> Plan:
+         exp_avg_sq_dtype: str = "fp32", params_dtype: str = "fp32",
+         store_param_remainders: Optional[bool] = None) -> Plan:
     """Enumerate, validate (the library's rules), predict and rank the layouts of ``model`` (a ``GPTConfig``) on
     ``gpus`` GPUs of ``hardware`` (``"h100"``/``"h200"``, memory overridden by ``gpu_memory_gib``) for
     ``global_batch_size`` sequences of ``seq_length`` (default ``model.seq_length``) per step. ``sharding``: the
@@ -78,9 +79,9 @@ def plan(model: Any, gpus: int, global_batch_size: int, seq_length: Optional[int
     ``optim_grads_params``). ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: the Adam moments' dtypes (``"bf16"``: the
     precision-aware optimizer, ``ParallelGPTModule``'s arguments of the same names). ``params_dtype``: ``"fp32"`` or
     ``"bf16"`` (``MegatronPrecision(params_dtype=torch.bfloat16)``: bf16 parameters with fp32 main parameters and
-    gradients; the library refuses them with FSDP's levels, and so does the plan). ``store_param_remainders``: with
-    ``"bf16"``, the fp32 main parameters held as int16 remainders (``MegatronPrecision(store_param_remainders=True)``:
-    2 bytes per parameter less)."""
+    gradients; under FSDP's levels FSDP2 holds them as fp32 shards). ``store_param_remainders``: with ``"bf16"``, the
+    fp32 main parameters held as int16 remainders (2 bytes per parameter less; None: on with ``"bf16"``, as
+    ``MegatronPrecision``'s default)."""
     for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")

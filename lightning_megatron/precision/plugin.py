@@ -76,7 +76,10 @@ class MegatronPrecision(MixedPrecision):
         store_param_remainders: with ``params_dtype=torch.bfloat16``, hold each fp32 main parameter as its bf16 copy
             plus a 16-bit remainder (Megatron's ``--store-param-remainders``): the same fp32 values for 2 bytes per
             parameter instead of 4. The bf16 copies are then rounded to nearest with ties away from zero (one bf16
-            step from round-to-even at exact ties only). Checkpoints are unchanged (fp32 main parameters).
+            step from round-to-even at exact ties only). Checkpoints are unchanged (fp32 main parameters). None
+            (default): on with bf16 parameters, as Megatron's default (``--no-store-param-remainders`` turns it off),
+            except under FSDP's sharding levels, where FSDP2 holds the fp32 main parameters as shards (an explicit
+            True there is refused); False: fp32 main parameters of 4 bytes.
 
     Every argument is validated here (ValueError naming the value and what to use); an unknown keyword raises
     TypeError naming the closest valid one. Under :class:`~lightning_megatron.MegatronStrategy` the strategy
@@ -100,7 +103,7 @@ class MegatronPrecision(MixedPrecision):
         initial_loss_scale: float = 2.0 ** 16,
         loss_scale_window: int = 1000,
         params_dtype: Optional[torch.dtype] = None,
-        store_param_remainders: bool = False,
+        store_param_remainders: Optional[bool] = None,
         **unknown: Any,
     ) -> None:
         check_keywords("MegatronPrecision", unknown,
@@ -161,8 +164,9 @@ class MegatronPrecision(MixedPrecision):
         if params_dtype == torch.bfloat16 and precision != "bf16-mixed":
             raise ValueError(f"MegatronPrecision(precision={precision!r}, params_dtype=torch.bfloat16): bf16 "
                              "parameters need precision='bf16-mixed'; drop params_dtype or use 'bf16-mixed'")
-        if not isinstance(store_param_remainders, bool):
-            raise ValueError(f"MegatronPrecision(store_param_remainders={store_param_remainders!r}) must be a bool")
+        if store_param_remainders is not None and not isinstance(store_param_remainders, bool):
+            raise ValueError(f"MegatronPrecision(store_param_remainders={store_param_remainders!r}) must be None (on "
+                             "with bf16 parameters) or a bool")
         if store_param_remainders and params_dtype != torch.bfloat16:
             raise ValueError(f"MegatronPrecision(store_param_remainders=True, params_dtype={params_dtype!r}): the "
                              "remainders complete bf16 parameters to their fp32 main parameters; add "
@@ -171,8 +175,12 @@ class MegatronPrecision(MixedPrecision):
         self.fp8 = fp8
         #: the dtype parameters are stored in during forward / backward (None: fp32)
         self.params_dtype: Optional[torch.dtype] = params_dtype if params_dtype == torch.bfloat16 else None
-        #: fp32 main parameters held as bf16 copy plus int16 remainder (:mod:`lightning_megatron.parallel.main_grad`)
-        self.store_param_remainders = store_param_remainders
+        #: fp32 main parameters held as bf16 copy plus int16 remainder (:mod:`lightning_megatron.parallel.main_grad`):
+        #: the argument resolved (None: with bf16 parameters)
+        self.store_param_remainders: bool = (self.params_dtype is not None if store_param_remainders is None
+                                             else store_param_remainders)
+        #: whether store_param_remainders was given (an explicit True is refused under FSDP's levels)
+        self.store_param_remainders_given = store_param_remainders is not None
         self.initial_loss_scale, self.loss_scale_window = float(initial_loss_scale), loss_scale_window
         self._device: Optional[torch.device] = None
         self.scaler: Optional[torch.amp.GradScaler] = None

@@ -121,6 +121,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.parallelized: Optional[ParallelizedModel] = None
         self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
+        self._context: Optional[Any] = None   # the ParallelContext the module was told (with the step path)
         self.fsdp: Optional[FSDPModel] = None   # FSDP units (optim_grads / optim_grads_params), after fit's setup
         self._param_gather: Optional[OverlappedParamGather] = None
         self._sharded_io: Optional[Any] = None
@@ -252,7 +253,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
         if isinstance(module, ParallelLightningModule):   # its step hooks reach the step path through the context
-            module.set_parallel_context(dataclasses.replace(parallel_context(mesh, cfg), step=self._steps))
+            self._context = dataclasses.replace(parallel_context(mesh, cfg), step=self._steps)
+            module.set_parallel_context(self._context)
         return self.parallelized
 
     def _params_dtype(self) -> Optional[torch.dtype]:
@@ -260,8 +262,16 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         Under an FSDP sharding level FSDP2 holds them instead (fp32 sharded main parameters, bf16 compute copies
         gathered per unit by its mixed-precision policy, :func:`~lightning_megatron.parallel.fsdp.
         mixed_precision_policy`): None."""
-        plugin = self.precision_plugin
-        if not isinstance(plugin, MegatronPrecision) or self.parallel_config.fsdp:
+        plugin, cfg = self.precision_plugin, self.parallel_config
+        if not isinstance(plugin, MegatronPrecision):
+            return None
+        if cfg.fsdp:
+            if plugin.params_dtype is not None and plugin.store_param_remainders_given and plugin.store_param_remainders:
+                raise ValueError(
+                    f"MegatronPrecision(store_param_remainders=True) with data_parallel_sharding_strategy="
+                    f"{cfg.data_parallel_sharding_strategy!r}: FSDP2 holds the fp32 main parameters as dp-sharded "
+                    "tensors of its own, which have no bf16 halves to complete; drop store_param_remainders (or use "
+                    "'no_shard' / 'optim' to keep them)")
             return None
         return plugin.params_dtype
 
@@ -287,6 +297,16 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.wait_for_parameters()
         self.finish_checkpoints()
         super().on_train_end()   # GradientHooks: the last step's non-finite verdict, when decided on the device
+
+    def teardown(self) -> None:
+        """After each ``fit`` / ``validate`` / ``test`` / ``predict``: the module's step hooks stop reaching this
+        strategy's step path (a later run sets it up again; under another strategy they compute the loss
+        themselves); the layout it was told stays (``generate`` uses its pipeline group)."""
+        module, context = self.lightning_module, self._context
+        if module is not None and context is not None and isinstance(module, ParallelLightningModule):
+            module.set_parallel_context(dataclasses.replace(context, step=None))
+        self._context = None
+        super().teardown()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``training_step``: under pp = 1 through Lightning's (DDP's forward, then Lightning's

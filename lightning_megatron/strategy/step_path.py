@@ -165,10 +165,8 @@ class StepPath:
             return self._replay[self._replay_index]
         strategy = self.strategy
         lm, mesh, device = strategy.lightning_module, strategy.mesh, strategy.root_device
-        if strategy.parallel_config.enable_cuda_graph:   # one graph generation per micro-batch
-            mark_step()
-        output = lm.forward_step(batch)
-        loss_sum = lm.loss_sum(output, batch)
+        fns = self.functions()   # inside Lightning's training_step: the precision context is on already
+        loss_sum = fns.loss_sum(fns.forward(batch), batch)
         dp, cp = mesh.size("dp_cp"), mesh.size("cp")
         tokens = lm.token_count(batch).float().to(device)
         total = tokens.clone()
