@@ -241,6 +241,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     apply_ep(models, mesh, config)
     apply_recompute(module, config, tp_rng)
     fp8_applied = apply_fp8(module, config, fp8, mesh)
+    if fp8_applied is not None and fp8_applied.gemms and config.tp_comm_overlap and config.sequence_parallel \
+            and config.tp > 1:
+        raise ValueError(
+            f"tp_comm_overlap=True with FP8 layers (tp={config.tp}, sequence_parallel=True): the overlapped rings of "
+            "chunked GEMMs are built for bf16 GEMMs only, so the FP8 layers would run without the overlap; drop "
+            "tp_comm_overlap, or FP8 (MegatronPrecision(fp8=None))")
     apply_compile(models, config)
     pipeline = None
     if config.pp > 1:

@@ -766,3 +766,19 @@ def test_delayed_records_are_static_graph_inputs_only_for_cuda_graphs():
             assert gemm.uses.shape == (3, 4 * AMAX_RING)
             grown = [gemm.running, gemm.uses, gemm.use_count, gemm.dropped]
             assert {getattr(t, "_dynamo_static_input_type", None) for t in grown} == {"unguarded"}
+
+
+def test_transformer_engine_backend_with_routed_experts_is_refused_not_left_in_bf16():
+    """The routed experts' grouped GEMMs run FP8 with the torch backend only: asking for Transformer Engine with a
+    mixture-of-experts model raises, naming the experts and the backend to use, instead of leaving them in bf16."""
+    from lightning_megatron import GPTConfig, GPTModel
+    from lightning_megatron.precision.fp8.config import Float8Config
+    from lightning_megatron.precision.fp8.layers import apply_fp8
+
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig.tiny_moe(moe_grouped_gemm=True))
+    with pytest.raises(ValueError, match=r"fp8_backend='te' with routed experts \(.*use MegatronPrecision\("
+                                         r"fp8_backend='torch'\)"):
+        apply_fp8(model, Float8Config(backend="te"))
+    converted = apply_fp8(model, Float8Config(backend="torch"))   # the torch backend converts them
+    assert any(name.endswith("mlp.experts") for name in converted.converted), converted.converted

@@ -143,6 +143,9 @@ def _runs() -> Dict[str, Any]:
         if world == 2:   # remainders asked for under FSDP, which shards the fp32 main parameters itself
             args = list(_case_args("dp2-fsdp-optim_grads", "bf16p-rem", 2))
             cases.append(("refused/fsdp-remainders", tuple(args)))
+            args = list(_case_args("tp2-sp", "fp8-bf16p", 2))
+            args[1] = dict(args[1], tp_comm_overlap=True)   # the ring overlap is built for bf16 GEMMs only
+            cases.append(("refused/tp-comm-overlap-fp8", tuple(args)))
         out[world] = run_distributed(run_each, world, plugin_layout_run, cases)[0]
     return out
 
@@ -169,3 +172,11 @@ def test_recipe_under_layout_matches_one_process_with_sgd(recipe: str, layout: s
     worst = max(errors, key=errors.get)
     print(f"\n{recipe} {layout}: worst relative weight-change error {errors[worst]:.2e} ({worst})")
     assert errors[worst] <= BOUNDS[recipe], {k: f"{v:.2e}" for k, v in errors.items() if v > BOUNDS[recipe]}
+
+
+def test_tp_comm_overlap_with_fp8_layers_is_refused_at_setup() -> None:
+    """``tp_comm_overlap=True`` under tp2 + SP with FP8 layers: the rings of chunked GEMMs are bf16 only, so the
+    strategy refuses the pair at setup on every rank rather than running the FP8 layers without the overlap."""
+    result = _runs()[2]["refused/tp-comm-overlap-fp8"]
+    assert isinstance(result, str) and "ValueError: tp_comm_overlap=True with FP8 layers (tp=2, " \
+        "sequence_parallel=True)" in result, result

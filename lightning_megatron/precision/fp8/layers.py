@@ -223,6 +223,15 @@ def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any
     result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1],
                           expert_amax_groups=[g for g in expert_amax_groups if group_size(g) > 1])
     targets, result.kept = _candidate_layers(module, config)
+    from lightning_megatron.moe.experts import GroupedMLPExperts
+
+    grouped = [name for name, layer in targets if isinstance(layer, GroupedMLPExperts)]
+    if grouped and config.backend != "torch":
+        raise ValueError(
+            f"fp8_backend={config.backend!r} with routed experts ({len(grouped)} MoE layer(s), first {grouped[0]!r}): "
+            "the experts' grouped GEMMs run FP8 with the torch backend only, so under this backend they would stay "
+            "in bf16 while the rest runs FP8; use MegatronPrecision(fp8_backend='torch') for a mixture-of-experts "
+            "model")
     for name, layer in targets:
         if isinstance(layer, _expert_types()):
             why = _convert_experts(name, layer, config, result)
