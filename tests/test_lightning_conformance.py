@@ -237,7 +237,7 @@ def manual_case(rank: int, world: int, layout: str) -> Dict[str, Any]:
     cfg = moe_config() if LAYOUTS[layout][2] else tiny_config()
     pl.seed_everything(SEED, verbose=False)
     module = Manual(cfg, lr=LR)
-    trainer = trainer_for(layout, max_steps=3)
+    trainer = trainer_for(layout, max_steps=3, max_epochs=2)   # an epoch has 5 batches; a run that never steps ends
     trainer.fit(module, loaders(layout, cfg)[0])
     return {"state": full_state(trainer), "metrics": metrics(trainer), "steps": trainer.global_step}
 

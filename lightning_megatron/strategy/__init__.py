@@ -1,7 +1,9 @@
 """The Lightning face of the library: :class:`MegatronStrategy` (Lightning's hooks, translated into the library's
 calls) and its pieces, one concern per module: ``options`` (which keyword goes where), ``step_path`` (the one
-forward/backward path of every layout), ``gradients`` (finish, clip, skip), ``checkpoints`` (full and sharded
-checkpoint hooks), ``launcher`` (process launch), ``registry`` (the ``"megatron"`` strategy names).
+forward/backward path of every layout, joining the module's own step hooks to Lightning's loop or the pipeline
+schedule), ``lightning_features`` (Lightning features a layout cannot run, refused at setup; SWA's average),
+``gradients`` (finish, clip, skip), ``checkpoints`` (full and sharded checkpoint hooks), ``launcher`` (process
+launch), ``registry`` (the ``"megatron"`` strategy names).
 
 The names are imported on first use (PEP 562): importing the package, as the strategy registration does, does not
 import Lightning."""

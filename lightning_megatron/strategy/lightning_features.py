@@ -8,6 +8,7 @@ from typing import Any, Callable, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 __all__ = ["check_lightning_features", "check_short_pipeline_steps", "attach_weight_averages", "AveragedParameters",
@@ -42,8 +43,8 @@ def _shards_parameters(cfg: Any, params_dtype: Any) -> Optional[str]:
 
 def check_lightning_features(trainer: "pl.Trainer", module: "pl.LightningModule", cfg: Any,
                              params_dtype: Any = None) -> None:
-    """Raise ValueError, naming the Lightning feature, the layout and what to use instead, for what this layout
-    cannot run:
+    """When fitting, raise ValueError, naming the Lightning feature, the layout and what to use instead, for what this
+    layout cannot run:
 
     * manual optimization (``automatic_optimization = False``) under pp > 1: the pipeline schedule runs the forward
       and backward of a whole step's micro-batches at once, so there is no per-micro-batch backward to call;
@@ -51,6 +52,8 @@ def check_lightning_features(trainer: "pl.Trainer", module: "pl.LightningModule"
     * ``StochasticWeightAveraging`` where ranks do not each hold the whole model (tp, pp, ep, FSDP, bf16 parameters):
       its copy of the module would hold full tensors or shards that its checkpoint state cannot place.
     """
+    if trainer.state.fn != TrainerFn.FITTING:   # validate / test / predict run none of these
+        return
     layout = layout_name(cfg)
     if cfg.pp > 1 and not module.automatic_optimization:
         raise ValueError(
