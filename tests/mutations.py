@@ -109,9 +109,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "    _allreduce_grads(params, group, average=False)\n"),),
         (sharp("tp2-sp"), sharp("tp2-sp-clip"))),
     Mutation(
-        "loss-x2-plain-loop", "the plain (no pipeline) loop backpropagates twice the loss: every gradient x2",
-        (Edit(STEP, "fns.backward(fns.scale_loss(loss_sum * dp / counts[i] / m))",
-              "fns.backward(fns.scale_loss(2 * loss_sum * dp / counts[i] / m))"),),
+        "loss-x2-plain-loop", "the pp = 1 step path (the loss the module's training_step returns) backpropagates "
+        "twice the loss: every gradient x2",
+        (Edit("lightning_megatron/strategy/step_path.py",
+              "loss = _ValueWithGradientOf.apply(loss_sum * dp / total, value)",
+              "loss = _ValueWithGradientOf.apply(2 * loss_sum * dp / total, value)"),),
         (sharp("dp2"), sharp("tp2-sp-clip")),
         fp32_tests=("tests/test_parity_tp_dp.py::test_matches_single_process[tp2-sp]",
                     "tests/test_parity_tp_dp.py::test_matches_single_process[tp2-sp-clip]")),

@@ -296,12 +296,14 @@ def test_layouts_that_reduce_gradients_keep_fp32_main_gradients():
     cfg = tiny_config(num_query_groups=4)
     samples = make_samples(cfg, STEPS * 4)
     cases = [(name, (cfg, samples, kwargs, force)) for name, kwargs, force in (
-        ("dp2", {}, False), ("tp2-sp", dict(tp=2, sequence_parallel=True), False), ("tp2", dict(tp=2), False),
+        ("dp2", dict(overlap_grad_reduce=False), False), ("dp2-overlap", {}, False),
+        ("tp2-sp", dict(tp=2, sequence_parallel=True), False), ("tp2", dict(tp=2), False),
         ("tp2-fp32-main-grads", dict(tp=2), True))]
     out = run_distributed(run_each, 2, _layout_direct_run, cases)[0]
     for name, result in out.items():
         assert not isinstance(result, str), result
     assert out["dp2"]["direct"] == [False] * STEPS and out["tp2-sp"]["direct"] == [False] * STEPS
+    assert out["dp2-overlap"]["direct"] == [False] * STEPS   # the buckets reduced in backward: fp32 main gradients
     assert out["tp2"]["direct"] == [True] * STEPS and out["tp2-fp32-main-grads"]["direct"] == [False] * STEPS
     assert out["tp2"]["losses"] == out["tp2-fp32-main-grads"]["losses"] and len(out["tp2"]["losses"]) == STEPS
 

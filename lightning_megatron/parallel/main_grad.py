@@ -339,7 +339,8 @@ class MainParams:
         """Before a step's first backward: whether its gradients stay as the backward leaves them (``direct``: the
         caller knows nothing will accumulate, reduce or scale them; taken only with an optimizer that steps the main
         parameters, see :meth:`attach`) or go into fp32 main gradients."""
-        self.direct = direct and self._optimizer_steps_main
+        # a step whose buckets this object reduces over data parallel never keeps its bf16 gradients
+        self.direct = direct and self._optimizer_steps_main and self._reduce is None
         self._direct = {}
 
     def _accumulate(self, p: Tensor) -> None:
