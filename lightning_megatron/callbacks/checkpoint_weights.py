@@ -19,7 +19,7 @@ import torch
 
 from lightning_megatron.models.config import GPTConfig
 
-__all__ = ["CheckpointWeights", "RUN_FIELDS", "SHAPE_FIELDS", "config_differences", "holds_training_state",
+__all__ = ["CheckpointWeights", "WeightsAtStart", "RUN_FIELDS", "SHAPE_FIELDS", "config_differences", "holds_training_state",
            "read_checkpoint"]
 
 #: GPTConfig fields whose values decide which parameters the model has and their shapes: a checkpoint saved with
@@ -79,7 +79,40 @@ def describe(differences: Differences) -> str:
     return ", ".join(f"{field}={saved!r} (here {ours!r})" for field, (saved, ours) in differences.items())
 
 
-class CheckpointWeights(pl.Callback):
+class WeightsAtStart(pl.Callback):
+    """Base of the callbacks that write weights from ``path`` into the LightningModule once the strategy has set it
+    up: :meth:`load_weights` runs once, at the start of ``fit`` / ``validate`` / ``test`` / ``predict`` (whichever
+    comes first), on every rank, and not at all when the Trainer resumes from ``ckpt_path``."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        self.path = os.fspath(path)
+        self.loaded = False
+
+    def load_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the weights of :attr:`path` into ``pl_module`` (each rank its shards)."""
+        raise NotImplementedError
+
+    def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        if trainer.ckpt_path is None:
+            self.load_weights(trainer, pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+
+class CheckpointWeights(WeightsAtStart):
     """Loads the weights of checkpoint file ``path`` (``state_dict`` of full, layout-independent tensors, and
     optionally ``hyper_parameters["config"]``) into the LightningModule once the strategy has set it up, at the start
     of ``fit`` / ``validate`` / ``test`` / ``predict`` (whichever comes first), on every rank, each keeping its shards
@@ -92,16 +125,7 @@ class CheckpointWeights(pl.Callback):
             loaded).
     """
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        self.path = os.fspath(path)
-        self.loaded = False
-
-    def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.loaded:
-            return
-        self.loaded = True
-        if trainer.ckpt_path is not None:
-            return
+    def load_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = read_checkpoint(self.path)
         if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
             raise ValueError(f"CheckpointWeights({self.path!r}): the file holds no state_dict (write one with "
@@ -115,15 +139,3 @@ class CheckpointWeights(pl.Callback):
                                  f"checkpoint's in fields that shape the weights: {describe(shape)}; build the module "
                                  "with the checkpoint's config (its hyper_parameters['config'])")
         trainer.strategy.load_model_state_dict(checkpoint, strict=True)
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)

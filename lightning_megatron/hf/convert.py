@@ -21,6 +21,7 @@ from lightning_megatron.hf.config import config_to_hf
 from lightning_megatron.hf.mapping import Lazy, PaddedRows, from_hf, to_hf
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.gpt import VOCAB_PARAMS, GPTModel
+from lightning_megatron.callbacks.checkpoint_weights import WeightsAtStart
 from lightning_megatron.checkpoint.state_dict import full_model_state_dict
 from lightning_megatron.contract import parallelized_record
 from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule
@@ -160,30 +161,10 @@ def write_hf(state: Dict[str, Tensor], config: GPTConfig, path: Union[str, "os.P
     save_hf_checkpoint(os.fspath(path), tensors, hf_config, max_shard_bytes)
 
 
-class HFCheckpointLoader(pl.Callback):
+class HFCheckpointLoader(WeightsAtStart):
     """Loads a Hugging Face checkpoint into the LightningModule's ``GPTModel`` once the strategy has set it up (at
     the start of ``fit`` / ``validate`` / ``test`` / ``predict``, whichever comes first), on every rank, each reading
     its own shard (:func:`load_hf_weights`). Skipped when the Trainer resumes from ``ckpt_path``."""
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        self.path = os.fspath(path)
-        self.loaded = False
-
-    def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.loaded:
-            return
-        self.loaded = True
-        if trainer.ckpt_path is None:
-            load_hf_weights(pl_module, self.path)
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._load(trainer, pl_module)
+    def load_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        load_hf_weights(pl_module, self.path)
