@@ -122,7 +122,6 @@ class GradBucketReducer:
                 self._bucket_of[id(p)] = i
         self._uses = dict(uses or {})
         self._expected: Optional[int] = None
-        self._divisor = 1
         self._counts: Dict[int, int] = {}
         self._next = 0
         #: buckets whose all-reduce started inside backward, over all steps (the rest started in :meth:`finish`)
@@ -130,11 +129,10 @@ class GradBucketReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params] if self.size > 1 else []
 
-    def start_step(self, microbatches: int, grad_divisor: int = 1) -> None:
-        """Arm the hooks for a step of ``microbatches`` backward passes per chunk; ``grad_divisor``: the division
-        the schedule applies to every gradient after its last backward (torch's pipelining divides by the
-        micro-batch count), applied here to the copy that is reduced."""
-        self._expected, self._divisor = microbatches, grad_divisor
+    def start_step(self, microbatches: int) -> None:
+        """Arm the hooks for a step of ``microbatches`` backward passes per chunk (each micro-batch's loss carries
+        the division by their count, so the gradients are reduced as they are)."""
+        self._expected = microbatches
         self._counts = {}
         self._next = 0
         for b in self.buckets:
@@ -152,19 +150,17 @@ class GradBucketReducer:
             bucket = self.buckets[self._next]
             if bucket.ready < len(bucket.params):
                 break
-            self._launch(bucket, self._divisor)
+            self._launch(bucket)
             self._next += 1
             self.started_in_backward += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket, divisor: int) -> None:
+    def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad for p in bucket.params if p.grad is not None]
         bucket.grads = grads
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])   # a copy (flattening one tensor would alias its grad)
-        if divisor != 1:
-            flat.div_(divisor)
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
             flat.div_(self.size)   # average before the sum in a narrow dtype, as the path without overlap
@@ -179,7 +175,7 @@ class GradBucketReducer:
             return
         self._expected = None
         for bucket in self.buckets[self._next:]:
-            self._launch(bucket, 1)
+            self._launch(bucket)
         self._next = len(self.buckets)
         for bucket in self.buckets:
             if bucket.work is None:

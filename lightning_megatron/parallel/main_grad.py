@@ -99,6 +99,8 @@ class _Bucket:
     grad: Optional[Tensor] = None
     expecting: int = 0
     pending: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
+    #: its parameters, in buffer order
+    params: List[nn.Parameter] = field(default_factory=list)
     #: holds routed-expert parameters (reduced over expert data parallel by the caller, never here)
     expert: bool = False
     #: parameters whose last gradient of the step has arrived (overlapped reduction)
@@ -242,6 +244,7 @@ class MainParams:
                 self._compute[id(p)] = compute
                 p.data = compute
                 offset += p.numel()
+            bucket.params = list(members)
             bucket.expecting = sum(1 for p in members if p.requires_grad)
             bucket.expert = id(members[0]) in experts
         for p in self.params:
@@ -413,18 +416,18 @@ class MainParams:
         self._arrivals[id(p)] = n
         if n == self._expected * self._reduce.uses.get(id(p), 1):
             bucket.ready += 1
-            before = self._next_launch
             self._launch_ready()
-            self.started_in_backward += sum(1 for b in self.buckets[self._next_launch + 1:before + 1] if not b.expert)
 
     def _launch_ready(self) -> None:
-        """Start the complete buckets from :attr:`_next_launch` down, in order (expert buckets are passed over)."""
+        """Inside the backward: start the complete buckets from :attr:`_next_launch` down, in order (expert buckets
+        are passed over)."""
         while self._next_launch >= 0:
             bucket = self.buckets[self._next_launch]
             if not bucket.expert:
                 if bucket.ready < bucket.expecting:
                     return
                 self._launch(self._next_launch)
+                self.started_in_backward += 1
             self._next_launch -= 1
 
     @torch.no_grad()
@@ -435,7 +438,7 @@ class MainParams:
         if bucket.expecting == 0:
             return
         self._copy_pending(index)
-        for p in self.params_of(index):   # a parameter without a gradient this step takes part with zeros
+        for p in bucket.params:   # a parameter without a gradient this step takes part with zeros
             if id(p) not in self._grads and p.requires_grad:
                 self._grads[id(p)] = self._grad_view(p).zero_()
                 if self.in_main_view:
@@ -472,10 +475,6 @@ class MainParams:
             else:
                 bucket.grad.copy_(bucket.flat)
             bucket.work, bucket.flat = None, None
-
-    def params_of(self, index: int) -> List[nn.Parameter]:
-        """The parameters of bucket ``index``."""
-        return [p for p in self.params if self._where[id(p)][0] == index]
 
     def _leave_direct(self) -> None:
         """End direct mode for this step: the gradients kept so far go the way of a step's first gradients
