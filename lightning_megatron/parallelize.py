@@ -78,6 +78,11 @@ class ParallelizedModel:
     main_params: Optional[MainParams] = None
     sequence_parallel_owners: List[tuple] = field(default_factory=list)
 
+    def main_view(self) -> ContextManager:
+        """The context in which bf16 parameters hold their fp32 main values (:meth:`MainParams.main_view`: what
+        checkpoints and imports read and write), or none with fp32 parameters."""
+        return self.main_params.main_view() if self.main_params is not None else contextlib.nullcontext()
+
     def refresh(self) -> None:
         """Find the recorded parameters again after a step that replaced the parameter objects (FSDP's
         ``fully_shard`` registers ``DTensor`` parameters in their place): TP-sharded, SP-replicated and expert."""

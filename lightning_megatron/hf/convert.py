@@ -105,8 +105,8 @@ def _main_parameters_view(target: Target, model: GPTModel) -> ContextManager:
     copies follow on exit) and the first optimizer step does not write the old main parameters back; else none."""
     for holder in (target, model):
         record = parallelized_record(holder)
-        if record is not None and record.main_params is not None:
-            return record.main_params.main_view()
+        if record is not None:
+            return record.main_view()
     return contextlib.nullcontext()
 
 

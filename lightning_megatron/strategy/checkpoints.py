@@ -54,8 +54,7 @@ class CheckpointHooks:
 
     def _main_view(self) -> Any:
         """bf16 parameters: a context in which they hold their fp32 main values (checkpoints), else nothing."""
-        main = self.parallelized.main_params if self.parallelized is not None else None
-        return main.main_view() if main is not None else contextlib.nullcontext()
+        return self.parallelized.main_view() if self.parallelized is not None else contextlib.nullcontext()
 
     def _pp_group(self) -> Any:
         return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
