@@ -76,6 +76,10 @@ from bench_precision import BASE_ARMS, MODULE_KEYS  # noqa: E402
 
 ARMS = ("peer-compile", "peer-fp8", "ours-bf16-compile", "ours-bf16-params-compile", "ours-fp8-compile")
 PEERS = ("peer-eager", "peer-compile", "peer-fp8")
+#: MegatronStrategy options of the production arms
+PRODUCTION = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+#: arm keys that are MegatronStrategy options, not MegatronPrecision ones
+STRATEGY_KEYS = tuple(PRODUCTION)
 #: our arms -> their MegatronPrecision arguments (bench_precision.py's arms of the same meaning)
 OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compile": BASE_ARMS["bf16-params"],
         "ours-fp8-compile": BASE_ARMS["fp8-tensorwise"], "ours-fp8-compile-nocheck": BASE_ARMS["fp8-tensorwise"],
@@ -92,7 +96,14 @@ OURS = {"ours-bf16-compile": BASE_ARMS["bf16-autocast"], "ours-bf16-params-compi
         "ours-bf16p-bf16m-rem-compile-nocheck": dict(BASE_ARMS["bf16-params-bf16-moments"], store_param_remainders=True),
         "ours-fp8-delayed-bf16p-bf16m-rem-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16",
                                                          store_param_remainders=True),
-        "ours-bf16-eager": BASE_ARMS["bf16-autocast"]}
+        "ours-bf16-eager": BASE_ARMS["bf16-autocast"],
+        # Megatron's production recipe (examples/llama/train_llama3_8b_fp8.sh: --bf16 --use-distributed-optimizer
+        # --overlap-grad-reduce --overlap-param-gather --fp8-format hybrid): bf16 parameters with remainders (the
+        # default), fp32 moments, FP8 delayed, the distributed optimizer and both overlaps (on one GPU, dp = 1:
+        # nothing to shard or reduce); "-bf16m": with bf16 moments
+        "ours-production-compile": dict(BASE_ARMS["fp8-delayed"], params_dtype="bfloat16", **PRODUCTION),
+        "ours-production-bf16m-compile": dict(BASE_ARMS["fp8-delayed-bf16-moments"], params_dtype="bfloat16",
+                                              **PRODUCTION)}
 CUDAGRAPH = "-cudagraph"
 MANUAL_GC = "-manualgc"
 #: ``-split<N>`` / ``-splitauto`` (last): the layers compiled with ``triton.mix_order_reduction_split_size`` N instead
@@ -431,6 +442,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
         torch._logging.set_logs(perf_hints=True)
     kwargs = dict(OURS[arm.key])
     module_kwargs = {k: kwargs.pop(k) for k in MODULE_KEYS if k in kwargs}
+    strategy_kwargs = {k: kwargs.pop(k) for k in STRATEGY_KEYS if k in kwargs}
     if "params_dtype" in kwargs:
         kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
     cfg = GPTConfig.llama_1b_bench()
@@ -498,7 +510,7 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
     module = ParallelGPTModule(cfg, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, lr_decay_iters=1000, weight_decay=0.1,
                                **module_kwargs)
     strategy = MegatronStrategy(compile=not arm.key.endswith(EAGER), enable_cuda_graph=arm.cudagraph,
-                                check_for_nan_in_loss_and_grad="-nocheck" not in arm.key)
+                                check_for_nan_in_loss_and_grad="-nocheck" not in arm.key, **strategy_kwargs)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
                          plugins=[MegatronPrecision(**kwargs)], max_steps=WARMUP + TIMED + (profiled_steps if profiled else 0),
                          logger=False,

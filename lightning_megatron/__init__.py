@@ -32,6 +32,7 @@ _EXPORTS: Dict[str, str] = {
     "FSDPModel": "lightning_megatron.parallel.fsdp",
     "GradBucketReducer": "lightning_megatron.parallel.grad_buckets",
     "OverlappedParamGather": "lightning_megatron.parallel.param_gather",
+    "DistributedOptimizer": "lightning_megatron.parallel.main_param_shards",
     "ColumnParallelLinear": "lightning_megatron.parallel.tensor_parallel",
     "RowParallelLinear": "lightning_megatron.parallel.tensor_parallel",
     "VocabParallelEmbedding": "lightning_megatron.parallel.tensor_parallel",

@@ -235,7 +235,11 @@ def inner_optimizers(optimizer: Any) -> List[Optimizer]:
 
     from lightning_megatron.parallel.distributed_optimizer import ExpertShardedOptimizer
 
+    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer, WholeStateView
+
     optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(optimizer, DistributedOptimizer):   # the whole states, gathered (every rank writes the same)
+        return [WholeStateView(optimizer)]   # type: ignore[list-item]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return [optimizer.optim]
     if isinstance(optimizer, ExpertShardedOptimizer):

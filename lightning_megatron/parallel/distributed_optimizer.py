@@ -169,7 +169,10 @@ def rebind_lr_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
 def is_sharded_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) shards its states."""
-    return isinstance(getattr(optimizer, "_optimizer", optimizer), (ZeroRedundancyOptimizer, ExpertShardedOptimizer))
+    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer
+
+    return isinstance(getattr(optimizer, "_optimizer", optimizer),
+                      (ZeroRedundancyOptimizer, ExpertShardedOptimizer, DistributedOptimizer))
 
 
 def _gathered(zero: ZeroRedundancyOptimizer) -> Dict[str, Any]:
@@ -186,6 +189,10 @@ def gathered_state_dict(optimizer: Any) -> Dict[str, Any]:
     CPU), on every rank of the optimizer's group(s). Collective over them: gathered on each group's first rank,
     then broadcast (checkpoints are layout-independent and the gathering of tensor-parallel shards that follows
     needs every rank)."""
+    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.gathered_state_dict()
     optimizer.consolidate_state_dict(to=0)
     if isinstance(optimizer, ExpertShardedOptimizer):
         return optimizer.merge_state_dicts([_gathered(zero) for zero, _ in optimizer.parts])

@@ -65,7 +65,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ from torch import Tensor, nn
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
 
-__all__ = ["MainParams", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
+__all__ = ["MainParams", "BucketShard", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
 #: elements per bucket of the contiguous buffers when ``bucket_size`` is None (Megatron's default floor)
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
@@ -108,6 +108,27 @@ class _Bucket:
     #: the bucket's reduction in flight: its work and the tensor reduced (the gradients or a bf16 copy)
     work: Any = None
     flat: Optional[Tensor] = None
+    #: the distributed optimizer's shard of the bucket (:meth:`MainParams.shard`), else None
+    shard: Optional["BucketShard"] = None
+    #: with a shard: the fp32 main parameters of the shard's elements (``shard.length``; with remainders only while
+    #: the step's main view lasts, the remainders of the shard's elements persistent in ``remainder`` instead)
+    main_shard: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class BucketShard:
+    """A bucket's elements cut into ``size`` equal runs of ``length`` (the bucket padded to ``size * length``); this
+    rank (``rank`` of ``group``, the data-parallel group that reduces the bucket) keeps the fp32 main parameters and
+    the optimizer states of run ``rank``: elements ``[start, start + length)`` (Megatron's distributed optimizer)."""
+
+    group: Any
+    size: int
+    rank: int
+    length: int
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.length
 
 
 @dataclass
@@ -198,6 +219,8 @@ class MainParams:
         self._direct: Dict[int, Tuple[nn.Parameter, Tensor]] = {}
         #: an optimizer that steps the main parameters whatever the view (:meth:`attach`): direct steps need one
         self._optimizer_steps_main = False
+        #: a zero per device, expanded to a parameter's shape in the sharded main view (:meth:`_placeholder`)
+        self._zeros: Dict[torch.device, Tensor] = {}
         seen = set()
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
@@ -271,6 +294,20 @@ class MainParams:
         if self.in_main_view:
             raise RuntimeError("adopt_compute_copies() in the main view: the parameters hold their fp32 main values "
                                "there already; call it after writing the bf16 copies in the compute view")
+        if self.sharded:
+            for p in self.params if params is None else params:
+                placed = self._in_shard(p)
+                if placed is None:
+                    continue
+                bucket, lo, hi = placed
+                shard = bucket.shard
+                assert shard is not None
+                if bucket.remainder is not None:
+                    bucket.remainder[lo - shard.start:hi - shard.start].zero_()
+                else:
+                    assert bucket.main_shard is not None
+                    bucket.main_shard[lo - shard.start:hi - shard.start].copy_(bucket.compute[lo:hi])
+            return
         for p in self.params if params is None else params:
             if id(p) in self._remainder:
                 self._remainder[id(p)].zero_()
@@ -516,6 +553,9 @@ class MainParams:
         """The fp32 main parameter of ``p`` (what the optimizer steps and checkpoints hold). With remainders outside
         the main view a new tensor holding its value (writing to it changes nothing)."""
         main = self._main.get(id(p))
+        if main is None and self.sharded:
+            raise RuntimeError("main_param(): the fp32 main parameters are sharded over data parallel (the distributed "
+                               "optimizer keeps each rank's shard); read them inside main_view()")
         if main is None and id(p) in self._remainder:
             return join_fp32(self._compute[id(p)], self._remainder[id(p)])
         return self._main[id(p)]
@@ -533,6 +573,144 @@ class MainParams:
             index, offset = self._where[id(p)]
             self._main[id(p)] = _slot(self.buckets[index].main, offset, p)
 
+    # ------------------------------------------------------------------ shards (the distributed optimizer)
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank keeps only its shard of the fp32 main parameters (:meth:`shard`)."""
+        return bool(self.buckets) and self.buckets[0].shard is not None
+
+    @torch.no_grad()
+    def shard(self, group_of: Callable[["_Bucket"], Tuple[Any, int, int]]) -> None:
+        """Keep only this rank's shard of each bucket's fp32 main parameters (Megatron's distributed optimizer):
+        ``group_of(bucket)`` gives the bucket's data-parallel ``(group, size, rank)`` (dp x cp; expert buckets: edp).
+        Each bucket's compute buffer is padded to ``size * length`` elements (``length = ceil(numel / size)``) so
+        that it can be all-gathered in place; the main parameters (or with remainders the remainders) of elements
+        ``[rank * length, (rank + 1) * length)`` stay, the rest are freed: per parameter 2 bytes (bf16 copy) + 4 / size
+        (fp32 main shard; with remainders 2 / size). No communication here. In the compute view, before the first
+        step; once."""
+        if self.sharded:
+            raise RuntimeError("MainParams.shard(): the main parameters are sharded already")
+        if self.in_main_view:
+            raise RuntimeError("MainParams.shard() in the main view: shard between steps, in the compute view")
+        for bucket in self.buckets:
+            group, size, rank = group_of(bucket)
+            if not (size >= 1 and 0 <= rank < size):
+                raise ValueError(f"MainParams.shard(): rank {rank} of a group of {size}")
+            length = -(-bucket.numel // size)
+            shard = BucketShard(group, size, rank, length)
+            n = max(0, min(bucket.numel, shard.start + length) - shard.start)
+            whole = join_fp32(bucket.compute, bucket.remainder) if bucket.remainder is not None else bucket.main
+            assert whole is not None
+            main = torch.zeros(length, dtype=torch.float32, device=bucket.device)
+            main[:n] = whole[shard.start:shard.start + n]
+            compute = torch.zeros(size * length, dtype=bucket.compute.dtype, device=bucket.device)
+            compute[:bucket.numel] = bucket.compute
+            if bucket.remainder is not None:
+                bucket.remainder = split_fp32(main)[1]
+                bucket.main_shard = None
+            else:
+                bucket.main_shard = main
+            bucket.main, bucket.compute, bucket.shard = None, compute, shard
+            for p in bucket.params:
+                view = _slot(compute, self._where[id(p)][1], p)
+                self._compute[id(p)] = view
+                p.data = view
+        self._main, self._remainder = {}, {}
+
+    def _in_shard(self, p: nn.Parameter) -> Optional[Tuple["_Bucket", int, int]]:
+        """``(bucket, lo, hi)``: the elements ``[lo, hi)`` of ``p``'s bucket that are both ``p``'s and this rank's
+        shard's, or None when they are none."""
+        index, offset = self._where[id(p)]
+        bucket = self.buckets[index]
+        shard = bucket.shard
+        assert shard is not None
+        lo, hi = max(offset, shard.start), min(offset + p.numel(), shard.start + shard.length)
+        return (bucket, lo, hi) if lo < hi else None
+
+    def shard_fragments(self, p: nn.Parameter) -> Optional[Tuple["_Bucket", int, int, int]]:
+        """``(bucket, lo, hi, offset)``: ``p``'s elements ``[lo - offset, hi - offset)`` (flat) are this rank's, the
+        bucket's elements ``[lo, hi)``; None when none of ``p`` is this rank's."""
+        placed = self._in_shard(p)
+        if placed is None:
+            return None
+        return placed + (self._where[id(p)][1],)
+
+    def _placeholder(self, p: nn.Parameter) -> Tensor:
+        """What a parameter holds in the step's main view with shards: an fp32 tensor of its shape without storage
+        (one zero, expanded), so that its fp32 main gradient can be its ``grad``; nothing reads its values there."""
+        zero = self._zeros.get(p.device)
+        if zero is None:
+            zero = self._zeros[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return zero.expand(p.shape)
+
+    def shard_main(self, bucket: "_Bucket") -> Tensor:
+        """The fp32 main parameters of ``bucket``'s shard (``shard.length``): the persistent ones, or with remainders
+        those joined for the step's main view (else joined now: a new tensor)."""
+        shard = bucket.shard
+        assert shard is not None
+        if bucket.main_shard is not None:
+            return bucket.main_shard
+        assert bucket.remainder is not None
+        return join_fp32(bucket.compute[shard.start:shard.start + shard.length], bucket.remainder)
+
+    @torch.no_grad()
+    def write_shard(self, bucket: "_Bucket") -> None:
+        """After the optimizer stepped ``bucket``'s shard of main parameters: its bf16 copies (with remainders: and
+        the remainders) from them, in the compute buffer's shard (gathered by the caller)."""
+        shard = bucket.shard
+        assert shard is not None and bucket.main_shard is not None
+        compute = bucket.compute[shard.start:shard.start + shard.length]
+        if bucket.remainder is not None:
+            high, low = split_fp32(bucket.main_shard)
+            compute.copy_(high)
+            bucket.remainder.copy_(low)
+        else:
+            compute.copy_(bucket.main_shard)
+
+    @contextmanager
+    def _whole_main(self) -> Generator[None, None, None]:
+        """With shards: the whole fp32 main parameters gathered (collective over each bucket's group) and held by the
+        parameters for the context's duration; on exit each rank takes its shard of them (and the bf16 copies,
+        whole) from what they then hold, and the parameters hold what they held before."""
+        held = [p.data for p in self.params]
+        wholes: List[Tensor] = []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                shard = bucket.shard
+                assert shard is not None
+                mine = self.shard_main(bucket).contiguous()
+                if shard.size == 1:
+                    whole = mine.clone()
+                else:
+                    whole = torch.empty(shard.size * shard.length, dtype=torch.float32, device=bucket.device)
+                    dist.all_gather_into_tensor(whole, mine, group=shard.group)
+                wholes.append(whole)
+        for p in self.params:
+            index, offset = self._where[id(p)]
+            self._main[id(p)] = _slot(wholes[index], offset, p)
+            p.data = self._main[id(p)]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for bucket, whole in zip(self.buckets, wholes):
+                    shard = bucket.shard
+                    assert shard is not None
+                    mine = whole[shard.start:shard.start + shard.length]
+                    if bucket.remainder is not None:
+                        high, low = split_fp32(whole)
+                        bucket.compute.copy_(high)
+                        bucket.remainder.copy_(low[shard.start:shard.start + shard.length])
+                        if bucket.main_shard is not None:
+                            bucket.main_shard.copy_(mine)
+                    else:
+                        assert bucket.main_shard is not None
+                        bucket.compute.copy_(whole)
+                        bucket.main_shard.copy_(mine)
+            self._main = {}
+            for p, data in zip(self.params, held):
+                p.data = data
+
     # ------------------------------------------------------------------ views
     def to_main(self) -> None:
         """Switch to the main view: ``p.data`` the fp32 main parameter, ``p.grad`` the fp32 main gradient (None
@@ -540,6 +718,18 @@ class MainParams:
         if self.in_main_view:
             return
         self.in_main_view = True
+        if self.sharded:   # the distributed optimizer steps the shards; the parameters hold no fp32 values here
+            for bucket in self.buckets:
+                if bucket.remainder is not None:
+                    shard = bucket.shard
+                    assert shard is not None
+                    bucket.main_shard = join_fp32(bucket.compute[shard.start:shard.start + shard.length],
+                                                  bucket.remainder)
+            for p in self.params:
+                p.grad = None
+                p.data = self._placeholder(p)
+                p.grad = self.main_grad(p)
+            return
         if self.store_param_remainders:
             self._join_main()
         for p in self.params:   # main_grad copies the bucket's waiting gradients (also for a parameter without one)
@@ -559,7 +749,11 @@ class MainParams:
                     p.grad = None
                 self._direct = {}
             return
-        if self.store_param_remainders:
+        if self.sharded:   # the distributed optimizer wrote and gathered the compute copies itself
+            for bucket in self.buckets:
+                if bucket.remainder is not None:
+                    bucket.main_shard = None
+        elif self.store_param_remainders:
             for bucket in self.buckets:
                 if copy:
                     high, low = split_fp32(bucket.main)
@@ -584,7 +778,13 @@ class MainParams:
     def main_view(self) -> Generator[None, None, None]:
         """The main view for the duration of the context (checkpoint saving and loading); on exit the bf16 copies
         are refreshed from the (possibly loaded) main parameters and the compute view restored (when it was the
-        view on entry). Gradients are left as they are."""
+        view on entry). Gradients are left as they are. With shards (:meth:`shard`) the whole fp32 main parameters
+        are gathered for the context's duration (collective over each bucket's group: every rank enters it) and
+        each rank keeps its shard of them on exit."""
+        if self.sharded:
+            with self._whole_main():
+                yield
+            return
         if self.in_main_view:
             yield
             return
@@ -616,7 +816,9 @@ class MainParams:
         main parameters in either view (:meth:`PrecisionAwareAdamW.step_main_params`, or with remainders the two
         halves: :meth:`PrecisionAwareAdamW.step_param_remainders`), which direct steps need; any other optimizer is
         followed by one copy over the buckets (with remainders: one split)."""
-        if isinstance(optimizer, PrecisionAwareAdamW):
+        if self.sharded:   # the distributed optimizer wrote and gathered the bf16 copies
+            optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
+        elif isinstance(optimizer, PrecisionAwareAdamW):
             optimizer.write_param_copies(self.compute_copy)
             if self.store_param_remainders:
                 optimizer.step_param_remainders(self.remainder)

@@ -114,6 +114,9 @@ def skips_on_device(optimizer: Any) -> bool:
     which also leave their step counts unchanged then, over plain (not DTensor) parameters."""
     from torch.distributed.tensor import DTensor
 
+    original = getattr(optimizer, "original", None)   # the distributed optimizer of bf16 parameters: as the user's
+    if isinstance(original, torch.optim.Optimizer) and getattr(optimizer, "main_params", None) is not None:
+        return skips_on_device(original)
     if not (isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_step_supports_amp_scaling", False)
             and (optimizer.defaults.get("fused") or isinstance(optimizer, PrecisionAwareAdamW))):
         return False

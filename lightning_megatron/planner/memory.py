@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from lightning_megatron.parallel.config import FSDP_STRATEGIES, SHARDING_STRATEGIES
 from lightning_megatron.parallel.layout_rules import V_SHAPE_SCHEDULES, layers_per_stage, pad_vocab_size, stage_placement
 
-__all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "zero_partition", "fsdp_numel",
+__all__ = ["ParamTensor", "rank_parameters", "StateBytes", "state_bytes", "static_bytes_per_param", "bucket_runs", "zero_partition",
+           "fsdp_numel",
            "layer_activation_bytes", "logits_bytes_per_token", "stage_layers", "SHARDING_LEVELS", "PARAMS_DTYPE_BYTES",
            "RESIDUAL_BYTES", "REMAINDER_BYTES", "check_params_dtype", "check_param_remainders", "check_dtype_name"]
 
@@ -51,6 +52,25 @@ REMAINDER_BYTES = 2
 #: every layer's are bf16; else fp32)
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0}
 STEP_BYTES = 4         # Adam's float32 ``step`` scalar per parameter tensor
+BF16_BYTES = 2         # a bf16 parameter's compute copy
+
+
+def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bool = True, dp: int = 1,
+                           store_param_remainders: bool = False, moment_bytes: int = ADAM_BYTES) -> float:
+    """Megatron's static bytes per parameter of one rank (parameters, gradients during a step, optimizer states) at
+    data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]``; bf16 parameters
+    ``2 + 4 + (4 + moment_bytes) [/ dp]`` (``2 + 4 + 12 / dp`` with the distributed optimizer and fp32 moments),
+    the main parameter's 4 bytes 2 with remainders. What :func:`state_bytes` counts, less the buckets' padding and
+    the per-tensor ``step`` scalars."""
+    check_dtype_name("params_dtype", params_dtype, PARAMS_DTYPE_BYTES)
+    check_param_remainders(params_dtype, store_param_remainders)
+    if dp < 1:
+        raise ValueError(f"dp={dp!r} must be >= 1")
+    shard = dp if distributed_optimizer else 1
+    if params_dtype == "fp32":
+        return PARAM_BYTES + GRAD_BYTES + moment_bytes / shard
+    main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
+    return BF16_BYTES + GRAD_BYTES + (main_bytes + moment_bytes) / shard
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,42 @@ def rank_parameters(model: Any, layout: Any, pp_rank: int = 0) -> List[ParamTens
     return out
 
 
+def bucket_runs(tensors: Sequence[ParamTensor], ranks: int, rank: Optional[int] = 0,
+                bucket_size: int = 40_000_000) -> Tuple[int, int, int, int]:
+    """The distributed optimizer's cut of bf16 parameters' buffers (:meth:`~lightning_megatron.parallel.main_grad.
+    MainParams.shard`) for one rank of ``ranks``: the buckets as :func:`~lightning_megatron.parallel.main_grad.
+    bucket_layout` lays ``tensors`` out (matrices in order, a new bucket past ``bucket_size`` elements, the vectors in
+    one bucket after them), each padded to a multiple of ``ranks`` and cut into equal runs. Returns ``(padded
+    elements of all buckets, this rank's run lengths, the elements of tensors in its runs, the tensors' pieces in
+    its runs)``; ``rank=None``: the rank with the most elements."""
+    if not tensors:
+        return 0, 0, 0, 0
+    if rank is None:
+        return max((bucket_runs(tensors, ranks, r, bucket_size) for r in range(ranks)), key=lambda x: x[2])
+    buckets: List[List[int]] = []
+    open_: List[int] = []
+    for t in tensors:
+        if not t.matrix:
+            continue
+        if open_ and sum(open_) + t.numel > bucket_size:
+            buckets.append(open_)
+            open_ = []
+        open_.append(t.numel)
+    vectors = [t.numel for t in tensors if not t.matrix]
+    buckets += [b for b in (open_, vectors) if b]
+    padded = length = local = pieces = 0
+    for sizes in buckets:
+        run = -(-sum(sizes) // ranks)
+        start, offset = rank * run, 0
+        padded, length = padded + run * ranks, length + run
+        for numel in sizes:
+            lo, hi = max(offset, start), min(offset + numel, start + run)
+            if lo < hi:
+                local, pieces = local + hi - lo, pieces + 1
+            offset += numel
+    return padded, length, local, pieces
+
+
 def zero_partition(tensors: Sequence[ParamTensor], ranks: int) -> List[List[ParamTensor]]:
     """The tensors each of ``ranks`` ranks owns under torch's ``ZeroRedundancyOptimizer``: per parameter group
     (weight matrices, then vectors, the order of ``ParallelGPTModule.configure_optimizers``), largest first onto
@@ -226,8 +282,11 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     (:func:`fsdp_numel`: dense tensors over dp x cp, routed experts over edp, whole when edp = 1 as the library
     leaves them out of FSDP). Both FSDP levels hold the same bytes between steps; the whole bf16 weights they
     gather during forward and backward are counted by the planner's peak (:mod:`lightning_megatron.planner.model`).
-    The distributed optimizer shards only the Adam states, also with bf16 parameters (the fp32 main parameters are
-    whole on every rank).
+    With bf16 parameters the distributed optimizer shards the fp32 main parameters (or remainders) with the Adam
+    states, each bucket cut into equal runs (:class:`~lightning_megatron.parallel.main_param_shards.
+    DistributedOptimizer`, Megatron's): per parameter 2 bytes (bf16 copy) + 4 (fp32 main gradient) + (4 main or 2
+    remainder + ``moment_bytes``) / dp (:func:`static_bytes_per_param`); with fp32 parameters it shards the Adam
+    states per whole tensor (:func:`zero_partition`).
     """
     tensors = rank_parameters(model, layout, pp_rank)
     dense = [t for t in tensors if not t.expert]
@@ -249,6 +308,13 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
         local = [fsdp_numel(t, dp_cp, dp_rank) for t in dense] + [fsdp_numel(t, edp, edp_rank) for t in expert]
         return StateBytes(PARAM_BYTES * sum(local), GRAD_BYTES * sum(local),
                           sum(moment_bytes * k + STEP_BYTES for k in local))
+
+    if main:   # bf16 parameters: each bucket's even runs hold the main parameters and the states
+        runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]
+        padded, length, local, pieces = (sum(r[i] for r in runs) for i in range(4))
+        main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
+        return StateBytes(BF16_BYTES * padded + main_bytes * length, GRAD_BYTES * n,
+                          moment_bytes * local + STEP_BYTES * pieces, main)
 
     def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:
         if not tensors:

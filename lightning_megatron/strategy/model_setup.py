@@ -7,13 +7,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule, TiedWeightsModel
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.data_parallel import apply_dp
-from lightning_megatron.parallel.distributed_optimizer import shard_optimizers
+from lightning_megatron.parallel.distributed_optimizer import rebind_lr_scheduler, shard_optimizers
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
+from lightning_megatron.parallel.main_param_shards import (
+    ELEMENTWISE_OPTIMIZERS,
+    BucketParamGather,
+    DistributedOptimizer,
+    elementwise,
+)
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallelize import ParallelizedModel
@@ -75,6 +82,15 @@ def shard_optimizer_states(optimizers: List[Any], lr_scheduler_configs: List[Any
     as they are and ``previous_gather``."""
     if cfg.data_parallel_sharding_strategy != "optim" or mesh.size("dp_cp") == 1:
         return optimizers, previous_gather
+    main = parallelized.main_params   # bf16 parameters: their buffers' shards (Megatron's distributed optimizer)
+    if main is not None and all(elementwise(getattr(o, "_optimizer", o)) for o in optimizers):
+        return shard_main_params(optimizers, lr_scheduler_configs, model, parallelized, mesh, cfg, previous_gather)
+    if main is not None:
+        names = [type(getattr(o, "_optimizer", o)).__name__ for o in optimizers]
+        rank_zero_warn(f"use_distributed_optimizer with bf16 parameters and {names}: not elementwise optimizers "
+                       f"(only {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]} step shards of a parameter), so the "
+                       "optimizer states are sharded per whole parameter (ZeroRedundancyOptimizer) and the fp32 main "
+                       "parameters stay whole on every rank")
     experts = parallelized.expert_params if cfg.ep > 1 else []
     optimizers = shard_optimizers(optimizers, lr_scheduler_configs, mesh.group("dp_cp"), experts, mesh.group("edp"))
     if not cfg.overlap_param_gather:
@@ -84,6 +100,32 @@ def shard_optimizer_states(optimizers: List[Any], lr_scheduler_configs: List[Any
     main = parallelized.main_params   # bf16 parameters: their copies follow the broadcast fp32 main values
     return optimizers, OverlappedParamGather(zero_optimizers(optimizers), model, tied_head_waits(parallelized.models),
                                              after_wait=main.adopt_broadcast if main is not None else None)
+
+
+def shard_main_params(optimizers: List[Any], lr_scheduler_configs: List[Any], model: nn.Module,
+                      parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
+                      previous_gather: Optional[Any]) -> Tuple[List[Any], Optional[BucketParamGather]]:
+    """bf16 parameters under the distributed optimizer: each optimizer a
+    :class:`~lightning_megatron.parallel.main_param_shards.DistributedOptimizer` over this rank's shard of the
+    main-parameter buffers (dense buckets over dp x cp, routed experts' over edp), the LR schedulers rebound, and with
+    ``overlap_param_gather`` the bucket gathers overlapped with the next forward."""
+    main = parallelized.main_params
+    assert main is not None
+
+    def group_of(bucket: Any) -> Tuple[Any, int, int]:
+        name = "edp" if bucket.expert else "dp_cp"
+        return mesh.group(name), mesh.size(name), mesh.rank(name)
+
+    sharded: List[Any] = [DistributedOptimizer(getattr(o, "_optimizer", o), main, group_of) for o in optimizers]
+    for old, new in zip(optimizers, sharded):
+        for config in lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is old:
+                rebind_lr_scheduler(config.scheduler, new)
+    if previous_gather is not None:
+        previous_gather.remove()
+    if not cfg.overlap_param_gather:
+        return sharded, None
+    return sharded, BucketParamGather(sharded, main, model, tied_head_waits(parallelized.models))
 
 
 def tied_head_waits(models: List[nn.Module]) -> Dict[Any, List[Any]]:
