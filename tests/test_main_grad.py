@@ -259,12 +259,13 @@ def test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_resul
     """bf16 moments (``PrecisionAwareAdamW``), one micro-batch, no clipping, one process: the bf16 gradients stay as
     the backward left them (no fp32 main gradient is allocated) and the run is bit for bit the one through fp32 main
     gradients (every loss, every final weight): converting a bf16 gradient to fp32 is exact, so the update sees the
-    same numbers. Accumulating two micro-batches, clipping, or torch's AdamW (fp32 moments, which steps whatever the
-    parameter holds) go through fp32 main gradients."""
+    same numbers. Accumulating two micro-batches or clipping go through fp32 main gradients. The module's default
+    optimizer with bf16 parameters is the precision-aware one with fp32 moments: direct too."""
     out = _one_process()
     direct, fp32 = out["bf16p-bf16m"], out["bf16p-bf16m-fp32-main-grads"]
     assert direct["direct"] == [True] * LONG_STEPS and fp32["direct"] == [False] * LONG_STEPS
-    for other in ("bf16p-bf16m-accumulate2", "bf16p-bf16m-clip", "bf16p", "accumulate2"):
+    assert out["bf16p"]["direct"] == [True] * LONG_STEPS
+    for other in ("bf16p-bf16m-accumulate2", "bf16p-bf16m-clip", "accumulate2"):
         assert out[other]["direct"] == [False] * LONG_STEPS, other
     assert direct["losses"] == fp32["losses"] and direct["losses"][-1] < 0.9 * direct["losses"][0]
     for k, v in direct["final"].items():

@@ -161,9 +161,11 @@ class ParallelGPTModule(pl.LightningModule):
     rebuilds the module (a plain one, full weights on the CPU) from a checkpoint of any layout.
 
     Optimizer: AdamW with Megatron's defaults (``weight_decay=0.01``, betas ``(0.9, 0.999)``, eps ``1e-8``),
-    no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments, or with
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` ``"bf16"`` Megatron's precision-aware optimizer
-    (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`: moments stored in bf16, updated in fp32); schedule:
+    no weight decay on norms and biases (1-D parameters); torch's (fused on CUDA) with fp32 moments and fp32
+    parameters, or, with ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` ``"bf16"`` or with bf16 parameters
+    (``MegatronPrecision(params_dtype=torch.bfloat16)``), Megatron's precision-aware optimizer
+    (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`: moments stored in their dtype, updated in fp32; it
+    steps the fp32 main parameters, or their bf16 halves and remainders, in place); schedule:
     linear warmup over ``lr_warmup_iters`` then ``lr_decay_style`` to ``min_lr`` at ``lr_decay_iters`` (default
     ``Trainer.max_steps``). With ``decoupled_lr`` (Megatron's ``--decoupled-lr``) the word-embedding and output-layer
     weights (:data:`~lightning_megatron.models.gpt.VOCAB_PARAMS`) have their own group whose schedule runs from
@@ -543,7 +545,10 @@ class ParallelGPTModule(pl.LightningModule):
         on_cuda = any(p.is_cuda for p in decay)
         moments = (optimizer_state_dtype(hp.get("exp_avg_dtype", "fp32")),
                    optimizer_state_dtype(hp.get("exp_avg_sq_dtype", "fp32")))
-        if moments == (torch.float32, torch.float32):
+        # bf16 parameters (Megatron's --bf16): the precision-aware AdamW steps their fp32 main parameters (or the
+        # bf16 halves and remainders) in place and writes the bf16 copies in its update, also with fp32 moments
+        bf16_params = any(p.dtype == torch.bfloat16 for p in decay)
+        if moments == (torch.float32, torch.float32) and not bf16_params:
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(
                 groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
                 fused=True if on_cuda else None)
