@@ -139,8 +139,9 @@ class AllToAllDispatcher(_DispatcherBase):
         # recv[r, j]: tokens from EP rank r for my local expert j
         recv = _a2a(counts, [El] * ep, [El] * ep, self.ep_group).view(ep, El) if ep > 1 else counts.view(1, El)
         dry_run = is_fake_group(self.ep_group if ep > 1 else self.etp_group)
-        if dry_run:   # fake collectives receive nothing: every peer routes to my experts as this rank does
-            recv = counts.view(ep, El)[self.ep_rank].repeat(ep, 1)
+        if dry_run:   # fake collectives receive nothing: every peer sends each of my experts its balanced share
+            share = max(1, int(counts.sum()) // E)   # of the tokens x top-k it routes (the planner's assumption)
+            recv = torch.full((ep, El), share, dtype=counts.dtype, device=counts.device)
         self.input_splits = counts.view(ep, El).sum(1).tolist()
         self.output_splits = recv.sum(1).tolist()
         received = all_to_all(permuted, self.output_splits, self.input_splits, self.ep_group)

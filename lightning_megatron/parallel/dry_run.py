@@ -13,8 +13,8 @@ keeps a dry run meaningful where that matters:
 
 - the pipeline's stages take static shapes (no metadata exchange) and fill their receive buffers once with small
   random values (:func:`lightning_megatron.parallel.pipeline.PipelineRunner`);
-- the expert dispatcher assumes every expert-parallel peer routes as this rank does (the counts it would receive;
-  :mod:`lightning_megatron.moe.dispatcher`);
+- the expert dispatcher assumes balanced routing: every expert-parallel peer sends each local expert the same share
+  of its tokens x top-k (the counts it would receive; :mod:`lightning_megatron.moe.dispatcher`);
 - the non-finite checks are off (a loss read from unfilled buffers means nothing).
 
 Losses and gradient values are therefore meaningless; shapes, bytes and the work per step are a real rank's.

@@ -83,7 +83,14 @@ def parse_show(spec: str) -> Dict[str, int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Plan:
-    """Plan, print the table and the best layout; returns the :class:`~lightning_megatron.planner.Plan`."""
+    """Plan, print the table and the best layout; returns the :class:`~lightning_megatron.planner.Plan`.
+    ``verify ...`` runs chosen ranks of a configuration in dry runs instead
+    (:mod:`lightning_megatron.planner.verify`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["verify"]:
+        from lightning_megatron.planner.verify import main as verify
+
+        return verify(argv[1:])
     args = build_parser().parse_args(argv)
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,

@@ -1,0 +1,385 @@
+"""``python -m lightning_megatron.planner verify --config examples/configs/llama3_70b.yaml``: run chosen ranks of a
+layout for real, one at a time, each in a dry run (:class:`~lightning_megatron.DryRun`: one process, fake collectives)
+of the Trainer's real steps on mock data, and print what each rank holds and does beside the planner's prediction.
+
+Per rank: parameters held, static state bytes (parameters, gradients, optimizer states), the allocator's peak
+allocated and reserved memory (CUDA; on the CPU only the tensor-size accounting of the static bytes), compute time
+per optimizer step and compute-only MFU (the job's model FLOPs per GPU per step over this rank's step time, against
+the hardware profile's bf16 peak, 989 TFLOP/s on an H200). The numbers are per rank and without communication: the
+fake collectives return at once, so no TP / CP / EP / pipeline / data-parallel transfer and no pipeline bubble is in
+them. Each rank runs in a subprocess of its own (a fresh process group and allocator per rank).
+
+``--tiny`` keeps the layout (tp, pp, vp, cp, ep, world size, sharding, recompute, precision) and shrinks the model
+to a few-second CPU run: 2 layers per pipeline stage, hidden 64, vocabulary 512, sequence 16 x cp x tp, the fewest
+micro-batches the schedule takes. This module imports torch and Lightning only in the process running a rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
+
+from lightning_megatron.models.config import GPTConfig
+from lightning_megatron.planner.calibration import HARDWARE_NAMES, load_hardware
+from lightning_megatron.planner.layout import RECOMPUTE_PRESETS, Layout
+from lightning_megatron.planner.memory import state_bytes
+from lightning_megatron.planner.model import GIB, Workload, predict
+
+__all__ = ["VerifyJob", "load_job", "tiny_job", "parse_ranks", "rank_coordinates", "predicted", "run_rank", "main"]
+
+#: the marker before a rank's JSON result on its subprocess's stdout
+RESULT_MARK = "VERIFY_RESULT "
+#: the note every table ends with
+PER_RANK_NOTE = ("Per rank, without communication: the collectives are fake (they return at once), so no TP / CP / "
+                 "EP / pipeline / data-parallel transfer and no pipeline bubble is in these numbers.")
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """What a LightningCLI configuration trains, as far as a dry run needs it: ``model`` (a ``GPTConfig``),
+    ``module_kwargs`` (``ParallelGPTModule``'s other arguments), ``strategy_kwargs`` (``MegatronStrategy``'s),
+    ``precision_kwargs`` (``MegatronPrecision``'s, None: fp32), ``world`` (devices x nodes), ``micro_batch_size``,
+    ``num_microbatches`` (``accumulate_grad_batches``)."""
+
+    model: GPTConfig
+    strategy_kwargs: Dict[str, Any]
+    world: int
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    precision_kwargs: Optional[Dict[str, Any]] = None
+    module_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> Layout:
+        """The planner's :class:`Layout` of this job (``ValueError`` for a recompute setting no preset names)."""
+        kw = self.strategy_kwargs
+        tp, pp, cp = kw.get("tp", 1), kw.get("pp", 1), kw.get("cp", 1)
+        if self.world % (tp * pp * cp):
+            raise ValueError(f"world={self.world} is not divisible by tp*pp*cp={tp * pp * cp}")
+        sharding = kw.get("data_parallel_sharding_strategy") or (
+            "optim" if kw.get("use_distributed_optimizer") else "no_shard")
+        recompute = "none"
+        if kw.get("recompute_granularity"):
+            given = {k: kw[k] for k in ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                        "recompute_modules") if k in kw}
+            names = [n for n, o in RECOMPUTE_PRESETS.items() if o == given]
+            if given.get("recompute_method") == "block":
+                names = [f"full_block:{given['recompute_num_layers']}"]
+            if not names:
+                raise ValueError(f"recompute options {given} are none of the planner's presets "
+                                 f"{tuple(RECOMPUTE_PRESETS)} or full_block:N")
+            recompute = names[0]
+        return Layout(tp=tp, pp=pp, cp=cp, dp=self.world // (tp * pp * cp), ep=kw.get("ep", 1), vp=kw.get("vp"),
+                      etp=kw.get("etp"), sequence_parallel=bool(kw.get("sequence_parallel", False)),
+                      sharding=sharding, recompute=recompute, micro_batch_size=self.micro_batch_size,
+                      num_microbatches=self.num_microbatches, cp_comm_type=kw.get("cp_comm_type", "p2p"),
+                      **({"schedule": kw["pipeline_schedule"]} if kw.get("pipeline_schedule") else {}))
+
+    @property
+    def workload(self) -> Workload:
+        """The planner's :class:`Workload` (precision: ``fp8`` with an FP8 recipe, bf16 parameters when asked)."""
+        pk = self.precision_kwargs or {}
+        params_dtype = "bf16" if "bfloat16" in str(pk.get("params_dtype", "")) else "fp32"
+        moments = {k: "bf16" if "bfloat16" in str(self.module_kwargs.get(k, "")) else "fp32"
+                   for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+        return Workload(self.model, self.model.seq_length, self.micro_batch_size * self.num_microbatches
+                        * self.layout.dp, precision="fp8" if pk.get("fp8") else "bf16", params_dtype=params_dtype,
+                        **moments)
+
+
+def _init_args(node: Any) -> Dict[str, Any]:
+    return dict(node.get("init_args") or {}) if isinstance(node, dict) else {}
+
+
+def load_job(path: str) -> VerifyJob:
+    """Read a LightningCLI YAML (``examples/configs/*.yaml``): the trainer's strategy and precision plugin, its
+    devices x nodes and ``accumulate_grad_batches``, the model's ``config`` and the data's micro-batch size."""
+    import yaml
+
+    with open(path) as f:
+        conf = yaml.safe_load(f)
+    trainer, model, data = conf.get("trainer") or {}, dict(conf.get("model") or {}), conf.get("data") or {}
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if not isinstance(devices, int):
+        raise ValueError(f"{path}: trainer.devices={devices!r}: give the number of devices per node")
+    precision = None
+    for plugin in trainer.get("plugins") or []:
+        if isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("MegatronPrecision"):
+            precision = _init_args(plugin)
+    config = GPTConfig(**(model.pop("config", None) or {}))
+    return VerifyJob(model=config, strategy_kwargs=_init_args(trainer.get("strategy")), world=devices * nodes,
+                     micro_batch_size=_init_args(data).get("micro_batch_size", 1),
+                     num_microbatches=trainer.get("accumulate_grad_batches", 1), precision_kwargs=precision,
+                     module_kwargs=model)
+
+
+def tiny_job(job: VerifyJob) -> VerifyJob:
+    """The same layout with a model a CPU trains in seconds: 2 layers per pipeline stage (per virtual stage), hidden
+    64, ``2 tp`` heads (at least 4) in ``tp`` query groups, ffn 128 (experts 64), vocabulary 512, sequence
+    ``16 cp tp``; the fewest micro-batches per step the schedule takes (``pp``; 1 without a pipeline)."""
+    kw = job.strategy_kwargs
+    tp, pp, cp, vp = kw.get("tp", 1), kw.get("pp", 1), kw.get("cp", 1), kw.get("vp") or 1
+    heads = max(4, 2 * tp)
+    seq = 16 * cp * tp
+    changes: Dict[str, Any] = dict(num_layers=2 * pp * vp, hidden_size=64, num_attention_heads=heads,
+                                   num_query_groups=tp if heads % tp == 0 and tp > 1 else 2, ffn_hidden_size=128,
+                                   vocab_size=512, seq_length=seq, max_position_embeddings=seq, kv_channels=None)
+    if job.model.num_moe_experts:
+        changes["moe_ffn_hidden_size"] = 64
+    model = job.model.replace(**changes)
+    return replace(job, model=model, num_microbatches=pp if pp > 1 else 1, micro_batch_size=1)
+
+
+def rank_coordinates(layout: Layout, rank: int) -> Dict[str, int]:
+    """The mesh coordinates of global ``rank``: dense order tp fastest, then cp, dp, pp; expert order etp, ep, edp,
+    pp (:class:`~lightning_megatron.ParallelMesh`). ``zero``: the rank's index in its dp x cp group."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    etp = layout.etp or tp
+    per_stage = layout.world // layout.pp
+    coords = {"tp": rank % tp, "cp": (rank // tp) % cp, "dp": (rank // (tp * cp)) % dp, "pp": rank // per_stage}
+    coords["zero"] = coords["dp"] * cp + coords["cp"]
+    coords["edp"] = (rank % per_stage) // (etp * layout.ep)
+    return coords
+
+
+def parse_ranks(spec: str, layout: Layout) -> List[int]:
+    """``"first,last"`` / ``"0,63"``: ``first`` is rank 0 (the first pipeline stage, the embedding), ``last`` the
+    highest rank (the last stage: the output layer, the logits), ``middle`` the first rank of pipeline stage
+    ``pp // 2``; integers are global ranks. Duplicates are dropped, order kept."""
+    out: List[int] = []
+    named = {"first": 0, "last": layout.world - 1, "middle": (layout.pp // 2) * (layout.world // layout.pp)}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if item in named:
+            rank = named[item]
+        elif item.isdigit():
+            rank = int(item)
+        else:
+            raise ValueError(f"--ranks {spec!r}: {item!r} is neither first, last, middle nor a rank number")
+        if not 0 <= rank < layout.world:
+            raise ValueError(f"--ranks {spec!r}: rank {rank} is outside the job's {layout.world} ranks")
+        if rank not in out:
+            out.append(rank)
+    return out
+
+
+def predicted(job: VerifyJob, rank: int, hardware: str = "h200") -> Dict[str, Any]:
+    """The planner's numbers for ``rank`` of ``job``: its parameters and static bytes (exact,
+    :func:`~lightning_megatron.planner.state_bytes` at the rank's pipeline, ZeRO and expert-data-parallel index),
+    peak memory (GiB, the rank's pipeline stage), compute time per step (``time["rank compute"]``), the compute-only
+    MFU that gives, and whether the layout fits the GPU (predicted peak + 5% + 2 GiB, the planner's rule)."""
+    from lightning_megatron.planner.memory import rank_parameters
+
+    layout, work, hw = job.layout, job.workload, load_hardware(hardware)
+    at = rank_coordinates(layout, rank)
+    sb = state_bytes(job.model, layout, at["pp"], dp_rank=at["zero"], edp_rank=at["edp"],
+                     moment_bytes=work.moment_bytes, params_dtype=work.params_dtype,
+                     store_param_remainders=work.store_param_remainders)
+    p = predict(layout, work, hw, pp_rank=at["pp"])
+    compute_s = p.time["rank compute"]
+    return {"params": sum(t.numel for t in rank_parameters(job.model, layout, at["pp"])),
+            "state_params": sb.params, "state_grads": sb.grads, "state_optimizer": sb.optimizer,
+            "peak_gib": p.peak_gib, "compute_s": compute_s, "mfu": _mfu(job, compute_s, hw.bf16_tflops),
+            "fits": hw.fits(p.peak_gib)}
+
+
+def _mfu(job: VerifyJob, step_s: float, tflops: float) -> float:
+    from lightning_megatron.callbacks.flops import num_floating_point_operations
+
+    flops = num_floating_point_operations(job.model, job.workload.global_batch_size, job.model.seq_length)
+    return flops / job.world / step_s / (tflops * 1e12)
+
+
+def run_rank(job: VerifyJob, rank: int, steps: int = 3, accelerator: str = "auto",
+             hardware: str = "h200") -> Dict[str, Any]:
+    """Train ``steps`` optimizer steps of ``rank`` in this process (a dry run) and measure it (see the module
+    docstring); needs a fresh process (it starts the fake process group). Returns the measured numbers."""
+    import time
+
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_megatron import DryRun, MegatronPrecision, MegatronStrategy, ParallelGPTModule
+    from lightning_megatron.data import MockGPTDataModule
+    from lightning_megatron.parallel.param_gather import zero_optimizers
+
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def nbytes(t: Any) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    class Probe(pl.Callback):
+        """Static bytes after the last step (as ``tests/test_planner_memory.py`` counts them) and step times."""
+
+        def __init__(self) -> None:
+            self.marks: List[float] = []
+            self.main_grads: Optional[int] = None
+            self.state: Dict[str, int] = {}
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            sync()
+            self.marks.append(time.perf_counter())
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            main = trainer.strategy.parallelized.main_params
+            if main is not None:
+                self.main_grads = sum(nbytes(main.main_grad(p)) for p in main.params
+                                      if main.main_grad(p) is not None)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == len(self.marks) - 1:   # not the end of an optimizer step
+                return
+            sync()
+            self.marks.append(time.perf_counter())
+            params = list(pl_module.parameters())
+            zero = zero_optimizers(trainer.optimizers)   # the distributed optimizer's local shards
+            local = [z.optim for z in zero] or [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+            main = trainer.strategy.parallelized.main_params
+            state = {"params": sum(nbytes(p) for p in params),
+                     "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+                     "optimizer": sum(nbytes(v) for o in local for s in o.state.values() for v in s.values()
+                                      if isinstance(v, torch.Tensor)),
+                     "numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)}
+            if main is not None:
+                main_bytes = main.remainder if main.store_param_remainders else main.main_param
+                state["params"] += sum(nbytes(main_bytes(p)) for p in params)
+                state["grads"] = self.main_grads or 0
+            self.state = state
+
+    layout = job.layout
+    pl.seed_everything(1234, verbose=False)
+    module = ParallelGPTModule(job.model, **job.module_kwargs)
+    plugins = [MegatronPrecision(**job.precision_kwargs)] if job.precision_kwargs is not None else []
+    strategy = MegatronStrategy(**job.strategy_kwargs, dry_run=DryRun(world_size=job.world, rank=rank))
+    probe = Probe()
+    samples = job.micro_batch_size * job.num_microbatches * layout.dp * (steps + 1)
+    data = MockGPTDataModule(job.model.vocab_size, job.model.seq_length, job.micro_batch_size,
+                             num_train_samples=samples, num_val_samples=1, num_workers=0)
+    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, plugins=plugins,
+                         precision=None if plugins else "bf16-mixed", max_steps=steps,
+                         accumulate_grad_batches=job.num_microbatches, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[probe])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, datamodule=data)
+    steps_s = [b - a for a, b in zip(probe.marks, probe.marks[1:])]
+    timed = steps_s[1:] or steps_s   # the first step builds the schedule, warms the kernels up
+    compute_s = sorted(timed)[len(timed) // 2]
+    hw = load_hardware(hardware)
+    out = {"rank": rank, "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": len(steps_s),
+           "params": probe.state.get("numel"), "state_params": probe.state.get("params"),
+           "state_grads": probe.state.get("grads"), "state_optimizer": probe.state.get("optimizer"),
+           "compute_s": compute_s, "mfu": _mfu(job, compute_s, hw.bf16_tflops),
+           "names": {n: list(p.shape) for n, p in module.named_parameters()}}
+    if cuda:
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    return out
+
+
+def _bytes(v: Optional[int]) -> str:
+    return "n/a" if v is None else f"{v:,}"
+
+
+def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> str:
+    """One rank's measured numbers beside the planner's (measured / predicted / ratio)."""
+    at = rank_coordinates(job.layout, got["rank"])
+    state_got = sum(got[k] or 0 for k in ("state_params", "state_grads", "state_optimizer"))
+    state_want = want["state_params"] + want["state_grads"] + want["state_optimizer"]
+    rows = [("parameters held", f"{got['params']:,}", f"{want['params']:,}"),
+            ("static bytes: parameters", _bytes(got["state_params"]), _bytes(want["state_params"])),
+            ("static bytes: gradients", _bytes(got["state_grads"]), _bytes(want["state_grads"])),
+            ("static bytes: optimizer", _bytes(got["state_optimizer"]), _bytes(want["state_optimizer"])),
+            ("static bytes: total", _bytes(state_got), _bytes(state_want)),
+            ("peak allocated GiB", f"{got['peak_allocated_gib']:.2f}" if "peak_allocated_gib" in got else "n/a (CPU)",
+             f"{want['peak_gib']:.2f}"),
+            ("peak reserved GiB", f"{got['peak_reserved_gib']:.2f}" if "peak_reserved_gib" in got else "n/a (CPU)",
+             f"{want['peak_gib']:.2f}"),
+            ("compute s / step", f"{got['compute_s']:.4g}", f"{want['compute_s']:.4g}"),
+            ("compute-only MFU", f"{100 * got['mfu']:.1f}%", f"{100 * want['mfu']:.1f}%")]
+    head = (f"rank {got['rank']} (pp {at['pp']}, dp {at['dp']}, cp {at['cp']}, tp {at['tp']}) on {got['device']}, "
+            f"{got['steps']} steps")
+    lines = [head, f"  {'':30s} {'measured':>16s} {'planner':>16s} {'ratio':>7s}"]
+    for name, a, b in rows:
+        try:
+            ratio = f"{float(a.rstrip('%').replace(',', '')) / float(b.rstrip('%').replace(',', '')):.3f}"
+        except (ValueError, ZeroDivisionError):
+            ratio = ""
+        lines.append(f"  {name:30s} {a:>16s} {b:>16s} {ratio:>7s}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``verify`` subcommand's flags."""
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner verify",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a LightningCLI YAML (examples/configs/*.yaml)")
+    p.add_argument("--ranks", default="first,last",
+                   help="ranks to run: first (rank 0), last (the highest), middle, or rank numbers (default "
+                        "first,last: the first and last pipeline stages, the heaviest)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per rank (the first is not timed)")
+    p.add_argument("--tiny", action="store_true", help="the same layout with a tiny model (a CPU run of seconds)")
+    p.add_argument("--accumulate-grad-batches", type=int, default=None,
+                   help="micro-batches per step (default: the config's; --tiny: the fewest the schedule takes)")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200", help="the planner's hardware profile")
+    p.add_argument("--json", default=None, help="also write every rank's numbers to this JSON file")
+    p.add_argument("--one-rank", type=int, default=None, help=argparse.SUPPRESS)   # a rank's own subprocess
+    return p
+
+
+def job_of(args: argparse.Namespace) -> VerifyJob:
+    """The job the flags describe."""
+    job = load_job(args.config)
+    if args.tiny:
+        job = tiny_job(job)
+    if args.accumulate_grad_batches:
+        job = replace(job, num_microbatches=args.accumulate_grad_batches)
+    return job
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Run each chosen rank in a subprocess of its own, print the per-rank tables; returns the results."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: give at least 1")
+    job = job_of(args)
+    if args.one_rank is not None:
+        print(RESULT_MARK + json.dumps(run_rank(job, args.one_rank, args.steps, args.accelerator, args.hardware)),
+              flush=True)
+        return []
+    layout = job.layout
+    print(f"{args.config}{' (--tiny)' if args.tiny else ''}: {layout.world} ranks, tp {layout.tp} pp {layout.pp} "
+          f"vp {layout.vp or 1} cp {layout.cp} ep {layout.ep} dp {layout.dp}, {layout.sharding}, recompute "
+          f"{layout.recompute}, micro-batch {job.micro_batch_size} x {job.num_microbatches}, seq "
+          f"{job.model.seq_length}")
+    results = []
+    for rank in parse_ranks(args.ranks, layout):
+        cmd = [sys.executable, "-m", "lightning_megatron.planner", "verify", *argv, "--one-rank", str(rank)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if proc.returncode != 0 or not found:
+            raise RuntimeError(f"the dry run of rank {rank} failed (exit code {proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
+        got = json.loads(found[-1][len(RESULT_MARK):])
+        want = predicted(job, rank, args.hardware)
+        results.append({"measured": got, "predicted": want})
+        print(format_rank(job, got, want))
+    fit = results[0]["predicted"]["fits"] if results else None
+    print(f"planner: the layout {'fits' if fit else 'does not fit'} on one {args.hardware} "
+          f"({load_hardware(args.hardware).memory_gib:.1f} GiB; predicted peak + 5% + 2 GiB)")
+    print(PER_RANK_NOTE)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
