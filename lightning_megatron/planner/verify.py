@@ -7,11 +7,12 @@ allocated and reserved memory (CUDA; on the CPU only the tensor-size accounting 
 per optimizer step and compute-only MFU (the job's model FLOPs per GPU per step over this rank's step time, against
 the hardware profile's bf16 peak, 989 TFLOP/s on an H200). The numbers are per rank and without communication: the
 fake collectives return at once, so no TP / CP / EP / pipeline / data-parallel transfer and no pipeline bubble is in
-them. Each rank runs in a subprocess of its own (a fresh process group and allocator per rank).
+them. Each rank runs in a subprocess of its own (a fresh process group and allocator per rank):
+``python -m lightning_megatron.cli.dry_run`` (:mod:`lightning_megatron.cli.dry_run`) with the same flags.
 
 ``--tiny`` keeps the layout (tp, pp, vp, cp, ep, world size, sharding, recompute, precision) and shrinks the model
 to a few-second CPU run: 2 layers per pipeline stage, hidden 64, vocabulary 512, sequence 16 x cp x tp, the fewest
-micro-batches the schedule takes. This module imports torch and Lightning only in the process running a rank.
+micro-batches the schedule takes. This module imports neither torch nor Lightning.
 """
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ from lightning_megatron.planner.layout import RECOMPUTE_PRESETS, Layout
 from lightning_megatron.planner.memory import state_bytes
 from lightning_megatron.planner.model import GIB, Workload, predict
 
-__all__ = ["VerifyJob", "load_job", "tiny_job", "parse_ranks", "rank_coordinates", "predicted", "run_rank", "main"]
+__all__ = ["VerifyJob", "load_job", "tiny_job", "parse_ranks", "rank_coordinates", "predicted", "job_of",
+           "build_parser", "format_rank", "main", "RESULT_MARK", "RANK_RUNNER"]
 
 #: the marker before a rank's JSON result on its subprocess's stdout
 RESULT_MARK = "VERIFY_RESULT "
+#: the module each rank's subprocess runs (``python -m``; it trains the rank: torch, Lightning and the strategy live
+#: there, above the planner's layer)
+RANK_RUNNER = "lightning_megatron.cli.dry_run"
 #: the note every table ends with
 PER_RANK_NOTE = ("Per rank, without communication: the collectives are fake (they return at once), so no TP / CP / "
                  "EP / pipeline / data-parallel transfer and no pipeline bubble is in these numbers.")
@@ -182,108 +187,15 @@ def predicted(job: VerifyJob, rank: int, hardware: str = "h200") -> Dict[str, An
     compute_s = p.time["rank compute"]
     return {"params": sum(t.numel for t in rank_parameters(job.model, layout, at["pp"])),
             "state_params": sb.params, "state_grads": sb.grads, "state_optimizer": sb.optimizer,
-            "peak_gib": p.peak_gib, "compute_s": compute_s, "mfu": _mfu(job, compute_s, hw.bf16_tflops),
+            "peak_gib": p.peak_gib, "compute_s": compute_s, "mfu": mfu(job, compute_s, hw.bf16_tflops),
             "fits": hw.fits(p.peak_gib)}
 
 
-def _mfu(job: VerifyJob, step_s: float, tflops: float) -> float:
+def mfu(job: VerifyJob, step_s: float, tflops: float) -> float:
     from lightning_megatron.callbacks.flops import num_floating_point_operations
 
     flops = num_floating_point_operations(job.model, job.workload.global_batch_size, job.model.seq_length)
     return flops / job.world / step_s / (tflops * 1e12)
-
-
-def run_rank(job: VerifyJob, rank: int, steps: int = 3, accelerator: str = "auto",
-             hardware: str = "h200") -> Dict[str, Any]:
-    """Train ``steps`` optimizer steps of ``rank`` in this process (a dry run) and measure it (see the module
-    docstring); needs a fresh process (it starts the fake process group). Returns the measured numbers."""
-    import time
-
-    import lightning.pytorch as pl
-    import torch
-
-    from lightning_megatron import DryRun, MegatronPrecision, MegatronStrategy, ParallelGPTModule
-    from lightning_megatron.data import MockGPTDataModule
-    from lightning_megatron.parallel.param_gather import zero_optimizers
-
-    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def nbytes(t: Any) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        return local.numel() * local.element_size()
-
-    class Probe(pl.Callback):
-        """Static bytes after the last step (as ``tests/test_planner_memory.py`` counts them) and step times."""
-
-        def __init__(self) -> None:
-            self.marks: List[float] = []
-            self.main_grads: Optional[int] = None
-            self.state: Dict[str, int] = {}
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            sync()
-            self.marks.append(time.perf_counter())
-
-        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            main = trainer.strategy.parallelized.main_params
-            if main is not None:
-                self.main_grads = sum(nbytes(main.main_grad(p)) for p in main.params
-                                      if main.main_grad(p) is not None)
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step == len(self.marks) - 1:   # not the end of an optimizer step
-                return
-            sync()
-            self.marks.append(time.perf_counter())
-            params = list(pl_module.parameters())
-            zero = zero_optimizers(trainer.optimizers)   # the distributed optimizer's local shards
-            local = [z.optim for z in zero] or [getattr(o, "_optimizer", o) for o in trainer.optimizers]
-            main = trainer.strategy.parallelized.main_params
-            state = {"params": sum(nbytes(p) for p in params),
-                     "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-                     "optimizer": sum(nbytes(v) for o in local for s in o.state.values() for v in s.values()
-                                      if isinstance(v, torch.Tensor)),
-                     "numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)}
-            if main is not None:
-                main_bytes = main.remainder if main.store_param_remainders else main.main_param
-                state["params"] += sum(nbytes(main_bytes(p)) for p in params)
-                state["grads"] = self.main_grads or 0
-            self.state = state
-
-    layout = job.layout
-    pl.seed_everything(1234, verbose=False)
-    module = ParallelGPTModule(job.model, **job.module_kwargs)
-    plugins = [MegatronPrecision(**job.precision_kwargs)] if job.precision_kwargs is not None else []
-    strategy = MegatronStrategy(**job.strategy_kwargs, dry_run=DryRun(world_size=job.world, rank=rank))
-    probe = Probe()
-    samples = job.micro_batch_size * job.num_microbatches * layout.dp * (steps + 1)
-    data = MockGPTDataModule(job.model.vocab_size, job.model.seq_length, job.micro_batch_size,
-                             num_train_samples=samples, num_val_samples=1, num_workers=0)
-    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, plugins=plugins,
-                         precision=None if plugins else "bf16-mixed", max_steps=steps,
-                         accumulate_grad_batches=job.num_microbatches, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[probe])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.fit(module, datamodule=data)
-    steps_s = [b - a for a, b in zip(probe.marks, probe.marks[1:])]
-    timed = steps_s[1:] or steps_s   # the first step builds the schedule, warms the kernels up
-    compute_s = sorted(timed)[len(timed) // 2]
-    hw = load_hardware(hardware)
-    out = {"rank": rank, "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": len(steps_s),
-           "params": probe.state.get("numel"), "state_params": probe.state.get("params"),
-           "state_grads": probe.state.get("grads"), "state_optimizer": probe.state.get("optimizer"),
-           "compute_s": compute_s, "mfu": _mfu(job, compute_s, hw.bf16_tflops),
-           "names": {n: list(p.shape) for n, p in module.named_parameters()}}
-    if cuda:
-        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-    return out
 
 
 def _bytes(v: Optional[int]) -> str:
@@ -333,7 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200", help="the planner's hardware profile")
     p.add_argument("--json", default=None, help="also write every rank's numbers to this JSON file")
-    p.add_argument("--one-rank", type=int, default=None, help=argparse.SUPPRESS)   # a rank's own subprocess
     return p
 
 
@@ -354,10 +265,6 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: give at least 1")
     job = job_of(args)
-    if args.one_rank is not None:
-        print(RESULT_MARK + json.dumps(run_rank(job, args.one_rank, args.steps, args.accelerator, args.hardware)),
-              flush=True)
-        return []
     layout = job.layout
     print(f"{args.config}{' (--tiny)' if args.tiny else ''}: {layout.world} ranks, tp {layout.tp} pp {layout.pp} "
           f"vp {layout.vp or 1} cp {layout.cp} ep {layout.ep} dp {layout.dp}, {layout.sharding}, recompute "
@@ -365,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
           f"{job.model.seq_length}")
     results = []
     for rank in parse_ranks(args.ranks, layout):
-        cmd = [sys.executable, "-m", "lightning_megatron.planner", "verify", *argv, "--one-rank", str(rank)]
+        cmd = [sys.executable, "-m", RANK_RUNNER, *argv, "--rank", str(rank)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
         if proc.returncode != 0 or not found:
