@@ -13,6 +13,7 @@ All dry runs share one worker process (the fake process group is destroyed after
 """
 from __future__ import annotations
 
+from dataclasses import replace as dataclasses_replace
 from typing import Any, Dict, List, Tuple
 
 import lightning.pytorch as pl
@@ -182,3 +183,42 @@ def test_dry_run_is_validated():
     trainer_args = dict(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     with pytest.raises(ValueError, match="devices=1"):
         pl.Trainer(**trainer_args)
+
+
+def test_verify_reads_the_example_configs_as_their_layouts():
+    """``planner verify``'s job of each reference YAML is the row's layout; ``--ranks`` names resolve per layout."""
+    from lightning_megatron.planner.verify import load_job, parse_ranks, predicted, tiny_job
+
+    want = {"llama3_8b": (8, 1, 1, 2, 1, 32), "llama3_70b": (64, 4, 4, 2, 1, 64), "gpt3_175b": (512, 4, 8, 1, 1, 96),
+            "mixtral_8x7b": (64, 1, 4, 1, 8, 16)}
+    for name, (world, tp, pp, cp, ep, m) in want.items():
+        job = load_job(f"examples/configs/{name}.yaml")
+        layout = job.layout
+        assert (layout.world, layout.tp, layout.pp, layout.cp, layout.ep, layout.num_microbatches) == (
+            world, tp, pp, cp, ep, m)
+        assert layout.sharding == "optim" and tiny_job(job).layout == dataclasses_replace(
+            layout, num_microbatches=pp if pp > 1 else 1)
+        assert parse_ranks("first,last,first", layout) == [0, world - 1]
+        assert predicted(job, world - 1)["params"] > 0
+    with pytest.raises(ValueError, match="outside the job"):
+        parse_ranks("64", load_job("examples/configs/llama3_70b.yaml").layout)
+    # the planner's verdicts at full size on one H200 (docs/planner.md's table): GPT-3's first stage does not fit
+    gpt3 = load_job("examples/configs/gpt3_175b.yaml")
+    assert not predicted(gpt3, 0)["fits"] and predicted(gpt3, 511)["fits"]
+
+
+def test_verify_command_prints_measured_beside_planned():
+    """The command end to end on the CPU (one rank of the 8B row's layout, tiny model, one step)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lightning_megatron.planner", "verify", "--config",
+                          "examples/configs/llama3_8b.yaml", "--tiny", "--ranks", "last", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("rank 7 (pp 0, dp 3, cp 1, tp 0)") for line in lines), out.stdout
+    for row in ("parameters held", "static bytes: parameters", "static bytes: gradients", "static bytes: optimizer"):
+        line = next(line for line in lines if line.strip().startswith(row))
+        assert line.split()[-1] == "1.000", line   # the measured bytes are the planner's
+    assert "without communication" in out.stdout

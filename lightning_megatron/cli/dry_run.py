@@ -89,8 +89,10 @@ def run_rank(job: VerifyJob, rank: int, steps: int = 3, accelerator: str = "auto
              hardware: str = "h200") -> Dict[str, Any]:
     """Train ``steps`` optimizer steps of ``rank`` of ``job`` in this process (a dry run; it starts the fake process
     group, so once per process) on mock data, and return the measured numbers (see the module docstring)."""
-    from lightning_megatron import MegatronPrecision, MegatronStrategy, ParallelGPTModule
     from lightning_megatron.data import MockGPTDataModule
+    from lightning_megatron.models.module import ParallelGPTModule
+    from lightning_megatron.precision.plugin import MegatronPrecision
+    from lightning_megatron.strategy import MegatronStrategy
 
     cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     layout = job.layout
@@ -129,7 +131,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.prog = "python -m lightning_megatron.cli.dry_run"
     parser.add_argument("--rank", type=int, required=True, help="the global rank this process plays")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    result = run_rank(job_of(args), args.rank, args.steps, args.accelerator, args.hardware)
+    try:
+        result = run_rank(job_of(args), args.rank, args.steps, args.accelerator, args.hardware)
+    except torch.cuda.OutOfMemoryError as e:   # the planner's "does not fit", measured
+        result = {"rank": args.rank, "device": torch.cuda.get_device_name(), "steps": 0,
+                  "out_of_memory": str(e).splitlines()[0][:300]}
     print(RESULT_MARK + json.dumps(result), flush=True)
     return result
 

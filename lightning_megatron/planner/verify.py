@@ -219,7 +219,10 @@ def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> st
             ("compute s / step", f"{got['compute_s']:.4g}", f"{want['compute_s']:.4g}"),
             ("compute-only MFU", f"{100 * got['mfu']:.1f}%", f"{100 * want['mfu']:.1f}%")]
     head = (f"rank {got['rank']} (pp {at['pp']}, dp {at['dp']}, cp {at['cp']}, tp {at['tp']}) on {got['device']}, "
-            f"{got['steps']} steps")
+            f"{got['steps']} steps; the planner {'fits' if want['fits'] else 'does not fit'} this rank")
+    if got.get("out_of_memory"):
+        return (f"{head}\n  OUT OF MEMORY on {got['device']} (planner: peak {want['peak_gib']:.2f} GiB): "
+                f"{got['out_of_memory']}")
     lines = [head, f"  {'':30s} {'measured':>16s} {'planner':>16s} {'ratio':>7s}"]
     for name, a, b in rows:
         try:
@@ -242,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="the same layout with a tiny model (a CPU run of seconds)")
     p.add_argument("--accumulate-grad-batches", type=int, default=None,
                    help="micro-batches per step (default: the config's; --tiny: the fewest the schedule takes)")
+    p.add_argument("--fp8", choices=("e4m3", "hybrid"), default=None,
+                   help="FP8 GEMMs (MegatronPrecision(fp8=...); the planner's fp8 precision)")
     p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200", help="the planner's hardware profile")
     p.add_argument("--json", default=None, help="also write every rank's numbers to this JSON file")
@@ -255,6 +260,9 @@ def job_of(args: argparse.Namespace) -> VerifyJob:
         job = tiny_job(job)
     if args.accumulate_grad_batches:
         job = replace(job, num_microbatches=args.accumulate_grad_batches)
+    if args.fp8:
+        job = replace(job, precision_kwargs={"precision": "bf16-mixed", **(job.precision_kwargs or {}),
+                                             "fp8": args.fp8})
     return job
 
 
@@ -282,9 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
         want = predicted(job, rank, args.hardware)
         results.append({"measured": got, "predicted": want})
         print(format_rank(job, got, want))
-    fit = results[0]["predicted"]["fits"] if results else None
-    print(f"planner: the layout {'fits' if fit else 'does not fit'} on one {args.hardware} "
-          f"({load_hardware(args.hardware).memory_gib:.1f} GiB; predicted peak + 5% + 2 GiB)")
+    hw = load_hardware(args.hardware)
+    whole = predict(layout, job.workload, hw)   # the layout's largest pipeline rank
+    print(f"planner: the layout {'fits' if hw.fits(whole.peak_gib) else 'does not fit'} on one {args.hardware} "
+          f"({hw.memory_gib:.1f} GiB): its largest rank's predicted peak {whole.peak_gib:.1f} GiB, + 5% + 2 GiB")
     print(PER_RANK_NOTE)
     if args.json:
         with open(args.json, "w") as f:
