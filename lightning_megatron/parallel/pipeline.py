@@ -361,7 +361,12 @@ class PipelineRunner:
         by its shape and dtype, so no stage needs to know the model's sizes).
 
         Returns the last stage's output (logits ``[s, b, V_pad/tp]``) on the rank holding it, else None.
+        RuntimeError in a dry run (the shapes it receives would be unfilled memory).
         """
+        if is_fake_group(self.pp_group):
+            raise RuntimeError("a dry run (fake collectives) trains only: validation, test and predict under "
+                               "pipeline parallelism receive each activation's shape from the previous stage; use "
+                               "Trainer(limit_val_batches=0) and no test / predict in a dry run")
         self._set_positions([position_ids])
         me = dist.get_rank()
         x: Optional[Tensor] = None
