@@ -35,7 +35,10 @@ MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_benc
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's flags."""
-    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0],
+                                epilog="python -m lightning_megatron.planner verify --config CONFIG.yaml: run chosen "
+                                       "ranks of a configuration in dry runs (fake collectives) beside the planner's "
+                                       "prediction (verify --help)")
     p.add_argument("--model", required=True, choices=MODELS, help="a GPTConfig preset")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (8 per node)")
     p.add_argument("--gpu-memory", type=float, default=None,

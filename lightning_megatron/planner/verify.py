@@ -236,7 +236,10 @@ def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> st
 def build_parser() -> argparse.ArgumentParser:
     """The ``verify`` subcommand's flags."""
     p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner verify",
-                                description=__doc__.split("\n\n")[0])
+                                description="Run chosen ranks of a LightningCLI configuration, one at a time, "
+                                            "each alone in a dry run (fake collectives, mock data, the Trainer's "
+                                            "real steps), and print what each holds and does beside the planner's "
+                                            "prediction. Numbers are per rank, without communication.")
     p.add_argument("--config", required=True, help="a LightningCLI YAML (examples/configs/*.yaml)")
     p.add_argument("--ranks", default="first,last",
                    help="ranks to run: first (rank 0), last (the highest), middle, or rank numbers (default "
