@@ -26,6 +26,7 @@ _EXPORTS: Dict[str, str] = {
     "GroupedMLPExperts": "lightning_megatron.moe",
     "ParallelConfig": "lightning_megatron.parallel.config",
     "ParallelMesh": "lightning_megatron.parallel.mesh",
+    "DryRun": "lightning_megatron.parallel.dry_run",
     "DeferredWgrad": "lightning_megatron.parallel.deferred_wgrad",
     "MainParams": "lightning_megatron.parallel.main_grad",
     "apply_fsdp": "lightning_megatron.parallel.fsdp",

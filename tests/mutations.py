@@ -355,6 +355,21 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/strategy/model_setup.py",
               "after_wait=main.adopt_broadcast if main is not None else None)", "after_wait=None)"),),
         (recipe("bf16p", "dp2-distopt-param-gather"), recipe("bf16p-rem", "dp2-distopt-param-gather"))),
+    Mutation(
+        "planner-experts-sharded-over-dp", "the planner's distributed-optimizer bytes split the routed experts' "
+        "states over dp x cp instead of expert data parallelism",
+        (Edit("lightning_megatron/planner/memory.py",
+              "    opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)\n",
+              "    opt = shard(dense, dp_cp, dp_rank) + shard(expert, dp_cp, edp_rank)\n"),),
+        ("tests/test_dry_run.py::test_reference_rows_every_rank_kind_trains_and_holds_what_the_planner_counts"
+         "[mixtral_8x7b-64]",)),
+    Mutation(
+        "dry-run-stage-ignores-sequence-parallel", "a dry run's pipeline stages take the whole sequence between "
+        "stages under sequence parallelism (static shapes not cut over tp)",
+        (Edit("lightning_megatron/parallel/pipeline.py",
+              "    s_hidden = s // module.tp_size if getattr(model, \"sequence_parallel\", False) else s\n",
+              "    s_hidden = s\n"),),
+        ("tests/test_dry_run.py::test_dry_run_ranks_hold_what_real_gloo_ranks_hold[tp2sp-pp2]",)),
 )
 
 

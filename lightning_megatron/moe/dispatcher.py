@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.moe.config import MoEConfig, check_expert_parallel
+from lightning_megatron.parallel.dry_run import is_fake_group
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     all_gather_dim0,
     gather_from_sequence_parallel_region,
@@ -137,11 +138,16 @@ class AllToAllDispatcher(_DispatcherBase):
             return permuted, counts
         # recv[r, j]: tokens from EP rank r for my local expert j
         recv = _a2a(counts, [El] * ep, [El] * ep, self.ep_group).view(ep, El) if ep > 1 else counts.view(1, El)
+        dry_run = is_fake_group(self.ep_group if ep > 1 else self.etp_group)
+        if dry_run:   # fake collectives receive nothing: every peer sends each of my experts its balanced share
+            share = max(1, int(counts.sum()) // E)   # of the tokens x top-k it routes (the planner's assumption)
+            recv = torch.full((ep, El), share, dtype=counts.dtype, device=counts.device)
         self.input_splits = counts.view(ep, El).sum(1).tolist()
         self.output_splits = recv.sum(1).tolist()
         received = all_to_all(permuted, self.output_splits, self.input_splits, self.ep_group)
         if etp > 1:  # every ETP rank of my experts computes on the tokens all of them received
-            recv = all_gather_dim0(recv.unsqueeze(0), self.etp_group).view(etp * ep, El)
+            recv = (recv.repeat(etp, 1) if dry_run
+                    else all_gather_dim0(recv.unsqueeze(0), self.etp_group).view(etp * ep, El))
             self.etp_sizes = recv.view(etp, ep * El).sum(1).tolist()
             received = _GatherUneven.apply(received, self.etp_sizes, self.etp_group)
         # rows are [source block: e0.., e1.., next block: e0.., ...]; regroup by local expert
@@ -175,7 +181,7 @@ class AllGatherDispatcher(_DispatcherBase):
     def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> Tuple[Tensor, Tensor]:
         self.num_tokens = hidden.shape[0]
         group = self.ep_etp_group
-        if group_size(group) > 1:
+        if group_size(group) > 1 and not is_fake_group(group):   # a dry run's fake all-gather fills nothing
             n = torch.tensor([self.num_tokens], device=hidden.device)
             sizes = all_gather_dim0(n, group)
             if not bool((sizes == sizes[0]).all()):

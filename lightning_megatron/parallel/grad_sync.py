@@ -138,7 +138,8 @@ def mean_allreduce_hook(group, bucket):  # no annotations: DDP compares them to 
     parameter's gradient by the group size in a kernel of its own (one per parameter, each a full read and write
     of that gradient), before and apart from the all-reduce. On NCCL the average happens inside the collective."""
     buffer = bucket.buffer()
-    return _mean_allreduce(buffer, group).then(lambda f: f.value()[0])
+    # the all-reduce is in place: the bucket itself is the result (a dry run's fake future carries no value)
+    return _mean_allreduce(buffer, group).then(lambda f: buffer)
 
 
 def bf16_allreduce_hook(group, bucket):  # no annotations: DDP compares them to its classes, strings here
@@ -150,7 +151,7 @@ def bf16_allreduce_hook(group, bucket):  # no annotations: DDP compares them to 
     compressed = buffer.to(torch.bfloat16)
 
     def decompress(f):
-        buffer.copy_(f.value()[0])
+        buffer.copy_(compressed)   # reduced in place
         return buffer
 
     return _mean_allreduce(compressed, group).then(decompress)

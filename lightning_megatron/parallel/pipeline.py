@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.parallel.dry_run import is_fake_group
 from lightning_megatron.parallel.layout_rules import (SINGLE_STAGE_SCHEDULES, V_SHAPE_SCHEDULES, layers_per_stage,
                                                      min_microbatches, stage_placement)
 
@@ -150,6 +151,57 @@ def _skip_self_init_p2p(stage: Any) -> None:
     stage._get_init_p2p_neighbors_ops = ops_without_self
 
 
+def dry_run_stage(module: PipelineStageModule, index: int, num_stages: int, device: torch.device,
+                  group: dist.ProcessGroup, b: int, s: int, token_dtype: torch.dtype) -> Any:
+    """A torch ``PipelineStage`` for a dry run (:mod:`lightning_megatron.parallel.dry_run`): its input and output
+    shapes are given (tokens ``[b, s]`` into the first stage, hidden ``[s(/tp under SP), b, h]`` between stages,
+    logits ``[s, b, V_pad/tp]`` out of the last; ``s`` this rank's part of the sequence under CP), its warm-up vote is
+    "static" without asking its neighbours (over fake groups every received value is unfilled memory), and its
+    receive buffers (activations, gradients) are filled once with random values, which the fake receives leave
+    in place for every micro-batch."""
+    from torch.distributed.pipelining import PipelineStage
+
+    model = module._model
+    h = model.config.hidden_size
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    s_hidden = s // module.tp_size if getattr(model, "sequence_parallel", False) else s
+    meta = torch.device("meta")
+    hidden = torch.empty(s_hidden, b, h, dtype=dtype, device=meta, requires_grad=True)
+    inputs = torch.empty(b, s, dtype=token_dtype, device=meta) if module.is_first else hidden
+    head = model.output_layer if getattr(model.output_layer, "weight", None) is not None else module.tied_word_embeddings
+    vocab = head.weight.shape[0] if module.is_last and head is not None else h
+    outputs = torch.empty(s, b, vocab, dtype=dtype, device=meta, requires_grad=True) if module.is_last else hidden
+
+    class DryRunStage(PipelineStage):
+        def _warmup_forward_vote(self, has_backward: bool, received_acc: Optional[Tensor] = None) -> Tensor:
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+
+        def _warmup_backward_result(self, received_result: Optional[Tensor] = None) -> Tensor:
+            return torch.ones(1, dtype=torch.int32, device=self.device)
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            _fill_receive_buffers(self.args_recv_info, 1.0)
+            return out
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            _fill_receive_buffers(self.grad_recv_info, 1e-3)
+            return out
+
+    return DryRunStage(module, index, num_stages, device, input_args=inputs, output_args=outputs, group=group)
+
+
+def _fill_receive_buffers(infos: Dict[int, Any], std: float) -> None:
+    """Random values (``std``) in every floating receive buffer of a torch stage's ``{micro-batch: infos}``."""
+    for per_microbatch in infos.values():
+        for info in per_microbatch:
+            buffer = getattr(info, "buffer", None)
+            if isinstance(buffer, Tensor) and buffer.is_floating_point() and not getattr(info, "is_root_arg", False):
+                with torch.no_grad():
+                    buffer.normal_(0.0, std)
+
+
 #: a schedule that runs any number of micro-batches on the same stages, for a step with fewer than a schedule needs
 #: (GPipe for one stage per rank; looped BFS for the loop placement of virtual stages; ZBV runs any number itself;
 #: DualPipeV needs as many micro-batches as stages and has no stand-in)
@@ -182,6 +234,7 @@ class PipelineRunner:
         self.schedule_name, self.device, self.v_shape = schedule, device, v_shape
         self._schedules: Dict[int, Any] = {}
         self._pipeline_stages: Optional[list] = None
+        self._example_shapes: Optional[Tuple[int, int, torch.dtype]] = None   # dry runs: (b, s, token dtype)
         self._loss_fn: Optional[Callable] = None
         self._position_ids: List[Optional[Tensor]] = []
         self._forward_counts = [0] * len(stage_modules)
@@ -260,8 +313,13 @@ class PipelineRunner:
             # Stages of their own per micro-batch count: a torch stage keeps the buffers of the first count it ran,
             # and a schedule prepares its stages once, so a step of another count (an epoch's short last step, a
             # changed accumulate_grad_batches) on shared stages would run past their buffers
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
-                      for module, index in zip(self.stage_modules, self.stage_indices)]
+            if self._example_shapes is not None:   # a dry run: static shapes, no exchange of them (fake groups)
+                stages = [dry_run_stage(module, index, self.num_stages, self.device, self.pp_group,
+                                        *self._example_shapes)
+                          for module, index in zip(self.stage_modules, self.stage_indices)]
+            else:
+                stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
+                          for module, index in zip(self.stage_modules, self.stage_indices)]
             for stage, module in zip(stages, self.stage_modules):
                 _skip_self_init_p2p(stage)
                 self._route_weight_grads(stage, module)
@@ -282,6 +340,8 @@ class PipelineRunner:
         """
         n = len(position_ids)
         b = tokens.shape[0] // n
+        if is_fake_group(self.pp_group):
+            self._example_shapes = (b, tokens.shape[1], tokens.dtype)
         schedule = self._schedule(n)
         self._loss_fn = loss_fn
         self._set_positions(position_ids)
@@ -301,7 +361,12 @@ class PipelineRunner:
         by its shape and dtype, so no stage needs to know the model's sizes).
 
         Returns the last stage's output (logits ``[s, b, V_pad/tp]``) on the rank holding it, else None.
+        RuntimeError in a dry run (the shapes it receives would be unfilled memory).
         """
+        if is_fake_group(self.pp_group):
+            raise RuntimeError("a dry run (fake collectives) trains only: validation, test and predict under "
+                               "pipeline parallelism receive each activation's shape from the previous stage; use "
+                               "Trainer(limit_val_batches=0) and no test / predict in a dry run")
         self._set_positions([position_ids])
         me = dist.get_rank()
         x: Optional[Tensor] = None

@@ -35,7 +35,10 @@ MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_benc
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's flags."""
-    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0],
+                                epilog="python -m lightning_megatron.planner verify --config CONFIG.yaml: run chosen "
+                                       "ranks of a configuration in dry runs (fake collectives) beside the planner's "
+                                       "prediction (verify --help)")
     p.add_argument("--model", required=True, choices=MODELS, help="a GPTConfig preset")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (8 per node)")
     p.add_argument("--gpu-memory", type=float, default=None,
@@ -83,7 +86,14 @@ def parse_show(spec: str) -> Dict[str, int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Plan:
-    """Plan, print the table and the best layout; returns the :class:`~lightning_megatron.planner.Plan`."""
+    """Plan, print the table and the best layout; returns the :class:`~lightning_megatron.planner.Plan`.
+    ``verify ...`` runs chosen ranks of a configuration in dry runs instead
+    (:mod:`lightning_megatron.planner.verify`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["verify"]:
+        from lightning_megatron.planner.verify import main as verify
+
+        return verify(argv[1:])
     args = build_parser().parse_args(argv)
     model = getattr(GPTConfig, args.model)()
     result = plan(model, args.gpus, args.global_batch_size, args.seq_length, args.hardware, args.gpu_memory,

@@ -207,9 +207,13 @@ def _fsdp_time(layout: Any, hw: Hardware, t_mb: float, layers: int, groups: Any)
     return scatters, gathers
 
 
-def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any, Any]] = None) -> Prediction:
+def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any, Any]] = None,
+            pp_rank: Optional[int] = None) -> Prediction:
     """Peak memory and step time of ``layout`` running ``work`` on ``hw`` (see the module docstring). ``cache``:
-    a dict kept across calls for the same model (the planner's), holding per-rank byte counts and FLOPs."""
+    a dict kept across calls for the same model (the planner's), holding per-rank byte counts and FLOPs.
+    ``pp_rank``: the memory of that pipeline rank instead of the largest one's, and ``time["rank compute"]``: that
+    rank's compute alone per step (its micro-batches' layers and head without the TP / CP / EP collectives, and the
+    optimizer step; no bubble, no pipeline or data-parallel transfers), what a dry run of the rank measures."""
     c, s = work.model, work.seq_length
     tp, pp, cp, vp = layout.tp, layout.pp, layout.cp, layout.vp or 1
     m, mbs = layout.num_microbatches, layout.micro_batch_size
@@ -248,7 +252,7 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
 
     # ---- memory: the largest pipeline rank
     best = None
-    for r in range(pp):
+    for r in (range(pp) if pp_rank is None else [pp_rank]):
         key = (id(c), layout.tp, layout.pp, layout.vp, layout.ep, layout.etp, layout.schedule, layout.dp * cp,
                layout.edp, layout.sharding, r, work.moment_bytes, work.params_dtype, work.store_param_remainders)
         hit = cache.get(key) if cache is not None else None
@@ -336,20 +340,26 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
         q = c.num_attention_heads * c.kv_channels / tp
         t_merge = hw.cp_passes * (cp - 1) * tokens * q * 4 / hbm
         t_cp = max(0.0, t_ring - t_attn) + t_merge
+    else:
+        t_merge = 0.0
     t_ep = 0.0
     if moe and layout.ep > 1:
         vol = 4.0 * tokens * c.moe_router_topk * h * 2 * (layout.ep - 1) / layout.ep
         t_ep = vol / _nccl_bw(hw, vol / 4, tp * cp * layout.ep > intra)
     t_layer = t_gemm + t_attn + t_elem + extra + t_tp + t_cp + t_ep
     t_head = tokens * fp["head"] / tp / gemm_rate + hw.elementwise_passes * logits_bytes_per_token(c, tp) * tokens / hbm
-    per_rank = []
+    per_rank, compute_of_rank = [], []
+    t_layer_compute = t_gemm + t_attn + t_elem + extra + t_merge
     for r in range(pp):
         n = len(layers_of[r])
         n_whole = n if whole == "all" else min(int(whole), chunk_layers) * vp if whole else 0
         t = n * t_layer + n_whole * t_whole_extra
+        compute = n * t_layer_compute + n_whole * t_whole_extra
         if (c.num_layers - 1) in layers_of[r]:
             t += t_head
+            compute += t_head
         per_rank.append(t)
+        compute_of_rank.append(compute)
     t_mb = max(per_rank)
     t_pipe = (m + (pp - 1) / vp) * t_mb
     t_p2p = 0.0
@@ -386,6 +396,8 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     time = {"micro-batches": m * t_mb, "bubble": (pp - 1) / vp * t_mb, "of which tp": n0 * t_tp,
             "of which cp": n0 * t_cp, "of which ep": n0 * t_ep, "p2p": t_p2p, "dp": t_dp + t_gather,
             "optimizer": t_opt}
+    if pp_rank is not None:
+        time["rank compute"] = m * compute_of_rank[pp_rank] + t_opt
     return Prediction(peak_gib=peak / GIB, memory=mem_parts, step_s=step, tokens_per_s_per_gpu=tps, mfu=mfu,
                       time=time)
 

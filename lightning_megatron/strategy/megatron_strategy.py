@@ -33,6 +33,7 @@ from lightning_megatron.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelLightningModule
 from lightning_megatron.parallel.context_parallel.layout import split_batch
 from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
+from lightning_megatron.parallel.dry_run import DryRun, init_fake_process_group
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel
 from lightning_megatron.parallel.mesh import ParallelMesh
@@ -78,6 +79,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             mesh's); give one of them (``distributed_timeout_minutes``: Megatron's name, in minutes).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
+        dry_run: a :class:`~lightning_megatron.parallel.dry_run.DryRun`: this one process (``Trainer(devices=1)``)
+            plays rank ``dry_run.rank`` of a job of ``dry_run.world_size`` over torch's fake communication backend
+            (collectives return at once, memory and compute are that rank's; the non-finite checks are off, losses
+            meaningless). ``docs/planner.md`` ("Dry runs").
 
     ``strategy.mesh`` exists after ``setup_environment``. Data is sharded by data-parallel rank (CP ranks then keep
     their part, :meth:`batch_to_device`). A :class:`~lightning_megatron.contract.ParallelLightningModule` (as
@@ -105,8 +110,13 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        dry_run: Optional[DryRun] = None,
         **options: Any,
     ) -> None:
+        if dry_run is not None and not isinstance(dry_run, DryRun):
+            raise ValueError(f"dry_run={dry_run!r}: give a lightning_megatron.DryRun(world_size=..., rank=...)")
+        if dry_run is not None:   # a fake collective's result is unfilled memory: a non-finite check means nothing
+            options.setdefault("check_for_nan_in_loss_and_grad", False)
         self.parallel_config, timeout = parallel_config_from_options(
             options, timeout, default_pg_timeout, STRATEGY_KEYWORDS, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp,
             sequence_parallel=sequence_parallel)
@@ -127,6 +137,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self._sharded_io: Optional[Any] = None
         self.skipped_steps: int = 0   # steps dropped by check_for_nan_in_loss_and_grad="skip" (logged as such)
         self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
+        self.dry_run: Optional[DryRun] = dry_run
+        if dry_run is not None and self.parallel_config.check_for_nan_in_loss_and_grad:
+            raise ValueError("check_for_nan_in_loss_and_grad=True with dry_run: the fake collectives leave their "
+                             "results unfilled, so losses and gradients of a dry run are meaningless; drop it")
 
     @property
     def precision_plugin(self) -> Precision:
@@ -152,6 +166,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         return self.parallelized.delay_wgrad if self.parallelized is not None else self.parallel_config.delays_wgrad
 
     def _configure_launcher(self) -> None:
+        if self.dry_run is not None and self.num_processes * self.num_nodes != 1:
+            raise ValueError(f"dry_run={self.dry_run!r} plays one rank in one process, but the Trainer asks for "
+                             f"{self.num_processes} device(s) x {self.num_nodes} node(s): use Trainer(devices=1, "
+                             "num_nodes=1)")
         super()._configure_launcher()   # popen (Lightning's); spawn / fork hand the weights back to the main process
         if self._start_method != "popen":
             self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method)
@@ -173,6 +191,24 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.seed = global_seed()
         self.tp_rng = seed_rank_streams(self.seed, self.mesh.rank("tp"), self.mesh.rank("pp"), self.root_device)
         log.info("lightning-megatron mesh: %r", self.mesh)
+
+    def setup_distributed(self) -> None:
+        """Lightning's process group, or in a dry run the fake one of ``dry_run.world_size`` ranks (Lightning itself
+        sees one process: it logs and prints as rank 0)."""
+        if self.dry_run is None:
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        init_fake_process_group(self.dry_run, self._timeout)
+        self._process_group_backend = "fake"
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; in a dry run the object itself (Lightning sees one process; a fake broadcast of
+        a pickled object would unpickle unfilled memory on a rank other than ``src``)."""
+        return obj if self.dry_run is not None else super().broadcast(obj, src)
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed rank (an error, a timed-out collective) takes the ranks it launched with it."""

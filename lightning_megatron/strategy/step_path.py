@@ -289,7 +289,8 @@ class StepPath:
         if loss is value:
             return loss
         if isinstance(loss, Tensor) and loss.numel() == 1:
-            if torch.equal(loss.detach().reshape(()).to(value.dtype), value):
+            same = loss.detach().reshape(()).to(value.dtype)
+            if torch.equal(same, value) or bool(same.isnan() & value.isnan()):   # a dry run's loss may be NaN
                 return loss
         what = "None" if loss is None else f"{loss!r}"[:80] if not isinstance(loss, Tensor) else \
             f"a loss of {float(loss.detach().float().reshape(-1)[0]):.6g}"
