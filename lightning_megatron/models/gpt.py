@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.contract import RecomputeTarget
-from lightning_megatron.models.attention import causal_attention
+from lightning_megatron.models.attention import causal_attention, document_attention
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.kv_cache import KVCache, LayerKVCache
 from lightning_megatron.models.swiglu import swiglu
@@ -180,7 +180,7 @@ class SelfAttention(nn.Module):
         """Causal ``softmax(q k^T / sqrt(d)) v`` with attention dropout (on the TP stream), over the CP group when
         set: ``q`` ``[b, n, s, d]``, ``k``/``v`` ``[b, g, s, d]`` -> ``[b, n, s, d]`` (Megatron's core attention:
         what selective recompute's ``"core_attn"`` recomputes). ``document_ids`` ``[b, s]``: also only within a
-        document (:func:`~lightning_megatron.models.attention.causal_attention`)."""
+        document (:func:`~lightning_megatron.models.attention.document_attention`)."""
         dropout = self.attention_dropout if self.training else 0.0
         with self.tp_fork():
             if self.context_parallel_attention is not None:
@@ -190,7 +190,9 @@ class SelfAttention(nn.Module):
                 if document_ids is not None:
                     extra["document_ids"] = document_ids
                 return self.context_parallel_attention(q, k, v, **extra)
-            return causal_attention(q, k, v, dropout, self.attention_backend, document_ids=document_ids)
+            if document_ids is not None:
+                return document_attention(q, k, v, document_ids, dropout)
+            return causal_attention(q, k, v, dropout, self.attention_backend)
 
     def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: LayerKVCache) -> Tensor:
         """Attention of new positions ``q`` ``[b, n, s, d]`` (``k``/``v`` ``[b, g, s, d]``) to the cached ones and
