@@ -113,6 +113,26 @@ def test_document_ids_are_refused_with_a_kv_cache_and_wrong_shapes():
         document_attention(q, q, q, torch.zeros(1, S - 1, dtype=torch.long))
 
 
+def test_flex_block_mask_is_the_boolean_mask():
+    """The CUDA path's FlexAttention block mask (run here by flex_attention's eager CPU implementation) computes what
+    the exact boolean-mask path does; documents of 100, 56 and 100 tokens cross the 128-token blocks."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lightning_megatron.models.attention import document_block_mask, document_causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 256, 16, generator=g), *torch.randn(2, 1, 2, 256, 16, generator=g)
+    docs = document_ids_of((100, 56, 100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # eager flex_attention warns that it is meant to be compiled
+        flex = flex_attention(q, k, v, block_mask=document_block_mask(docs), enable_gqa=True)
+    exact = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(docs, docs), enable_gqa=True)
+    assert (flex - exact).abs().max().item() < 1e-5
+
+
 def test_packed_row_matches_hugging_face_llama_per_document(tmp_path):
     transformers = pytest.importorskip("transformers")
     from lightning_megatron import ParallelGPTModule

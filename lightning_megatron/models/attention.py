@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_megatron.models.config import ATTENTION_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "CUDNN_MAX_HEAD_DIM", "cudnn_attention_accepts", "causal_attention",
-           "document_causal_mask", "document_attention"]
+           "document_causal_mask", "document_block_mask", "document_attention"]
 
 #: the head dims ``fused`` runs cuDNN's fused attention for (a multiple of 8, at most this)
 CUDNN_MAX_HEAD_DIM = 128
@@ -106,19 +106,26 @@ def document_causal_mask(query_documents: Tensor, key_documents: Tensor, causal_
 _FLEX: List = []
 
 
-def _flex_document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
-    """FlexAttention with a document-causal block mask: blocks of 128 x 128 with no visible pair are skipped, so the
-    work is that of the documents' own causal triangles (CUDA; compiled on first use, or traced as part of a
-    compiled layer)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def document_block_mask(document_ids: Tensor) -> object:
+    """FlexAttention's ``BlockMask`` of packed sequences for ``document_ids`` ``[b, s]``: query ``i`` sees key ``j``
+    when ``j <= i`` and both have the same id; blocks of 128 x 128 with no visible pair are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids
 
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-    s = q.shape[2]
-    block_mask = create_block_mask(document_causal, docs.shape[0], None, s, s, device=q.device)
+    b, s = docs.shape
+    return create_block_mask(document_causal, b, None, s, s, device=docs.device)
+
+
+def _flex_document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
+    """FlexAttention with :func:`document_block_mask`, so the work is that of the documents' own causal triangles
+    (CUDA; compiled on first use, or traced as part of a compiled layer)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = document_block_mask(document_ids)
     gqa = q.shape[1] != k.shape[1]
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
