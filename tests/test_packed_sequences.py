@@ -4,11 +4,10 @@
 Single process, float64: one row holding documents of 5, 11 and 16 tokens gives per-token losses and parameter
 gradients equal (1e-10) to running each document alone; changing one document leaves the other documents' logits
 exactly unchanged; Hugging Face Llama run on each document alone gives our packed row's logits. Under the layouts
-(one spawn of 2 gloo processes, ``run_each``): tp2 + SP with selective recompute, pp2 (document ids travel with
-each micro-batch) with full recompute, cp2 with every ``cp_comm_type`` (documents cross the CP chunk borders), ep2:
-loss of every step (logged in float32: 2e-7) and final weights (float64: 1e-9) equal to the single-process run
-of the same packed data.
-The attention-level CP checks (every comm type at cp 2 and 4, gradients, exactness) are in
+(one spawn of 2 gloo processes, ``run_each``): tp2 + SP with selective recompute, tp2 + SP with compiled layers
+(``compile=True``, inductor on the CPU), pp2 (document ids travel with each micro-batch) with full recompute, cp2
+with every ``cp_comm_type`` (documents cross the CP chunk borders), ep2: loss of every step (logged in float32:
+2e-7) and final weights (float64: 1e-9) equal to the single-process run of the same packed data. The attention-level CP checks (every comm type at cp 2 and 4, gradients, exactness) are in
 ``tests/test_context_parallel_attention.py``.
 """
 from __future__ import annotations
@@ -177,6 +176,7 @@ LAYOUTS: Dict[str, tuple] = {
     "cp2-all_gather": (dict(cp=2, cp_comm_type="all_gather"), {}, 1, 1),
     "cp2-a2a": (dict(cp=2, cp_comm_type="a2a"), {}, 1, 1),
     "cp2-a2a+p2p": (dict(cp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[1, 2]), {}, 1, 1),
+    "tp2-sp-compile": (dict(tp=2, sequence_parallel=True, compile=True), {}, 1, 1),
     "ep2": (dict(ep=2), dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, num_query_groups=4), 1,
             2),
 }
@@ -211,11 +211,14 @@ def _layout_cases(rank: int, world: int, cases) -> Dict[str, Any]:
 def layout_results():
     from tests._dist import run_distributed
 
+    from tests.test_compile import CompiledLayers
+
     cases, expected = [], {}
     for name, (kwargs, overrides, accumulate, dp) in LAYOUTS.items():
         cfg = config(**overrides)
         samples = packed_samples(cfg, STEPS * accumulate * MICRO * dp)
-        cases.append((name, (cfg, kwargs, samples, MICRO, accumulate, None, STEPS)))
+        callbacks = [CompiledLayers()] if kwargs.get("compile") else []   # fails the run unless layers compiled
+        cases.append((name, (cfg, kwargs, samples, MICRO, accumulate, None, STEPS, "cpu", callbacks)))
         expected[name] = (cfg, samples, accumulate, dp)
     return run_distributed(_layout_cases, 2, cases, timeout=600), expected
 
