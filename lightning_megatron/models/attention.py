@@ -18,6 +18,9 @@ applies is decided from the inputs' device, dtype and shape only (no trial call)
 H200 (the GPU tier's CUDA-graph and recompute comparisons, which expect that, fail with ``fused`` forced on their tiny
 models). On the CPU every backend computes what torch's CPU kernels do (``flash``: its CPU flash kernel, ``unfused``:
 the math path); nothing here communicates.
+
+Packed sequences (a batch's ``document_ids``, docs/data.md) take :func:`document_attention` whatever the backend:
+FlexAttention with a document-causal block mask on CUDA in fp16 / bf16, else the exact boolean-mask SDPA.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_megatron.models.config import ATTENTION_BACKENDS
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_BACKENDS", "CUDNN_MAX_HEAD_DIM", "cudnn_attention_accepts", "causal_attention",
            "document_causal_mask", "document_block_mask", "document_attention"]
@@ -83,9 +88,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, ba
     gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(_SDPA_ONLY[backend]) if backend in _SDPA_ONLY else nullcontext():
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
-
-
-log = logging.getLogger(__name__)
 
 
 def document_causal_mask(query_documents: Tensor, key_documents: Tensor, causal_offset: Optional[int] = 0) -> Tensor:
