@@ -130,6 +130,15 @@ def test_flex_block_mask_is_the_boolean_mask():
         flex = flex_attention(q, k, v, block_mask=document_block_mask(docs), enable_gqa=True)
     exact = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(docs, docs), enable_gqa=True)
     assert (flex - exact).abs().max().item() < 1e-5
+    # the eager CUDA path builds the mask once per ids tensor (every layer of a forward gets the same one) and again
+    # after an in-place change
+    from lightning_megatron.models.attention import _block_mask_of
+
+    first = _block_mask_of(docs)
+    assert _block_mask_of(docs) is first and _block_mask_of(docs.clone()) is not first
+    again = _block_mask_of(docs)
+    docs[0, 0] = 7
+    assert _block_mask_of(docs) is not again
 
 
 def test_packed_row_matches_hugging_face_llama_per_document(tmp_path):

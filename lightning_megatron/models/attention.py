@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from contextlib import nullcontext
 from typing import List, Optional
 
@@ -122,15 +123,32 @@ def document_block_mask(document_ids: Tensor) -> object:
     return create_block_mask(document_causal, b, None, s, s, device=docs.device)
 
 
+#: the last eager :func:`document_block_mask`: ``(weak reference to its document ids, their version, the mask)``. Every
+#: layer of a forward (and its recompute) gets the same ids tensor, so the mask is built once per micro-batch; an
+#: in-place change of the ids bumps their version and builds it again. A cache of one entry, not an option.
+_LAST_BLOCK_MASK: List = []
+
+
+def _block_mask_of(document_ids: Tensor) -> object:
+    """:func:`document_block_mask` of ``document_ids``, built once for the same unchanged tensor."""
+    if _LAST_BLOCK_MASK:
+        ref, version, mask = _LAST_BLOCK_MASK[0]
+        if ref() is document_ids and version == document_ids._version:
+            return mask
+    mask = document_block_mask(document_ids)
+    _LAST_BLOCK_MASK[:] = [(weakref.ref(document_ids), document_ids._version, mask)]
+    return mask
+
+
 def _flex_document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
     """FlexAttention with :func:`document_block_mask`, so the work is that of the documents' own causal triangles
     (CUDA; compiled on first use, or traced as part of a compiled layer)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = document_block_mask(document_ids)
     gqa = q.shape[1] != k.shape[1]
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=document_block_mask(document_ids), enable_gqa=gqa)
+    block_mask = _block_mask_of(document_ids)
     if not _FLEX:
         log.info("packed sequences: compiling FlexAttention's document-causal kernel (first call)")
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
