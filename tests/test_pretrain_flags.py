@@ -308,6 +308,8 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--tokenizer-type", "ByteTokenizer", "--vocab-size", "512"], "fixed vocabulary of 257"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type HuggingFaceTokenizer needs --data-path"),
     (["--split", "9,1,0"], "--split needs --data-path"),
+    (["--reset-attention-mask"], "--reset-attention-mask needs --data-path"),
+    (["--mock-data", "--reset-position-ids"], "--reset-position-ids with --mock-data: random tokens have no documents"),
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--bf16", "--precision", "16-mixed"], "--bf16 means --precision bf16-mixed"),
     (["--fp8-recipe", "tensorwise"], "precision flags: MegatronPrecision(fp8_recipe='tensorwise') sets FP8 options "
