@@ -91,8 +91,9 @@ class PipelineModel(Protocol):
     def rotary(self, pos: Tensor, like: Tensor) -> Any:
         """RoPE tables for ``pos`` (None without RoPE)."""
 
-    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
-        """Run the consecutive layers ``keys`` (global indices, in order) on hidden ``x`` -> same shape."""
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any, document_ids: Optional[Tensor] = None) -> Tensor:
+        """Run the consecutive layers ``keys`` (global indices, in order) on hidden ``x`` -> same shape; the stage
+        passes ``document_ids`` ``[b, s]`` only for a packed micro-batch (positionally, after ``rotary``)."""
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm and LM head: hidden -> logits ``[s, b, V/tp]``."""
@@ -125,8 +126,9 @@ class RecomputeModel(Protocol):
     def layer_keys(self) -> List[str]:
         """Keys of the transformer layers, in order."""
 
-    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
-        """Run the consecutive layers ``keys`` on hidden ``x`` -> same shape."""
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Any, document_ids: Optional[Tensor] = None) -> Tensor:
+        """Run the consecutive layers ``keys`` on hidden ``x`` -> same shape (``document_ids``: a packed batch's,
+        handed on to the layers; recompute replays them with the group)."""
 
     def recompute_targets(self, name: str) -> List[RecomputeTarget]:
         """The calls a ``recompute_modules`` name covers."""

@@ -68,6 +68,8 @@ ROTARY_CALL = "        tables = rotary_cos_sin(pos, c.kv_channels, c.rotary_base
 GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
 FLAT = "tests/test_flat_buffers.py::"
+PACKED = "tests/test_packed_sequences.py::"
+CP_INIT = "lightning_megatron/parallel/context_parallel/__init__.py"
 
 
 def sharp(case: str) -> str:
@@ -370,6 +372,43 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "    s_hidden = s // module.tp_size if getattr(model, \"sequence_parallel\", False) else s\n",
               "    s_hidden = s\n"),),
         ("tests/test_dry_run.py::test_dry_run_ranks_hold_what_real_gloo_ranks_hold[tp2sp-pp2]",)),
+    Mutation(
+        "packed-documents-ignored", "document_attention masks only causally: a packed row's documents see each other",
+        (Edit("lightning_megatron/models/attention.py", "    mask = document_causal_mask(document_ids, document_ids)\n",
+              "    mask = document_causal_mask(document_ids * 0, document_ids * 0)\n"),),
+        (PACKED + "test_packed_row_equals_each_document_alone",
+         PACKED + "test_changing_one_document_leaves_the_others_exactly")),
+    Mutation(
+        "cp-documents-ignored", "context_parallel_attention drops the document ids (plain causal attention over the "
+        "CP group)",
+        (Edit(CP_INIT, "        global_ids = zigzag_gather(document_ids, group, dim=1) if cp > 1 else document_ids\n",
+              "        global_ids = None\n"),),
+        (PACKED + "test_layout_matches_single_process[cp2-p2p]",
+         "tests/test_context_parallel_attention.py::test_document_masked_matches_full_attention_and_is_exact")),
+    Mutation(
+        "ring-key-documents-of-own-rank", "the ring masks each K/V block with the query rank's document ids instead "
+        "of the block's own",
+        (Edit("lightning_megatron/parallel/context_parallel/ring.py",
+              "                                            kernel, _doc_mask(documents, rank, src, rows, cols))",
+              "                                            kernel, _doc_mask(documents, rank, rank, rows, cols))"),),
+        ("tests/test_context_parallel_attention.py::test_document_masked_matches_full_attention_and_is_exact",)),
+    Mutation(
+        "pp-metadata-forward-counted", "a pipeline stage counts torch's shape-inference forward as micro-batch 0's: "
+        "every micro-batch of the first step gets the next one's position and document ids",
+        (Edit("lightning_megatron/parallel/pipeline.py",
+              "                self._uncounted_metadata_forward(stage, self.stage_modules.index(module))\n", ""),),
+        (PACKED + "test_layout_matches_single_process[pp2-recompute-full]",)),
+    Mutation(
+        "pp-documents-dropped", "the pipeline step does not hand the micro-batches' document ids to the stages",
+        (Edit(STEP, "                            [mb.get(\"document_ids\") for mb in microbatches])",
+              "                            None)"),),
+        (PACKED + "test_layout_matches_single_process[pp2-recompute-full]",)),
+    Mutation(
+        "eod-opens-its-own-document", "document_ids_after_eod puts the eod token into the next document (Megatron: it "
+        "closes its own)",
+        (Edit("lightning_megatron/data/gpt_dataset.py", "    return eod.cumsum(-1) - eod\n",
+              "    return eod.cumsum(-1)\n"),),
+        ("tests/test_data_megatron.py::test_gpt_dataset_reset_position_ids_and_attention_mask",)),
 )
 
 

@@ -40,6 +40,10 @@ CASES = [
     ("cp4-a2a-mha-fp32", 4, "a2a", 8, 8, None, True, torch.float32),
 ]
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+#: packed sequences: documents of 3, 6, 5 and 2 tokens (borders at 3, 9, 14 cross the cp=2 chunks of 4 and the cp=4
+#: chunks of 2); every float64 causal case also runs with these document ids
+DOC_LENGTHS = (3, 6, 5, 2)
+DOC_CASES = [c for c in CASES if c[-1] == torch.float64 and c[6]]
 
 
 def _split(t: torch.Tensor, cp: int, r: int, dim: int) -> torch.Tensor:
@@ -116,6 +120,44 @@ def _worker(rank: int, world: int) -> Dict[str, object]:
             "dv": (vl.grad - _split(vf.grad, cp, r, 2)).abs().max().item(),
         }
 
+    # packed sequences: document ids cut like the sequence; reference: SDPA with the same-document causal mask
+    docs = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), torch.tensor(DOC_LENGTHS)).expand(B, S)
+    visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    for i, (name, cp, comm, nq, nkv, sizes, causal, dtype) in enumerate(DOC_CASES):
+        group, ranks = cp_groups[cp]
+        r = ranks.index(rank)
+        gen = torch.Generator().manual_seed(2000 + i)
+        q = torch.randn(B, nq, S, D, generator=gen, dtype=dtype)
+        k = torch.randn(B, nkv, S, D, generator=gen, dtype=dtype)
+        v = torch.randn(B, nkv, S, D, generator=gen, dtype=dtype)
+        dout = torch.randn(B, nq, S, D, generator=gen, dtype=dtype)
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible.unsqueeze(1), enable_gqa=True)
+        ref.backward(dout)
+        kw = {}
+        if sizes is not None:
+            inner, outer = hier[(cp, sizes)]
+            kw = dict(inner_group=inner[0], outer_group=outer[0])
+        local_docs = _split(docs, cp, r, 1)
+        ql, kl, vl = (_split(t, cp, r, 2).requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(ql, kl, vl, group, comm_type=comm, document_ids=local_docs, **kw)
+        out.backward(_split(dout, cp, r, 2))
+        # another second document (its values changed) leaves every other document's rows exactly as they were
+        v2 = v.clone()
+        v2[:, :, docs[0] == 1] += 1.0
+        with torch.no_grad():
+            out2 = context_parallel_attention(_split(q, cp, r, 2), _split(k, cp, r, 2), _split(v2, cp, r, 2), group,
+                                              comm_type=comm, document_ids=local_docs, **kw)
+        others = local_docs[0] != 1
+        results["docs-" + name] = {
+            "out": (out - _split(ref.detach(), cp, r, 2)).abs().max().item(),
+            "dq": (ql.grad - _split(qf.grad, cp, r, 2)).abs().max().item(),
+            "dk": (kl.grad - _split(kf.grad, cp, r, 2)).abs().max().item(),
+            "dv": (vl.grad - _split(vf.grad, cp, r, 2)).abs().max().item(),
+            "others_exact": torch.equal(out2[:, :, others], out.detach()[:, :, others]),
+            "changed": None if others.all() else not torch.equal(out2[:, :, ~others], out.detach()[:, :, ~others]),
+        }
+
     # errors (raised before any communication, identically on every rank)
     g4 = cp_groups[4][0]
     errors = {}
@@ -163,6 +205,21 @@ def test_matches_full_attention(results, case):
         errs = res[name]
         for key, err in errs.items():
             assert err < TOL[dtype], f"{name} rank {rank}: {key} max abs error {err}"
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=[c[0] for c in DOC_CASES])
+def test_document_masked_matches_full_attention_and_is_exact(results, case):
+    """Packed sequences: documents crossing the chunk borders, every comm type; another document's values never
+    reach a row (bit for bit)."""
+    name = "docs-" + case[0]
+    changed = [res[name]["changed"] for res in results if res[name]["changed"] is not None]
+    assert changed and all(changed), (name, changed)   # the ranks holding the changed document see it
+    for rank, res in enumerate(results):
+        errs = dict(res[name])
+        errs.pop("changed")
+        assert errs.pop("others_exact"), f"{name} rank {rank}"
+        for key, err in errs.items():
+            assert err < TOL[torch.float64], f"{name} rank {rank}: {key} max abs error {err}"
 
 
 @pytest.mark.parametrize("key,needle", [

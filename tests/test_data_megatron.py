@@ -38,7 +38,7 @@ from lightning_megatron.data import (
     train_sentencepiece_from_jsonl,
 )
 from lightning_megatron.data import train_tokenizer
-from lightning_megatron.data.gpt_dataset import build_sample_index
+from lightning_megatron.data.gpt_dataset import build_sample_index, document_ids_after_eod, positions_in_documents
 from lightning_megatron.data.preprocess import main as preprocess_main
 
 KEYS = {"tokens", "labels", "loss_mask", "position_ids"}
@@ -443,8 +443,37 @@ def test_gpt_dataset_items_and_masks(tmp_path: Path) -> None:
         assert torch.equal(it["loss_mask"] == 0, it["tokens"] == ByteTokenizer.EOD)
     with pytest.raises(ValueError, match="fewer than the seq_length"):
         GPTDataset(indexed, 10_000, 1, cache_dir=False)
+    with pytest.raises(ValueError, match="reset_attention_mask=True needs eod_id"):
+        GPTDataset(indexed, 24, 30, cache_dir=False, reset_attention_mask=True)
     with pytest.raises(ValueError, match="empty"):
         GPTDataset(indexed, 8, 1, document_range=(5, 5), cache_dir=False)
+
+
+def test_gpt_dataset_reset_position_ids_and_attention_mask(tmp_path: Path) -> None:
+    """Megatron's --reset-position-ids / --reset-attention-mask: the token after an eod input starts a new document
+    at position 0; ``document_ids`` counts the eods before each position."""
+    indexed = IndexedDataset(preprocess(tmp_path, make_texts(20, seed=4)))
+    eod = ByteTokenizer.EOD
+    packed = GPTDataset(indexed, 24, 30, seed=1, cache_dir=False, eod_id=eod, reset_position_ids=True,
+                        reset_attention_mask=True)
+    plain = GPTDataset(indexed, 24, 30, seed=1, cache_dir=False)
+    crossed = 0
+    for j in range(len(packed)):
+        it, ref = packed[j], plain[j]
+        assert torch.equal(it["tokens"], ref["tokens"]) and torch.equal(it["labels"], ref["labels"])
+        tokens, docs, pos = it["tokens"].tolist(), it["document_ids"].tolist(), it["position_ids"].tolist()
+        doc = start = 0
+        for i, token in enumerate(tokens):   # the rule, token by token
+            assert docs[i] == doc and pos[i] == i - start
+            if token == eod:
+                doc, start = doc + 1, i + 1
+        crossed += docs[-1] > 0
+    assert crossed > 0   # the test data packs several documents into a sample
+    only_positions = GPTDataset(indexed, 24, 30, seed=1, cache_dir=False, eod_id=eod, reset_position_ids=True)[3]
+    assert "document_ids" not in only_positions
+    assert torch.equal(only_positions["position_ids"], packed[3]["position_ids"])
+    assert torch.equal(positions_in_documents(torch.tensor([[0, 0, 1, 1, 1, 4]])), torch.tensor([[0, 1, 0, 1, 2, 0]]))
+    assert torch.equal(document_ids_after_eod(torch.tensor([5, 9, 5, 5, 9]), 9), torch.tensor([0, 0, 1, 1, 1]))
 
 
 # ----------------------------------------------------------------------------- blending / splits

@@ -94,3 +94,17 @@ def test_tiny_cpu_configuration_validates_as_the_default_run():
             "num_sanity_val_steps", "logger", "enable_checkpointing"]
     assert {k: trainer[k] for k in keys} == {k: default[k] for k in keys}
     assert default["check_val_every_n_epoch"] is None and default["val_check_interval"] == 100
+
+
+def test_packed_sequence_options_reach_the_gpt_data_module():
+    """``reset_attention_mask`` / ``reset_position_ids`` (Megatron's packed-sequence flags) are GPTDataModule options
+    the YAML CLI takes (an unknown option is refused by the parser)."""
+    data = ["--data", "lightning_megatron.data.GPTDataModule", "--data.init_args.data_path", "x",
+            "--data.init_args.seq_length", "8192", "--data.init_args.micro_batch_size", "1",
+            "--data.init_args.global_batch_size", "128", "--data.init_args.eod_id", "128001"]
+    checked = check_config(["--config", str(CONFIGS / "llama3_8b.yaml")] + data
+                           + ["--data.init_args.reset_attention_mask", "true",
+                              "--data.init_args.reset_position_ids", "true"])
+    assert checked.global_batch_size == 128
+    with pytest.raises(SystemExit):
+        check_config(["--config", str(CONFIGS / "llama3_8b.yaml")] + data + ["--data.init_args.reset_attention", "true"])

@@ -275,6 +275,36 @@ def test_single_process_without_peak_logs_all_but_mfu():
         assert float(metrics[key]) == pytest.approx(last[key], rel=1e-6)
 
 
+@pytest.mark.parametrize("attention_flops", ["sequence", "documents"])
+def test_packed_batches_count_the_whole_sequence_or_each_document(attention_flops):
+    """``attention_flops="sequence"``: a packed batch counts like an unpacked one (Megatron's convention);
+    ``"documents"``: its attention counts each document's own square, by the hand count."""
+    cfg = tiny_config()
+    samples = make_samples(cfg, MICRO_BATCH * ACCUMULATE * 2)
+    lengths = (3, 5, 8)   # seq_length 16
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    for sample in samples:
+        sample["document_ids"] = docs
+    monitor = MFUMonitor(log_every_n_steps=1, peak_flops=1e12, attention_flops=attention_flops)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=ACCUMULATE,
+                         callbacks=[monitor])
+    trainer.fit(new_module(cfg, 2), DataLoader(ListDataset(samples), batch_size=MICRO_BATCH))
+    last = monitor.last_metrics
+    want = num_floating_point_operations(cfg, MICRO_BATCH) * ACCUMULATE
+    if attention_flops == "documents":
+        n, d, L, s = cfg.num_attention_heads, cfg.kv_channels, cfg.num_layers, cfg.seq_length
+
+        def causal_attention(m):   # QK^T and PV over an m x m causal square, every head
+            return n * (gemm(m, m, d) + gemm(m, d, m)) // 2
+
+        per_row = sum(causal_attention(m) for m in lengths) - causal_attention(s)
+        want += per_row * L * MICRO_BATCH * ACCUMULATE
+    assert last["tflops_per_gpu"] * 1e12 * last["step_time"] == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="attention_flops='whole' is not one of"):
+        MFUMonitor(attention_flops="whole")
+
+
 def test_monitor_needs_a_config():
     monitor = MFUMonitor(peak_flops=1.0)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,

@@ -308,6 +308,8 @@ def test_pipeline_needs_enough_microbatches(capsys):
     (["--tokenizer-type", "ByteTokenizer", "--vocab-size", "512"], "fixed vocabulary of 257"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type HuggingFaceTokenizer needs --data-path"),
     (["--split", "9,1,0"], "--split needs --data-path"),
+    (["--reset-attention-mask"], "--reset-attention-mask needs --data-path"),
+    (["--mock-data", "--reset-position-ids"], "--reset-position-ids with --mock-data: random tokens have no documents"),
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--bf16", "--precision", "16-mixed"], "--bf16 means --precision bf16-mixed"),
     (["--fp8-recipe", "tensorwise"], "precision flags: MegatronPrecision(fp8_recipe='tensorwise') sets FP8 options "
@@ -681,6 +683,9 @@ CASES = [
     ([], ["--data-cache-path", "/tmp/c"], {"TinyCorpusDataModule.cache_dir": "/tmp/c"}),
     (GPT_DATA, ["--data-cache-path", "/tmp/c"], {"GPTDataModule.cache_dir": "/tmp/c"}),
     (GPT_DATA, ["--eod-mask-loss"], {"GPTDataModule.eod_mask_loss": True, "GPTDataModule.eod_id": 256}),
+    (GPT_DATA, ["--reset-position-ids"], {"GPTDataModule.reset_position_ids": True, "GPTDataModule.eod_id": 256}),
+    (GPT_DATA, ["--reset-attention-mask"], {"GPTDataModule.reset_attention_mask": True,
+                                            "GPTDataModule.eod_id": 256}),
     ([], ["--num-workers", "3"], {"TinyCorpusDataModule.num_workers": 3}),
     (GPT_DATA, ["--num-workers", "3"], {"GPTDataModule.num_workers": 3}),
     ([], ["--mock-data"], {"MockGPTDataModule": dict(vocab_size=2048, seq_length=128, micro_batch_size=8,

@@ -40,7 +40,8 @@ from typing import Any, Optional
 from lightning_megatron.moe.config import moe_layer_pattern
 from lightning_megatron.parallel.layout_rules import pad_vocab_size
 
-__all__ = ["num_floating_point_operations", "flops_per_token", "padded_vocab_size", "moe_layer_pattern"]
+__all__ = ["num_floating_point_operations", "flops_per_token", "padded_vocab_size", "moe_layer_pattern",
+           "core_attention_flops_per_square", "same_document_pairs"]
 
 # 3 GEMMs per weight (forward, input gradient, weight gradient) x 2 FLOPs per multiply-add.
 _FWD_BWD = 3
@@ -106,3 +107,23 @@ def flops_per_token(config: Any, causal: bool = True, seq_length: Optional[int] 
     """Training FLOPs per token (forward + backward) at ``seq_length`` (default ``config.seq_length``)."""
     s = config.seq_length if seq_length is None else seq_length
     return num_floating_point_operations(config, 1, s, causal) / s
+
+
+def core_attention_flops_per_square(config: Any, causal: bool = True) -> float:
+    """FLOPs :func:`num_floating_point_operations` counts for ``QK^T`` and ``softmax(QK^T) V`` per unit of
+    ``s**2`` of one sequence (``6 * c * q * L``, ``c`` as above). A packed row of documents ``d`` attends only inside
+    them (``document_ids``): its attention FLOPs are this times ``sum(len_d**2)`` instead of ``s**2``
+    (:func:`same_document_pairs`)."""
+    h, n, g, d, f = _shape(config)
+    return float(_FWD_BWD * _FMA * (1 if causal else 2) * n * d * config.num_layers)
+
+
+def same_document_pairs(document_ids: Any) -> Any:
+    """``sum over rows and documents of len_d**2`` for ``document_ids`` ``[b, s]`` (a token's document is its id;
+    a document need not be contiguous): a 0-dim tensor on their device, computed without a host sync (each token
+    counts the tokens of its row with its id, by sorting)."""
+    import torch
+
+    ordered = document_ids.sort(dim=-1).values.contiguous()
+    same = (torch.searchsorted(ordered, ordered, right=True) - torch.searchsorted(ordered, ordered))
+    return same.sum()

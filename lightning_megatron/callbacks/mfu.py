@@ -46,7 +46,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 
-from lightning_megatron.callbacks.flops import num_floating_point_operations
+from lightning_megatron.callbacks.flops import (core_attention_flops_per_square, num_floating_point_operations,
+                                                same_document_pairs)
 
 __all__ = ["MFUMonitor", "device_peak_flops", "PEAK_FLOPS", "peak_memory_gib", "peak_memory_reserved_gib",
            "precision_kind", "fp8_mfu_peak"]
@@ -65,6 +66,8 @@ PEAK_FLOPS: Dict[str, Dict[str, float]] = {
     "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # no fp8 tensor cores
 }
 
+#: what ``MFUMonitor(attention_flops=...)`` counts for a packed batch's attention
+ATTENTION_FLOPS = ("sequence", "documents")
 _PRECISION_ALIASES = {"bf16": "bf16", "fp16": "bf16", "16": "bf16", "half": "bf16", "fp8": "fp8", "float8": "fp8",
                       "tf32": "tf32", "fp32": "fp32", "32": "fp32", "float32": "fp32"}
 
@@ -189,6 +192,14 @@ class MFUMonitor(Callback):
         log_every_n_steps: logging period in optimizer steps; default ``trainer.log_every_n_steps``.
         causal: attention FLOPs convention of :func:`num_floating_point_operations` (True: Megatron's current
             half square; False: the full square of Megatron's README table and ``PEERS.md``).
+        attention_flops: which attention a packed batch (``document_ids``, Megatron's ``--reset-attention-mask``)
+            is counted for. ``"sequence"`` (default, Megatron's convention): the whole sequence's causal attention,
+            as if nothing were masked, so the FLOPs per token do not depend on the data and a document-masked step
+            that skips work shows as a faster step at the same FLOPs. ``"documents"``: only each document's own
+            causal attention (``sum len_d**2`` instead of ``s**2`` per row, :func:`same_document_pairs`, counted on
+            the device without a host sync): the work the masked kernel does. Refused under context parallelism (a
+            rank holds only its chunks of each row's document ids). Batches without ``document_ids`` count the
+            whole sequence either way.
         precision: "bf16", "fp8", "tf32" or "fp32" to pick the peak; default from the trainer's precision
             plugin (:func:`precision_kind`).
         window_size: number of logging points :class:`Throughput` averages over (2: the last interval).
@@ -202,8 +213,11 @@ class MFUMonitor(Callback):
 
     def __init__(self, config: Any = None, peak_flops: Optional[float] = None,
                  log_every_n_steps: Optional[int] = None, causal: bool = True, precision: Optional[str] = None,
-                 window_size: int = 2, prog_bar: bool = False, prefix: str = "") -> None:
+                 window_size: int = 2, prog_bar: bool = False, prefix: str = "",
+                 attention_flops: str = "sequence") -> None:
         super().__init__()
+        if attention_flops not in ATTENTION_FLOPS:
+            raise ValueError(f"attention_flops={attention_flops!r} is not one of {ATTENTION_FLOPS}")
         if peak_flops is not None and peak_flops <= 0:
             raise ValueError(f"peak_flops={peak_flops} must be positive")
         if log_every_n_steps is not None and log_every_n_steps < 1:
@@ -216,6 +230,7 @@ class MFUMonitor(Callback):
         self.peak_flops_override = peak_flops
         self.log_every_n_steps = log_every_n_steps
         self.causal = causal
+        self.attention_flops = attention_flops
         self.precision = precision
         self.window_size = window_size
         self.prog_bar = prog_bar
@@ -244,6 +259,8 @@ class MFUMonitor(Callback):
         self._tokens = 0
         self._sequences = 0
         self._model_flops = 0.0
+        #: with attention_flops="documents": sum of (s**2 - sum len_d**2) over the packed rows, on the device
+        self._masked_square: Optional[torch.Tensor] = None
         self._steps = 0
         # cumulative, global, identical on all ranks (fed to Throughput)
         self._cum = {"time": 0.0, "steps": 0, "sequences": 0, "tokens": 0}
@@ -259,6 +276,9 @@ class MFUMonitor(Callback):
         mesh = getattr(trainer.strategy, "mesh", None)
         # under context parallelism each rank's batch holds s/cp tokens of every sequence
         self._cp = int(mesh.size("cp")) if mesh is not None and hasattr(mesh, "size") else 1
+        if self.attention_flops == "documents" and self._cp > 1:
+            raise ValueError(f"MFUMonitor(attention_flops='documents') with cp={self._cp}: a context-parallel rank "
+                             "holds only its chunks of each row's document ids; use attention_flops='sequence'")
         self._world_size = int(trainer.world_size)
         self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         self._device = trainer.strategy.root_device
@@ -333,6 +353,10 @@ class MFUMonitor(Callback):
             self._tokens += b * s
             self._sequences += b
             self._model_flops += num_floating_point_operations(self._model_config, b, s, self.causal)
+            documents = batch.get("document_ids") if isinstance(batch, dict) else None
+            if self.attention_flops == "documents" and isinstance(documents, torch.Tensor):
+                masked = b * s * s - same_document_pairs(documents).double()
+                self._masked_square = masked if self._masked_square is None else self._masked_square + masked
         step = trainer.global_step
         if step == self._last_global_step:  # accumulating: no optimizer step in this batch
             return
@@ -350,6 +374,10 @@ class MFUMonitor(Callback):
         memory, reserved = peak_memory_gib(self._device), peak_memory_reserved_gib(self._device)
         packed = torch.tensor([interval, self._tokens, self._sequences, self._model_flops, memory or 0.0,
                                reserved or 0.0], dtype=dtype, device=self._device)
+        if self._masked_square is not None:   # attention_flops="documents": the masked attention is not counted
+            per_square = core_attention_flops_per_square(self._model_config, self.causal)
+            packed[3] -= per_square * self._masked_square.to(self._device, dtype)
+            self._masked_square = None
         if self._world_size > 1:
             packed = trainer.strategy.reduce(packed, reduce_op="max")
         interval, tokens, sequences, model_flops, max_memory, max_reserved = packed.tolist()

@@ -351,6 +351,11 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--data-cache-path", ("TinyCorpusDataModule.cache_dir", "GPTDataModule.cache_dir"), default=None,
              help="where tokenised data / dataset indices are cached")
     add_flag(g, "--eod-mask-loss", ("GPTDataModule.eod_mask_loss", "GPTDataModule.eod_id"), action="store_true")
+    add_flag(g, "--reset-position-ids", ("GPTDataModule.reset_position_ids", "GPTDataModule.eod_id"),
+             action="store_true", help="positions restart at 0 after every end-of-document token")
+    add_flag(g, "--reset-attention-mask", ("GPTDataModule.reset_attention_mask", "GPTDataModule.eod_id"),
+             action="store_true",
+             help="a token attends only to its own document of the packed sample (batches carry document_ids)")
     add_flag(g, "--num-workers", ("TinyCorpusDataModule.num_workers", "GPTDataModule.num_workers"), type=int,
              default=None, help="DataLoader workers (default 2; shipped corpus 0)")
 

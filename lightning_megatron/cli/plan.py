@@ -215,11 +215,13 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     gpt_data = args.data_path is not None
     if args.mock_data and gpt_data:
         raise FlagError("--mock-data and --data-path: give one (random tokens, or the dataset)")
-    if args.mock_data and args.eod_mask_loss:
-        raise FlagError("--eod-mask-loss with --mock-data: random tokens have no documents to mask")
+    eod_flags = (("--eod-mask-loss", args.eod_mask_loss), ("--reset-position-ids", args.reset_position_ids),
+                 ("--reset-attention-mask", args.reset_attention_mask))
+    for flag, value in eod_flags:
+        if args.mock_data and value:
+            raise FlagError(f"{flag} with --mock-data: random tokens have no documents")
     if not gpt_data and not args.mock_data:
-        for flag, value in (("--split", args.split), ("--tokenizer-model", args.tokenizer_model),
-                            ("--eod-mask-loss", args.eod_mask_loss)):
+        for flag, value in (("--split", args.split), ("--tokenizer-model", args.tokenizer_model)) + eod_flags:
             if value:
                 raise FlagError(f"{flag} needs --data-path (the shipped corpus has its own tokenizer and split)")
 
@@ -363,7 +365,9 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                            seed=args.seed, train_iters=args.train_iters, eval_iters=args.eval_iters,
                            num_workers=args.num_workers if args.num_workers is not None else 2,
                            cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
-                           eod_id=eod if args.eod_mask_loss else None, data_parallel_size=dp)
+                           reset_position_ids=args.reset_position_ids,
+                           reset_attention_mask=args.reset_attention_mask,
+                           eod_id=eod if any(value for _, value in eod_flags) else None, data_parallel_size=dp)
         limit_val = 1.0 if args.eval_iters > 0 else 0  # the valid split is eval_iters global batches
         data_cls: Any = GPTDataModule
     elif args.mock_data:

@@ -18,7 +18,9 @@ from lightning_megatron.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
     build_blending_indices,
+    document_ids_after_eod,
     parse_data_path,
+    positions_in_documents,
     parse_split,
     split_ranges,
 )
@@ -56,6 +58,8 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "document_ids_after_eod",
+    "positions_in_documents",
     "DEFAULT_CORPUS_DIR",
     "DTYPE_CODES",
     "BlendedDataset",

@@ -29,6 +29,7 @@ from lightning_megatron.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
     blend_sizes,
+    check_eod_options,
     parse_data_path,
     parse_split,
     split_ranges,
@@ -170,6 +171,10 @@ class GPTDataModule(L.LightningDataModule):
         cache_dir: where the dataset indices are cached (default beside each dataset).
         eod_mask_loss: zero the loss mask on end-of-document input tokens (needs ``eod_id``).
         eod_id: the end-of-document token id.
+        reset_position_ids: positions restart at 0 after every eod input token (Megatron's
+            ``--reset-position-ids``; needs ``eod_id``).
+        reset_attention_mask: batches carry ``document_ids`` ``[b, s]`` and a token attends only to the earlier
+            tokens of its own document (Megatron's ``--reset-attention-mask``; needs ``eod_id``; docs/data.md).
         data_parallel_size: dp assumed by :attr:`num_microbatches` *before* :meth:`setup`
             (default 1); setup reads the real one from the strategy.
         check_accumulation: in ``setup("fit")``, require ``Trainer(accumulate_grad_batches=num_microbatches)``.
@@ -193,6 +198,8 @@ class GPTDataModule(L.LightningDataModule):
         cache_dir: str | os.PathLike[str] | None = None,
         eod_mask_loss: bool = False,
         eod_id: int | None = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
         data_parallel_size: int | None = None,
         check_accumulation: bool = True,
         pin_memory: bool | None = None,
@@ -211,8 +218,8 @@ class GPTDataModule(L.LightningDataModule):
             raise ValueError(f"train_iters ({train_iters}) / num_samples ({num_samples}) must be >= 1")
         if eval_iters < 0 or num_workers < 0:
             raise ValueError(f"eval_iters ({eval_iters}) and num_workers ({num_workers}) must be >= 0")
-        if eod_mask_loss and eod_id is None:
-            raise ValueError("eod_mask_loss=True needs eod_id")
+        check_eod_options(eod_id, eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
+                          reset_attention_mask=reset_attention_mask)
         self.data_path = data_path
         self.seq_length = int(seq_length)
         self.micro_batch_size = int(micro_batch_size)
@@ -228,6 +235,8 @@ class GPTDataModule(L.LightningDataModule):
         self.cache_dir = cache_dir
         self.eod_mask_loss = eod_mask_loss
         self.eod_id = eod_id
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.check_accumulation = check_accumulation
         self.pin_memory = pin_memory
         self._assumed_dp = int(data_parallel_size) if data_parallel_size is not None else 1
@@ -281,6 +290,8 @@ class GPTDataModule(L.LightningDataModule):
             "cache_dir": self.cache_dir,
             "eod_mask_loss": self.eod_mask_loss,
             "eod_id": self.eod_id,
+            "reset_position_ids": self.reset_position_ids,
+            "reset_attention_mask": self.reset_attention_mask,
         }
 
         def component(prefix: str, n: int | None) -> GPTDataset:

@@ -52,6 +52,9 @@ __all__ = [
     "build_document_index",
     "build_sample_index",
     "build_shuffle_index",
+    "check_eod_options",
+    "document_ids_after_eod",
+    "positions_in_documents",
     "parse_data_path",
     "parse_split",
     "split_ranges",
@@ -272,6 +275,33 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
+# ============================================================================ packed documents
+def check_eod_options(eod_id: int | None, **flags: bool) -> None:
+    """Raise ValueError when one of the eod-based options (``eod_mask_loss``, ``reset_position_ids``,
+    ``reset_attention_mask``) is on without ``eod_id``."""
+    on = [name for name, value in flags.items() if value]
+    if on and eod_id is None:
+        raise ValueError(f"{', '.join(f'{name}=True' for name in on)} needs eod_id (the end-of-document token id)")
+
+
+def document_ids_after_eod(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Document index of every position of ``tokens`` ``[..., s]``: the number of eod tokens *before* it in its row
+    (int64, same shape), Megatron's rule: the eod token closes its document and the next token opens a new one."""
+    eod = (tokens == eod_id).long()
+    return eod.cumsum(-1) - eod
+
+
+def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token inside its document, ``[..., s]`` int64: ``arange(s)`` restarting at 0 wherever
+    ``document_ids`` (``[..., s]``, equal ids contiguous) changes (Megatron's ``--reset-position-ids``)."""
+    s = document_ids.shape[-1]
+    index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - start_index
+
+
 # ============================================================================ GPTDataset
 class GPTDataset(Dataset[dict[str, torch.Tensor]]):
     """Fixed-length GPT samples from the documents of an indexed dataset, Megatron-LM's way.
@@ -279,7 +309,11 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
     Item ``i`` is a dict of ``tokens`` (``LongTensor[s]``), ``labels`` (``LongTensor[s]``, the
     tokens shifted left by one), ``loss_mask`` (``FloatTensor[s]``, ones; with
     ``eod_mask_loss`` zero where the *input* token is the eod id, as in Megatron) and
-    ``position_ids`` (``arange(s)``), where ``s = seq_length``. It is read from
+    ``position_ids`` (``arange(s)``; with ``reset_position_ids`` restarting at 0 after every eod input
+    token, as Megatron's ``--reset-position-ids``), where ``s = seq_length``; with ``reset_attention_mask``
+    also ``document_ids`` (``LongTensor[s]``: the number of eod input tokens before each position, so a token
+    after an eod starts a new document and attends only to its own document, Megatron's
+    ``--reset-attention-mask``; see :func:`document_ids_after_eod`). It is read from
     ``seq_length + 1`` consecutive tokens of the shuffled document stream (see the module
     docstring for the indices).
 
@@ -296,7 +330,12 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
         cache_dir: where the indices are cached; default ``<data dir>/cache/GPTDataset_indices``;
             ``False`` disables caching. A directory that cannot be written only warns.
         eod_mask_loss: zero the loss mask on eod input tokens (Megatron's ``--eod-mask-loss``).
-        eod_id: the eod token id (needed for ``eod_mask_loss``).
+        eod_id: the eod token id (needed for ``eod_mask_loss``, ``reset_position_ids`` and
+            ``reset_attention_mask``).
+        reset_position_ids: positions restart at 0 after each eod input token
+            (Megatron's ``--reset-position-ids``).
+        reset_attention_mask: items carry ``document_ids``; the model then lets a token attend only
+            to the earlier tokens of its own document (Megatron's ``--reset-attention-mask``).
 
     Raises:
         ValueError: empty range, or too few tokens for one sample.
@@ -313,14 +352,16 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
         cache_dir: str | os.PathLike[str] | bool | None = None,
         eod_mask_loss: bool = False,
         eod_id: int | None = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
     ) -> None:
         self.indexed = indexed if isinstance(indexed, IndexedDataset) else IndexedDataset(indexed)
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         if num_samples is not None and num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 or None, got {num_samples}")
-        if eod_mask_loss and eod_id is None:
-            raise ValueError("eod_mask_loss=True needs eod_id")
+        check_eod_options(eod_id, eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
+                          reset_attention_mask=reset_attention_mask)
         begin, end = document_range if document_range is not None else (0, len(self.indexed))
         if not 0 <= begin <= end <= len(self.indexed):
             raise ValueError(f"document_range ({begin}, {end}) is outside the {len(self.indexed)} sequences")
@@ -331,6 +372,8 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
         self.split_name = split_name
         self.eod_mask_loss = eod_mask_loss
         self.eod_id = eod_id
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.documents = np.arange(begin, end, dtype=np.int32)
         self.tokens_per_epoch = int(np.asarray(self.indexed.sequence_lengths[begin:end], dtype=np.int64).sum())
         if end == begin:
@@ -483,12 +526,19 @@ class GPTDataset(Dataset[dict[str, torch.Tensor]]):
         loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_id] = 0.0
-        return {
+        item = {
             "tokens": tokens,
             "labels": text[1:].contiguous(),
             "loss_mask": loss_mask,
             "position_ids": self._position_ids.clone(),
         }
+        if self.reset_position_ids or self.reset_attention_mask:
+            documents = document_ids_after_eod(tokens, self.eod_id)
+            if self.reset_position_ids:
+                item["position_ids"] = positions_in_documents(documents)
+            if self.reset_attention_mask:
+                item["document_ids"] = documents
+        return item
 
     def __repr__(self) -> str:
         return (

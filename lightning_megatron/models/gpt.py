@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.contract import RecomputeTarget
-from lightning_megatron.models.attention import causal_attention
+from lightning_megatron.models.attention import causal_attention, document_attention
 from lightning_megatron.models.config import GPTConfig
 from lightning_megatron.models.kv_cache import KVCache, LayerKVCache
 from lightning_megatron.models.swiglu import swiglu
@@ -154,32 +154,44 @@ class SelfAttention(nn.Module):
         self.delay_wgrad_compute = False
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
-                wgrad: Optional[DeferredWgrad] = None, kv_cache: Optional[LayerKVCache] = None) -> Tensor:
+                wgrad: Optional[DeferredWgrad] = None, kv_cache: Optional[LayerKVCache] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
         """``x``: ``[s(/tp under SP), b, h]`` -> same shape. ``wgrad``: delay ``linear_proj``'s weight gradient
         into it and hand it to the CP attention, which runs it (see :class:`DeferredWgrad`). ``kv_cache``: this
         layer's keys and values of the earlier positions (incremental decoding): ``x`` holds the positions that
         follow them, which attend to the cached ones and causally to each other; their keys and values are
-        appended to the cache."""
+        appended to the cache. ``document_ids``: ``[b, s]`` (this CP rank's tokens under CP), a token attends only
+        to the earlier tokens of equal id (packed sequences; not with ``kv_cache``)."""
         q, k, v = self._split_heads(self.linear_qkv(x), rotary)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
+            if document_ids is not None:
+                raise ValueError("document_ids with a KV cache: generation runs one document per row; pass no "
+                                 "document_ids")
             out = self.cached_attention(q, k, v, kv_cache)
         else:
-            out = self.core_attention(q, k, v, wgrad)
+            out = self.core_attention(q, k, v, wgrad, document_ids)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return wgrad.linear(self.linear_proj, out) if wgrad is not None else self.linear_proj(out)
 
-    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, wgrad: Optional[DeferredWgrad] = None) -> Tensor:
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, wgrad: Optional[DeferredWgrad] = None,
+                       document_ids: Optional[Tensor] = None) -> Tensor:
         """Causal ``softmax(q k^T / sqrt(d)) v`` with attention dropout (on the TP stream), over the CP group when
         set: ``q`` ``[b, n, s, d]``, ``k``/``v`` ``[b, g, s, d]`` -> ``[b, n, s, d]`` (Megatron's core attention:
-        what selective recompute's ``"core_attn"`` recomputes)."""
+        what selective recompute's ``"core_attn"`` recomputes). ``document_ids`` ``[b, s]``: also only within a
+        document (:func:`~lightning_megatron.models.attention.document_attention`)."""
         dropout = self.attention_dropout if self.training else 0.0
         with self.tp_fork():
             if self.context_parallel_attention is not None:
                 if dropout > 0.0:
                     raise NotImplementedError("attention_dropout > 0 is not supported with context parallelism yet")
-                return self.context_parallel_attention(q, k, v, **({"wgrad": wgrad} if wgrad is not None else {}))
+                extra = {"wgrad": wgrad} if wgrad is not None else {}
+                if document_ids is not None:
+                    extra["document_ids"] = document_ids
+                return self.context_parallel_attention(q, k, v, **extra)
+            if document_ids is not None:
+                return document_attention(q, k, v, document_ids, dropout)
             return causal_attention(q, k, v, dropout, self.attention_backend)
 
     def cached_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: LayerKVCache) -> Tensor:
@@ -272,11 +284,12 @@ class TransformerLayer(nn.Module):
         return DeferredWgrad(linears)
 
     def forward(self, x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
-                kv_cache: Optional[LayerKVCache] = None) -> Tensor:
-        """``x`` ``[s(/tp under SP), b, h]`` -> same shape; ``kv_cache``: see :meth:`SelfAttention.forward`."""
+                kv_cache: Optional[LayerKVCache] = None, document_ids: Optional[Tensor] = None) -> Tensor:
+        """``x`` ``[s(/tp under SP), b, h]`` -> same shape; ``kv_cache``, ``document_ids``: see
+        :meth:`SelfAttention.forward`."""
         wgrad = self._deferred_wgrad()
-        attention = (self.self_attention(self.input_layernorm(x), rotary, wgrad) if kv_cache is None
-                     else self.self_attention(self.input_layernorm(x), rotary, kv_cache=kv_cache))
+        attention = (self.self_attention(self.input_layernorm(x), rotary, wgrad, document_ids=document_ids)
+                     if kv_cache is None else self.self_attention(self.input_layernorm(x), rotary, kv_cache=kv_cache))
         x = x + self._dropout(attention)
         h = self.pre_mlp_layernorm(x)
         h = self.mlp(h, wgrad) if isinstance(self.mlp, MLP) else self.mlp(h)
@@ -344,7 +357,8 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 class GPTModel(nn.Module):
-    """GPT / LLaMA decoder. ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)``.
+    """GPT / LLaMA decoder. ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None,
+    document_ids [b, s] | None)`` (``document_ids``: packed sequences, attention stays inside each document).
 
     With ``labels`` returns the per-token loss ``[b, s]`` (float32; float64 in a float64 model); without, logits
     ``[b, s, V_pad/tp]`` (this rank's vocabulary slice under TP). Built on the meta device, it skips
@@ -556,11 +570,16 @@ class GPTModel(nn.Module):
         """Keys (global indices) of the transformer layers this model (or pipeline rank) holds, in order."""
         return list(self.decoder.layers.keys())
 
-    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+    def run_layers(self, keys: Sequence[str], x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
+                   document_ids: Optional[Tensor] = None) -> Tensor:
         """Run the consecutive layers ``keys`` in order on hidden ``x`` ``[s(/tp), b, h]`` -> same shape. The whole
-        model and each pipeline stage run their layers through here (full activation recompute groups them)."""
+        model and each pipeline stage run their layers through here (full activation recompute groups them).
+        ``document_ids`` ``[b, s]`` (packed sequences): attention stays inside each document."""
         for key in keys:
-            x = self.decoder.layers[key](x, rotary)
+            if document_ids is None:
+                x = self.decoder.layers[key](x, rotary)
+            else:
+                x = self.decoder.layers[key](x, rotary, document_ids=document_ids)
         return x
 
     def run_layers_cached(self, keys: Sequence[str], x: Tensor, rotary: Optional[tuple[Tensor, Tensor]],
@@ -608,20 +627,26 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size).t()
 
     def logits(self, tokens: Tensor, position_ids: Optional[Tensor] = None,
-               kv_cache: Optional[KVCache] = None) -> Tensor:
+               kv_cache: Optional[KVCache] = None, document_ids: Optional[Tensor] = None) -> Tensor:
         """``tokens [b, s]`` (and ``position_ids [b, s]``) -> logits ``[s, b, V_pad/tp]``. ``kv_cache``: the
-        tokens follow the positions cached there (see :meth:`run_layers_cached`)."""
+        tokens follow the positions cached there (see :meth:`run_layers_cached`). ``document_ids [b, s]``: packed
+        sequences, a token attends only to the earlier tokens of its own document (see :meth:`run_layers`)."""
         pos = self.positions(tokens, position_ids)
         x = self.embed(tokens, pos)
         rotary = self.rotary(pos, x)
         if kv_cache is not None:
+            if document_ids is not None:
+                raise ValueError("document_ids with a KV cache: generation runs one document per row")
             x = self.run_layers_cached(self.layer_keys(), x, rotary, kv_cache)
+        elif document_ids is not None:
+            x = self.run_layers(self.layer_keys(), x, rotary, document_ids.to(tokens.device))
         else:
             x = self.run_layers(self.layer_keys(), x, rotary)
         return self.head(x)
 
-    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
-        logits = self.logits(tokens, position_ids)  # [s, b, V_pad/tp]
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
+        logits = self.logits(tokens, position_ids, document_ids=document_ids)  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
         return self.per_token_loss(logits, labels)

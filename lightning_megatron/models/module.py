@@ -152,7 +152,9 @@ class ParallelGPTModule(pl.LightningModule):
     """Trains a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or any other strategy).
 
     Batches are dicts with ``tokens`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64), optional ``loss_mask``
-    ``[b, s]`` (float, 1 = counted) and ``position_ids`` ``[b, s]``. The loss is the global token-mean over
+    ``[b, s]`` (float, 1 = counted), ``position_ids`` ``[b, s]`` and ``document_ids`` ``[b, s]`` (int64, packed
+    sequences: a token attends only to the earlier tokens with its id; cut with the sequence under context
+    parallelism and carried with each micro-batch through the pipeline stages; docs/data.md). The loss is the global token-mean over
     the data-parallel (x context-parallel) group: the gradient is exactly that of the mean over all tokens
     of the global micro-batch, and ``train_loss`` / ``val_loss`` are the same value on every rank.
 
@@ -231,11 +233,12 @@ class ParallelGPTModule(pl.LightningModule):
         if self.model is None:
             self.model = GPTModel(self.config)
 
-    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
         """Per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V_pad/tp]``."""
         if self.model is None:
             self.configure_model()
-        return self.model(tokens, position_ids, labels)
+        return self.model(tokens, position_ids, labels, document_ids=document_ids)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Check the token ids and labels against the vocabulary (:func:`check_token_ids`) while the batch is still
@@ -255,7 +258,7 @@ class ParallelGPTModule(pl.LightningModule):
         """Logits ``[s, b, V_pad/tp]`` of the whole model for one micro-batch."""
         if self.model is None:
             self.configure_model()
-        return self.model.logits(batch["tokens"], batch.get("position_ids"))
+        return self.model.logits(batch["tokens"], batch.get("position_ids"), document_ids=batch.get("document_ids"))
 
     def per_token_loss(self, output: Tensor, batch: Batch) -> Tensor:
         """Per-token loss ``[b, s]`` (fp32) of ``batch`` from logits ``[s, b, V_pad/tp]``."""
@@ -443,7 +446,7 @@ class ParallelGPTModule(pl.LightningModule):
         runner = self._step_runner()
         if runner is not None:
             return runner.predict(batch)
-        return self(batch["tokens"], batch.get("position_ids"), batch.get("labels"))
+        return self(batch["tokens"], batch.get("position_ids"), batch.get("labels"), batch.get("document_ids"))
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()

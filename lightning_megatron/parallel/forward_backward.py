@@ -83,7 +83,8 @@ def forward_backward(microbatches: List[Batch], fns: StepFunctions, *, device: t
             return fns.scale_loss(loss_sum * dp / counts[index] / m)
 
         tokens = torch.cat([mb["tokens"] for mb in microbatches]).to(device)
-        pipeline.train_step(tokens, [mb.get("position_ids") for mb in microbatches], loss_fn)
+        pipeline.train_step(tokens, [mb.get("position_ids") for mb in microbatches], loss_fn,
+                            [mb.get("document_ids") for mb in microbatches])
     value = torch.stack(list(parts.values())).sum() / m if parts else torch.zeros((), device=device)
     holds_loss = pipeline is None or pipeline.holds_last
     if holds_loss and dp > 1:
@@ -95,7 +96,7 @@ def _last_stage_output(batch: Batch, forward: Callable[[Batch], Tensor],
                        pipeline: Optional[PipelineRunner]) -> Optional[Tensor]:
     if pipeline is None:
         return forward(batch)
-    return pipeline.forward_only(batch["tokens"], batch.get("position_ids"))
+    return pipeline.forward_only(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"))
 
 
 def eval_totals(batch: Batch, fns: StepFunctions, *, device: torch.device,

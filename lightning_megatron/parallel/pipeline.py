@@ -45,14 +45,15 @@ class PipelineStageModule(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: only this stage's parts are registered
         self.tp_size = tp_size
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
-        self.position_ids: Callable[[], Optional[Tensor]] = lambda: None
+        #: the current micro-batch's ``(position_ids, document_ids)`` (each ``[b, s]`` or None), set by the runner
+        self.sequence_inputs: Callable[[], Tuple[Optional[Tensor], Optional[Tensor]]] = lambda: (None, None)
         #: set for incremental decoding (generation): the layers attend to and extend this cache
         self.kv_cache: Optional[Any] = None
 
     def forward(self, x: Tensor) -> Tensor:
         model = self._model
         with self.forward_context():
-            position_ids = self.position_ids()
+            position_ids, document_ids = self.sequence_inputs()
             if self.is_first:
                 pos = model.positions(x, position_ids)
                 x = model.embed(x, pos)
@@ -65,7 +66,8 @@ class PipelineStageModule(nn.Module):
             if self.kv_cache is not None:
                 x = model.run_layers_cached(list(self.layers.keys()), x, rotary, self.kv_cache)
             else:
-                x = model.run_layers(list(self.layers.keys()), x, rotary)
+                x = (model.run_layers(list(self.layers.keys()), x, rotary) if document_ids is None
+                     else model.run_layers(list(self.layers.keys()), x, rotary, document_ids))
             if self.is_last:
                 return model.head(x)
             return x
@@ -236,11 +238,11 @@ class PipelineRunner:
         self._pipeline_stages: Optional[list] = None
         self._example_shapes: Optional[Tuple[int, int, torch.dtype]] = None   # dry runs: (b, s, token dtype)
         self._loss_fn: Optional[Callable] = None
-        self._position_ids: List[Optional[Tensor]] = []
+        self._sequence_inputs: List[Tuple[Optional[Tensor], Optional[Tensor]]] = []
         self._forward_counts = [0] * len(stage_modules)
         self.weight_grad_sink = weight_grad_sink
         for i, module in enumerate(stage_modules):
-            module.position_ids = self._position_provider(i)
+            module.sequence_inputs = self._sequence_provider(i)
 
     def _route_weight_grads(self, stage: Any, module: nn.Module) -> None:
         """After each separate weight-gradient pass of ``stage``, hand ``module``'s parameters to the sink."""
@@ -273,19 +275,43 @@ class PipelineRunner:
     def holds_last(self) -> bool:
         return (self.num_stages - 1) in self.stage_indices
 
-    def _position_provider(self, i: int) -> Callable[[], Optional[Tensor]]:
-        def provide() -> Optional[Tensor]:
-            if not self._position_ids:
-                return None
-            n = len(self._position_ids)
-            value = self._position_ids[self._forward_counts[i] % n]
+    def _uncounted_metadata_forward(self, stage: Any, i: int) -> None:
+        """Before its first step a torch stage may run one forward of its own to infer the shapes it exchanges
+        (torch 2.13's ``_forward_metadata_inference``); that forward must not count as a micro-batch's, or every
+        later forward of the step would get the next micro-batch's ``position_ids`` / ``document_ids``."""
+        infer = getattr(stage, "_forward_metadata_inference", None)
+        if infer is None:
+            return
+
+        def infer_uncounted(*args: Any, **kwargs: Any) -> Any:
+            count = self._forward_counts[i]
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                self._forward_counts[i] = count
+
+        stage._forward_metadata_inference = infer_uncounted
+
+    def _sequence_provider(self, i: int) -> Callable[[], Tuple[Optional[Tensor], Optional[Tensor]]]:
+        """Stage module ``i``'s source of ``(position_ids, document_ids)``: its ``k``-th forward of a step runs
+        micro-batch ``k`` (every schedule runs a stage's forwards in micro-batch order)."""
+        def provide() -> Tuple[Optional[Tensor], Optional[Tensor]]:
+            if not self._sequence_inputs:
+                return None, None
+            n = len(self._sequence_inputs)
+            value = self._sequence_inputs[self._forward_counts[i] % n]
             self._forward_counts[i] += 1
             return value
 
         return provide
 
-    def _set_positions(self, position_ids: List[Optional[Tensor]]) -> None:
-        self._position_ids = [] if all(p is None for p in position_ids) else list(position_ids)
+    def _set_sequence_inputs(self, position_ids: List[Optional[Tensor]],
+                             document_ids: Optional[List[Optional[Tensor]]] = None) -> None:
+        documents = list(document_ids) if document_ids is not None else [None] * len(position_ids)
+        if len(documents) != len(position_ids):
+            raise ValueError(f"{len(documents)} document_ids for {len(position_ids)} micro-batches")
+        pairs = list(zip(position_ids, documents))
+        self._sequence_inputs = [] if all(p is None and d is None for p, d in pairs) else pairs
         self._forward_counts = [0] * len(self.stage_modules)
 
     # ---- training
@@ -322,6 +348,7 @@ class PipelineRunner:
                           for module, index in zip(self.stage_modules, self.stage_indices)]
             for stage, module in zip(stages, self.stage_modules):
                 _skip_self_init_p2p(stage)
+                self._uncounted_metadata_forward(stage, self.stage_modules.index(module))
                 self._route_weight_grads(stage, module)
             self._pipeline_stages = stages
             self._schedules[n_microbatches] = build_schedule(name, stages, n_microbatches, self._call_loss)
@@ -332,8 +359,10 @@ class PipelineRunner:
         return self._loss_fn(output, int(target[0]))
 
     def train_step(self, tokens: Tensor, position_ids: List[Optional[Tensor]],
-                   loss_fn: Callable[[Tensor, int], Tensor]) -> None:
-        """Forward and backward of all micro-batches (``tokens [M*b, s]``, M = ``len(position_ids)``).
+                   loss_fn: Callable[[Tensor, int], Tensor],
+                   document_ids: Optional[List[Optional[Tensor]]] = None) -> None:
+        """Forward and backward of all micro-batches (``tokens [M*b, s]``, M = ``len(position_ids)``; each
+        micro-batch's ``position_ids`` and ``document_ids`` reach every stage with it, on every rank).
 
         ``loss_fn(last-stage output, microbatch index)`` returns the loss to differentiate, already divided by M (the
         schedule does not scale gradients, see :func:`build_schedule`).
@@ -344,7 +373,7 @@ class PipelineRunner:
             self._example_shapes = (b, tokens.shape[1], tokens.dtype)
         schedule = self._schedule(n)
         self._loss_fn = loss_fn
-        self._set_positions(position_ids)
+        self._set_sequence_inputs(position_ids, document_ids)
         # Only the rank holding stage 0 feeds inputs and only the one holding the last stage takes targets
         # (torch 2.11's schedules reject inputs on other stages; later versions ignore them).
         args = (tokens,) if 0 in self.stage_indices else ()
@@ -352,11 +381,12 @@ class PipelineRunner:
         if self.holds_last:
             kwargs = {"target": torch.arange(n).repeat_interleave(b), "losses": []}  # per-row micro-batch index
         schedule.step(*args, **kwargs)
-        self._set_positions([])
+        self._set_sequence_inputs([])
 
     # ---- forward only (validation / test / predict)
     @torch.no_grad()
-    def forward_only(self, tokens: Tensor, position_ids: Optional[Tensor]) -> Optional[Tensor]:
+    def forward_only(self, tokens: Tensor, position_ids: Optional[Tensor],
+                     document_ids: Optional[Tensor] = None) -> Optional[Tensor]:
         """Run one batch through every stage in order (blocking send/recv between ranks, each activation preceded
         by its shape and dtype, so no stage needs to know the model's sizes).
 
@@ -367,7 +397,7 @@ class PipelineRunner:
             raise RuntimeError("a dry run (fake collectives) trains only: validation, test and predict under "
                                "pipeline parallelism receive each activation's shape from the previous stage; use "
                                "Trainer(limit_val_batches=0) and no test / predict in a dry run")
-        self._set_positions([position_ids])
+        self._set_sequence_inputs([position_ids], [document_ids])
         me = dist.get_rank()
         x: Optional[Tensor] = None
         result = None
@@ -388,7 +418,7 @@ class PipelineRunner:
                 result = x
             elif self.holder(g + 1) != me:
                 _send_any(x, self.holder(g + 1))
-        self._set_positions([])
+        self._set_sequence_inputs([])
         return result
 
     def broadcast_from_last(self, t: Tensor) -> Tensor:

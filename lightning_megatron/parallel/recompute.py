@@ -151,16 +151,17 @@ class _LayerGroups:
                  tp_rng: Optional[TensorParallelRNG]) -> None:
         self.function, self.method, self.num_layers, self.tp_rng = function, method, num_layers, tp_rng
 
-    def __call__(self, model: nn.Module, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
+    def __call__(self, model: nn.Module, keys: Sequence[str], x: Tensor, rotary: Any,
+                 document_ids: Optional[Tensor] = None) -> Tensor:
         run = functools.partial(self.function, model)
         if not torch.is_grad_enabled():
-            return run(keys, x, rotary)
+            return run(keys, x, rotary, document_ids)
         aware = _replay_aware(model)
         for group, checkpoint_it in recompute_groups(keys, self.method, self.num_layers):
             if checkpoint_it:
-                x = checkpointed(run, group, x, rotary, tp_rng=self.tp_rng, aware=aware)
+                x = checkpointed(run, group, x, rotary, document_ids, tp_rng=self.tp_rng, aware=aware)
             else:
-                x = run(group, x, rotary)
+                x = run(group, x, rotary, document_ids)
         return x
 
 
@@ -265,15 +266,16 @@ class _DiscardingRun:
     def __init__(self, function: Callable[..., Tensor], scope: _DiscardScope) -> None:
         self.function, self.scope = function, scope
 
-    def __call__(self, model: nn.Module, keys: Sequence[str], x: Tensor, rotary: Any) -> Tensor:
+    def __call__(self, model: nn.Module, keys: Sequence[str], x: Tensor, rotary: Any,
+                 document_ids: Optional[Tensor] = None) -> Tensor:
         run = functools.partial(self.function, model)
         if not torch.is_grad_enabled():
-            return run(keys, x, rotary)
+            return run(keys, x, rotary, document_ids)
         scope = self.scope
         outer, scope.records = scope.records, {}
         try:
             with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):
-                return run(keys, x, rotary)
+                return run(keys, x, rotary, document_ids)
         finally:
             scope.records = outer
 

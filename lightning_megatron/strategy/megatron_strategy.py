@@ -314,7 +314,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence
         (:func:`~lightning_megatron.parallel.context_parallel.split_batch`: ``tokens``, ``labels``, ``loss_mask``,
-        ``position_ids`` ``[b, s]`` -> ``[b, s / cp]``). Data modules stay unchanged; hooks after this see the split."""
+        ``position_ids``, ``document_ids`` ``[b, s]`` -> ``[b, s / cp]``). Data modules stay unchanged; hooks after this see the split."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.parallel_config.cp == 1 or not isinstance(batch, dict) or "tokens" not in batch:
             return batch

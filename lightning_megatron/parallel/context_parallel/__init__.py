@@ -40,7 +40,8 @@ from lightning_megatron.parallel.config import (
 )
 from lightning_megatron.parallel.context_parallel.all_gather import _all_gather_attention
 from lightning_megatron.parallel.context_parallel.kernels import block_kernel, use_fused_attention
-from lightning_megatron.parallel.context_parallel.layout import split_batch, zigzag_gather, zigzag_positions, zigzag_split
+from lightning_megatron.parallel.context_parallel.layout import (RingDocuments, split_batch, zigzag_gather,
+                                                                 zigzag_positions, zigzag_split)
 from lightning_megatron.parallel.context_parallel.ring import _RingAttention
 from lightning_megatron.parallel.context_parallel.ulysses import _a2a_attention, _check_heads
 
@@ -66,7 +67,8 @@ def _group_size(group) -> int:
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                                comm_type: str = "p2p", causal: bool = True, scale: Optional[float] = None,
                                inner_group=None, outer_group=None, wgrad=None, attention_kernel: str = "auto",
-                               compile_merge: bool = True, sm_carveout: Optional[int] = None) -> torch.Tensor:
+                               compile_merge: bool = True, sm_carveout: Optional[int] = None,
+                               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the local zigzag tokens against the whole (CP-sharded) sequence.
 
     ``q [b, n_q, s_local, d]``, ``k, v [b, n_kv, s_local, d]``, every rank of ``group`` holding chunks
@@ -85,6 +87,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (``"auto"``: cuDNN, flash where cuDNN refuses; CPU and float32 always take the math path; ``all_gather``
     uses SDPA's own choice); ``compile_merge`` compiles the ring's log-sum-exp merge on CUDA; ``sm_carveout`` is
     the number of SMs the delayed weight-gradient GEMMs leave to the a2a exchanges (None: 16 on CUDA; 0: none).
+
+    ``document_ids`` ``[b, s_local]`` (int, the local zigzag chunks' ids, as :func:`split_batch` cuts them): packed
+    sequences, a query sees only keys of its own document. They are all-gathered over ``group`` into sequence order
+    (a small integer exchange per call) and every block (ring step, all-gather chunk, a2a's whole sequences) is
+    masked with its query and key chunks' ids, so documents may cross chunk and rank borders. The blocks then take
+    the math kernel (``attention_kernel`` is ignored; on CUDA the all_gather path uses SDPA with a boolean mask).
     """
     check_cp_kernel_options(attention_kernel, compile_merge, sm_carveout, prefix="")
     if comm_type not in COMM_TYPES:
@@ -113,15 +121,28 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"delayed weight gradients (wgrad=...) are run by the a2a exchanges: comm_type must be "
                          f"'a2a' or 'a2a+p2p' with cp > 1, got comm_type={comm_type!r}, cp={cp}")
 
+    global_ids = None
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (b, s_local):
+            raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected [b, s_local] = "
+                             f"{[b, s_local]} (this rank's zigzag chunks, as split_batch cuts them)")
+        document_ids = document_ids.to(q.device)
+        global_ids = zigzag_gather(document_ids, group, dim=1) if cp > 1 else document_ids
+
+    def ring_documents(ring_size: int):
+        return None if global_ids is None else RingDocuments(global_ids, ring_size)
+
     if cp == 1:
-        return _RingAttention.apply(q, k, v, None, causal, scale, attention_kernel, compile_merge)
+        return _RingAttention.apply(q, k, v, None, causal, scale, attention_kernel, compile_merge, ring_documents(1))
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, causal, scale, attention_kernel, compile_merge)
+        return _RingAttention.apply(q, k, v, group, causal, scale, attention_kernel, compile_merge,
+                                    ring_documents(cp))
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, group, causal, scale)
+        return _all_gather_attention(q, k, v, group, causal, scale, global_ids)
     if comm_type == "a2a":
         _check_heads(nq, nkv, cp, "context-parallel size")
-        return _a2a_attention(q, k, v, group, None, causal, scale, attention_kernel, compile_merge, sm_carveout, wgrad)
+        return _a2a_attention(q, k, v, group, None, causal, scale, attention_kernel, compile_merge, sm_carveout, wgrad,
+                              ring_documents(1))
     # a2a+p2p
     if inner_group is None or outer_group is None:
         raise ValueError("comm_type 'a2a+p2p' needs both inner_group (a2a) and outer_group (p2p ring)")
@@ -137,5 +158,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "(a2a) groups must be consecutive CP ranks and the outer (ring) groups strided by inner_size"
         )
     _check_heads(nq, nkv, inner, "inner (a2a) context-parallel size")
+    # after the inner a2a an inner group holds outer zigzag chunks o and 2*outer-1-o of the sequence
     return _a2a_attention(q, k, v, inner_group, outer_group if outer > 1 else None, causal, scale, attention_kernel,
-                          compile_merge, sm_carveout, wgrad)
+                          compile_merge, sm_carveout, wgrad, ring_documents(outer))

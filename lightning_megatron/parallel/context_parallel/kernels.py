@@ -24,7 +24,9 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return j <= i + (sk - sq)
 
 
-def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
+def _scores(q, k, mask_kind: str, scale: float, doc_mask=None) -> torch.Tensor:
+    """Scaled scores ``[b, n_kv, n_q/n_kv, sq, sk]``, -inf where ``mask_kind`` or ``doc_mask`` (``[b, sq, sk]``
+    bool, True = visible: packed sequences' same-document pairs) hides a key."""
     b, nq, sq, d = q.shape
     nkv, sk = k.shape[1], k.shape[2]
     qg = q.reshape(b, nkv, nq // nkv, sq, d)
@@ -33,6 +35,8 @@ def _scores(q, k, mask_kind: str, scale: float) -> torch.Tensor:
         s = s.masked_fill(~_causal_mask(sq, sk, q.device), float("-inf"))
     elif mask_kind != "full":
         raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
+    if doc_mask is not None:
+        s = s.masked_fill(~doc_mask[:, None, None], float("-inf"))
     return s
 
 
@@ -121,38 +125,52 @@ def _run_fused(which: int, kernel: str, requested: str, *args):
 
 
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kind: str,
-                     scale: float, kernel: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, kernel: str = "auto", doc_mask=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of one Q block against one K/V block: ``(out [b, n_q, sq, d], lse [b, n_q, sq])``.
 
     ``mask_kind``: ``"full"`` (no mask) or ``"causal"`` (bottom-right aligned; with ``sq == sk`` the usual
     lower triangle). GQA: ``n_q`` is a multiple of ``n_kv``. On CUDA in fp16/bf16 a fused kernel (cuDNN or
     flash, :func:`block_kernel` with ``kernel``) computes it without materialising the attention matrix (out in
     the input dtype, lse in float32); otherwise a math path (explicit softmax) in the inputs' dtype, or float32 for half types.
-    Not for autograd: the ring has its own backward (:func:`_attention_block_backward`).
+    Not for autograd: the ring has its own backward (:func:`_attention_block_backward`). ``doc_mask``
+    ``[b, sq, sk]`` (packed sequences, True = same document): always the math path; a row that sees no key of the
+    block gets output 0 and log-sum-exp -inf, which the ring's merge leaves out exactly.
     """
     if mask_kind not in _MASK_KINDS:
         raise ValueError(f"mask_kind must be one of {_MASK_KINDS}, got {mask_kind!r}")
-    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel)
+    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel) if doc_mask is None else "math"
     if use != "math":
         return _run_fused(0, use, kernel, q, k, v, mask_kind == "causal", scale)
-    return _math_attention_block(q, k, v, mask_kind, scale)
+    return _math_attention_block(q, k, v, mask_kind, scale, doc_mask)
 
 
-def _math_attention_block(q, k, v, mask_kind: str, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _math_attention_block(q, k, v, mask_kind: str, scale: float, doc_mask=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Math path of :func:`_attention_block`; differentiable by autograd."""
     cd = _compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     b, nq, sq, d = q.shape
-    s = _scores(q, k, mask_kind, scale)
+    s = _scores(q, k, mask_kind, scale, doc_mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    if doc_mask is None:
+        p = torch.exp(s - lse.unsqueeze(-1))
+    else:  # rows that see no key of this block: lse -inf, weights 0 (not NaN)
+        p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
     return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
 
 
-def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
+def _attention_output(q, k, v, mask_kind: str, scale: float, doc_mask=None) -> torch.Tensor:
     """Differentiable attention output only (the all_gather path). Fused SDPA on CUDA half types, where a
-    causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path."""
+    causal block with ``sq < sk`` uses the bottom-right aligned causal bias; otherwise the math path. ``doc_mask``
+    ``[b, sq, sk]`` (packed sequences; every query sees at least one key): SDPA with the combined boolean mask on
+    CUDA half types, else the math path."""
+    if doc_mask is not None:
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            sq, sk = q.shape[2], k.shape[2]
+            mask = doc_mask & _causal_mask(sq, sk, q.device) if mask_kind == "causal" else doc_mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        return _math_attention_block(q, k, v, mask_kind, scale, doc_mask)[0].to(q.dtype)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         gqa = q.shape[1] != k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
@@ -163,14 +181,16 @@ def _attention_output(q, k, v, mask_kind: str, scale: float) -> torch.Tensor:
     return _math_attention_block(q, k, v, mask_kind, scale)[0].to(q.dtype)
 
 
-def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float, kernel: str = "auto"):
+def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, scale: float, kernel: str = "auto",
+                              doc_mask=None):
     """Exact gradients of one block given the *final* (merged) ``out``, ``lse`` and ``delta = rowsum(dout * out)``.
 
     Flash-attention backward: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``. Returns ``(dq, dk, dv)``: the fused CUDA kernel where
-    :func:`block_kernel` with ``kernel`` picks one (``out`` in q's dtype), else the math path in the compute dtype.
+    :func:`block_kernel` with ``kernel`` picks one (``out`` in q's dtype), else the math path in the compute dtype
+    (always with ``doc_mask``, see :func:`_attention_block`; ``lse`` is the merged one, finite in every row).
     """
-    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel)
+    use = block_kernel(q, mask_kind, q.shape[2], k.shape[2], kernel) if doc_mask is None else "math"
     if use != "math":
         return _run_fused(1, use, kernel, q, k, v, dout.to(q.dtype), out, lse, mask_kind == "causal", scale)
     cd = _compute_dtype(q.dtype)
@@ -178,7 +198,7 @@ def _attention_block_backward(q, k, v, dout, out, lse, delta, mask_kind: str, sc
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
-    s = _scores(q, k, mask_kind, scale)
+    s = _scores(q, k, mask_kind, scale, doc_mask)
     p = torch.exp(s - lse.reshape(b, nkv, g, sq, 1))
     dog = dout.reshape(b, nkv, g, sq, d)
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)

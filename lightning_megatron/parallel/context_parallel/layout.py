@@ -49,13 +49,31 @@ def zigzag_gather(t_local: torch.Tensor, group=None, dim: int = 0) -> torch.Tens
     return _chunks_to_global(pieces, dim)
 
 
+class RingDocuments:
+    """The document ids of packed sequences as a ring of ``ring_size`` ranks sees them: ``global_ids`` ``[b, S]``
+    in sequence order (all-gathered once per attention call), each ring rank holding the zigzag chunks ``r`` and
+    ``2*ring_size-1-r`` of the sequence. :meth:`mask` gives the same-document mask of one block of the ring."""
+
+    def __init__(self, global_ids: torch.Tensor, ring_size: int) -> None:
+        self.global_ids, self.ring_size = global_ids, ring_size
+
+    def local(self, rank: int) -> torch.Tensor:
+        """``[b, S / ring_size]``: the ids of ring rank ``rank``'s tokens."""
+        return zigzag_split(self.global_ids, self.ring_size, rank, 1)
+
+    def mask(self, q_rank: int, k_rank: int, rows: slice, cols: slice) -> torch.Tensor:
+        """``[b, sq, sk]`` bool: which of ring rank ``q_rank``'s query rows ``rows`` and ring rank ``k_rank``'s key
+        columns ``cols`` are in the same document."""
+        return self.local(q_rank)[:, rows].unsqueeze(-1) == self.local(k_rank)[:, cols].unsqueeze(-2)
+
+
 #: the batch keys :func:`split_batch` cuts along the sequence
-BATCH_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+BATCH_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 
 
 def split_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """CP rank ``cp_rank``'s load-balanced part of a batch: ``tokens``, ``labels``, ``loss_mask`` and
-    ``position_ids`` ``[b, s]`` are cut into ``2*cp_size`` chunks along ``s`` and the rank keeps chunks ``cp_rank``
+    """CP rank ``cp_rank``'s load-balanced part of a batch: ``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids`` and ``document_ids`` ``[b, s]`` are cut into ``2*cp_size`` chunks along ``s`` and the rank keeps chunks ``cp_rank``
     and ``2*cp_size-1-cp_rank`` (:func:`zigzag_split`); ``position_ids`` (made ``arange(s)`` when absent) keep the
     true positions for RoPE. Other keys pass unchanged; a new dict is returned. Communicates nothing."""
     split = dict(batch)

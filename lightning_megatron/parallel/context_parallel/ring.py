@@ -105,18 +105,25 @@ def _block_plan(src: int, rank: int, causal: bool, c: int):
 _TAG_KV, _TAG_DKV = 0, 1
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool):
+def _doc_mask(documents, q_rank: int, k_rank: int, rows: slice, cols: slice):
+    return None if documents is None else documents.mask(q_rank, k_rank, rows, cols)
+
+
+def _ring_forward(q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool, documents=None):
     """Ring attention forward over ``group`` (``None``: one rank). Returns ``(out in q's dtype, saved tensors for
     :func:`_ring_backward`, fused)``. See :class:`_RingAttention` for the schedule. ``kernel``: the block kernel
     (:func:`~lightning_megatron.parallel.context_parallel.kernels.block_kernel`); ``compile_merge``: see
-    :func:`_merge`."""
+    :func:`_merge`. ``documents`` (a :class:`~lightning_megatron.parallel.context_parallel.layout.RingDocuments` of
+    this ring, or None): packed sequences, each block also masked to same-document pairs of its query and key
+    chunks (math kernel)."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     c = q.shape[2] // 2
-    fused = use_fused_attention(q, "full", 1, 1, kernel)
+    fused = use_fused_attention(q, "full", 1, 1, kernel) and documents is None
     acc = _accumulator_dtype(q, cp, fused)
     if cp == 1:  # one block: nothing to merge (the a2a path and the single-rank reference)
-        out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale, kernel)
+        out, lse = _attention_block(q, k, v, "causal" if causal else "full", scale, kernel,
+                                    _doc_mask(documents, 0, 0, slice(None), slice(None)))
         return out.to(q.dtype), (q, k, v, out, lse), fused
     kv = torch.stack([k, v])
     held = kv
@@ -125,9 +132,10 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float, kernel: str, compi
         reqs = None
         if step + 1 < cp:  # start the next exchange before computing this block
             reqs, nxt_kv = _ring_shift(held, group, _TAG_KV)
-        rows, cols, mask = _block_plan((rank - step) % cp, rank, causal, c)
+        src = (rank - step) % cp
+        rows, cols, mask = _block_plan(src, rank, causal, c)
         blk_out, blk_lse = _attention_block(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols], mask, scale,
-                                            kernel)
+                                            kernel, _doc_mask(documents, rank, src, rows, cols))
         if step == 0:  # step 0 covers every row: start from it instead of merging into zeros / -inf
             out, lse = blk_out.to(acc), blk_lse.to(_compute_dtype(q.dtype))
         else:
@@ -139,9 +147,9 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float, kernel: str, compi
     return out_q, (q, kv, held, out_q if fused else out, lse), fused
 
 
-def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout, kernel: str):
-    """Gradients ``(dq, dk, dv)`` of :func:`_ring_forward` from its saved tensors and ``dout`` (``kernel``: the
-    block kernel the forward used)."""
+def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout, kernel: str, documents=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`_ring_forward` from its saved tensors and ``dout`` (``kernel``,
+    ``documents``: those the forward used)."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     if cp == 1:
@@ -156,7 +164,7 @@ def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout, 
         delta = (dout * out).sum(-1)
     if cp == 1:
         dq, dk, dv = _attention_block_backward(q, k, v, dout, out, lse, delta, "causal" if causal else "full", scale,
-                                               kernel)
+                                               kernel, _doc_mask(documents, 0, 0, slice(None), slice(None)))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     acc = _accumulator_dtype(q, cp, fused)
     dq = dkv = None
@@ -166,10 +174,12 @@ def _ring_backward(saved, fused: bool, group, causal: bool, scale: float, dout, 
         reqs = None
         if step + 2 < cp:  # the block after next-but-last travels; the last one is the saved own block
             reqs, nxt_kv = _ring_shift(held, group, _TAG_KV, backwards=True)
-        rows, cols, mask = _block_plan((rank + 1 + step) % cp, rank, causal, c)
+        src = (rank + 1 + step) % cp
+        rows, cols, mask = _block_plan(src, rank, causal, c)
         bdq, bdk, bdv = _attention_block_backward(q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
                                                   dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                                  None if delta is None else delta[:, :, rows], mask, scale, kernel)
+                                                  None if delta is None else delta[:, :, rows], mask, scale, kernel,
+                                                  _doc_mask(documents, rank, src, rows, cols))
         if dq is None and rows == slice(None):
             dq = bdq.to(acc)
         else:
@@ -208,18 +218,20 @@ class _RingAttention(torch.autograd.Function):
 
     Inputs may be strided views (the model passes its ``[s, b, n, d]`` activations as ``[b, n, s, d]``); on the
     fused path the output and ``dq`` keep ``q``'s layout, so the model's reshape back is free. K/V travel as
-    one contiguous ``[2, b, n_kv, s_local, d]`` buffer. ``kernel`` and ``compile_merge``: see
+    one contiguous ``[2, b, n_kv, s_local, d]`` buffer. ``kernel``, ``compile_merge`` and ``documents``: see
     :func:`_ring_forward`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool):
-        out, saved, fused = _ring_forward(q, k, v, group, causal, scale, kernel, compile_merge)
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, kernel: str, compile_merge: bool, documents=None):
+        out, saved, fused = _ring_forward(q, k, v, group, causal, scale, kernel, compile_merge, documents)
         ctx.save_for_backward(*saved)
         ctx.group, ctx.causal, ctx.scale, ctx.fused, ctx.kernel = group, causal, scale, fused, kernel
+        ctx.documents = documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.group, ctx.causal, ctx.scale, dout, ctx.kernel)
-        return grads + (None, None, None, None, None)
+        grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.group, ctx.causal, ctx.scale, dout, ctx.kernel,
+                               ctx.documents)
+        return grads + (None, None, None, None, None, None)

@@ -148,13 +148,13 @@ class _A2AAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, a2a_group, ring_group, causal: bool, scale: float, kernel: str, compile_merge: bool,
-                sm_carveout: Optional[int], wgrad, *weights):
+                sm_carveout: Optional[int], documents, wgrad, *weights):
         qh, kh, vh = _seq_to_head((q, k, v), a2a_group)
-        out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale, kernel, compile_merge)
+        out_h, state, fused = _ring_forward(qh, kh, vh, ring_group, causal, scale, kernel, compile_merge, documents)
         (out,) = _head_to_seq([out_h], a2a_group)
         ctx.save_for_backward(*state)
         ctx.a2a_group, ctx.ring_group, ctx.causal, ctx.scale, ctx.fused = a2a_group, ring_group, causal, scale, fused
-        ctx.kernel, ctx.sm_carveout, ctx.wgrad = kernel, sm_carveout, wgrad
+        ctx.kernel, ctx.sm_carveout, ctx.wgrad, ctx.documents = kernel, sm_carveout, wgrad, documents
         return out
 
     @staticmethod
@@ -163,10 +163,10 @@ class _A2AAttention(torch.autograd.Function):
         smallest = (lambda: wgrad.run(max_gemms=1)) if wgrad is not None else None
         (dout_h,) = _seq_to_head([dout], ctx.a2a_group, smallest, ctx.sm_carveout)
         grads = _ring_backward(ctx.saved_tensors, ctx.fused, ctx.ring_group, ctx.causal, ctx.scale, dout_h,
-                               ctx.kernel)
+                               ctx.kernel, ctx.documents)
         dq, dk, dv = _head_to_seq(grads, ctx.a2a_group, wgrad.run if wgrad is not None else None, ctx.sm_carveout)
         weight_grads = wgrad.grads() if wgrad is not None else ()
-        return (dq, dk, dv, None, None, None, None, None, None, None, None) + weight_grads
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None) + weight_grads
 
 
 def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
@@ -176,7 +176,9 @@ def _check_heads(nq: int, nkv: int, size: int, what: str) -> None:
 
 
 def _a2a_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, kernel: str, compile_merge: bool,
-                   sm_carveout: Optional[int], wgrad=None) -> torch.Tensor:
+                   sm_carveout: Optional[int], wgrad=None, documents=None) -> torch.Tensor:
+    """``documents``: the packed sequences' ids as the ring over ``ring_group`` (or one rank) sees the
+    head-sharded whole sequences (see :func:`_ring_forward`)."""
     weights = wgrad.weights if wgrad is not None else ()
     return _A2AAttention.apply(q, k, v, a2a_group, ring_group, causal, scale, kernel, compile_merge, sm_carveout,
-                               wgrad, *weights)
+                               documents, wgrad, *weights)
