@@ -69,6 +69,7 @@ GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
 FLAT = "tests/test_flat_buffers.py::"
 PACKED = "tests/test_packed_sequences.py::"
+SHARDS = "tests/test_main_param_shards.py::"
 CP_INIT = "lightning_megatron/parallel/context_parallel/__init__.py"
 
 
@@ -356,7 +357,30 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "broadcast writes the fp32 main parameters but the bf16 copies of other ranks' shards stay stale",
         (Edit("lightning_megatron/strategy/model_setup.py",
               "after_wait=main.adopt_broadcast if main is not None else None)", "after_wait=None)"),),
-        (recipe("bf16p", "dp2-distopt-param-gather"), recipe("bf16p-rem", "dp2-distopt-param-gather"))),
+        (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[rmsprop-fallback-param-gather]",)),
+    Mutation(
+        "bf16-buffers-not-gathered", "the distributed optimizer over the bf16 parameters' buffers steps its shard but "
+        "never all-gathers the bf16 buffers: the other ranks' shards stay stale",
+        (Edit("lightning_megatron/parallel/main_param_shards.py",
+              "            if shard.size == 1:\n                continue\n            mine = bucket.compute",
+              "            if shard.size >= 1:\n                continue\n            mine = bucket.compute"),),
+        (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd]",
+         SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[adamw-remainders-param-gather]")),
+    Mutation(
+        "shard-main-not-written-to-bf16", "the stepped fp32 main-parameter shard is not written into the bf16 copies "
+        "(the next forward runs on the old weights)",
+        (Edit("lightning_megatron/parallel/main_param_shards.py",
+              "            if bucket.main_shard is not None:\n                self.main_params.write_shard(bucket)",
+              "            if bucket.main_shard is None:\n                self.main_params.write_shard(bucket)"),),
+        (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[adamw]",)),
+    Mutation(
+        "planner-main-params-whole", "the planner counts whole fp32 main parameters on every rank under the "
+        "distributed optimizer with bf16 parameters",
+        (Edit("lightning_megatron/planner/memory.py",
+              "        return StateBytes(BF16_BYTES * padded + main_bytes * length, GRAD_BYTES * n,",
+              "        return StateBytes(BF16_BYTES * padded + main_bytes * n, GRAD_BYTES * n,"),),
+        ("tests/test_planner_memory.py::test_planner_bytes_equal_what_each_rank_allocates"
+         "[tp2sp-dp2-distopt-bf16-params]",)),
     Mutation(
         "planner-experts-sharded-over-dp", "the planner's distributed-optimizer bytes split the routed experts' "
         "states over dp x cp instead of expert data parallelism",

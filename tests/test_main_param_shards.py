@@ -3,7 +3,8 @@ the fp32 main parameters and the optimizer states sharded over data parallel, th
 
 * The sharded step is the unsharded step, bit for bit: final weights and optimizer states of dp2 with
   ``use_distributed_optimizer=True`` equal dp2 without it (plain SGD and the library's AdamW; with and without
-  remainders; with ``overlap_param_gather``), and the optimizer really is the sharded one.
+  remainders; with ``overlap_param_gather``), and the optimizer really is the sharded one; another optimizer
+  (RMSprop) falls back to ``ZeroRedundancyOptimizer`` over whole main parameters, with the same result.
 * Static bytes per parameter on each rank, counted from the tensors themselves at dp = 1, 2 and 4 (bf16 parameters,
   fp32 main gradients during a step, main-parameter shards, Adam moments), equal Megatron's ``2 + 4 + 12 / dp``
   (remainders: ``2 + 4 + 10 / dp``), as the planner's memory model counts them.
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronPrecision, MegatronStrategy
+from lightning_megatron import MegatronPrecision, MegatronStrategy, ParallelGPTModule
 from tests._dist import run_distributed, run_each
 from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
 
@@ -65,13 +66,22 @@ class StaticBytes(pl.Callback):
                                       if isinstance(v, torch.Tensor) and v.dim() > 0) / params
 
 
+class RMSpropModule(ParallelGPTModule):
+    """:class:`ParallelGPTModule` trained by ``torch.optim.RMSprop``: not one of the optimizers the buffers' shards
+    take (:data:`~lightning_megatron.parallel.main_param_shards.ELEMENTWISE_OPTIMIZERS`), so the distributed
+    optimizer falls back to ``ZeroRedundancyOptimizer`` over whole fp32 main parameters."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.RMSprop([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
 def shard_run(rank: int, world: int, strategy: Dict[str, Any], precision: Dict[str, Any], optimizer: Optional[str],
               steps: int = STEPS, load: Optional[str] = None, save: Optional[str] = None) -> Dict[str, Any]:
     """One rank: the tiny model, ``steps`` steps of micro-batch 2 per rank; the final weights (rank 0), the whole
     optimizer state as a checkpoint holds it (rank 0), the optimizer's class and the static bytes."""
     cfg = tiny_config(num_query_groups=4)
     pl.seed_everything(SEED, verbose=False)
-    module = new_module(cfg, steps, optimizer)
+    module = RMSpropModule(cfg) if optimizer == "rmsprop" else new_module(cfg, steps, optimizer)
     counted = StaticBytes()
     trainer = trainer_for(world, MegatronStrategy(**strategy), steps, callbacks=[counted],
                           plugins=[MegatronPrecision(**precision)])
@@ -112,6 +122,8 @@ CASES = {
     "adamw": (BF16, None, {}),
     "adamw-remainders-param-gather": (BF16_REM, None, dict(overlap_param_gather=True, overlap_grad_reduce=True)),
     "adamw-bf16-moments": (BF16, "bf16_moments", {}),
+    # another optimizer: ZeroRedundancyOptimizer over whole fp32 main parameters, broadcasts overlapped
+    "rmsprop-fallback-param-gather": (BF16_REM, "rmsprop", dict(overlap_param_gather=True)),
 }
 
 
@@ -130,7 +142,10 @@ def test_sharded_step_equals_the_unsharded_step_bit_for_bit(runs, case: str) -> 
     plain, sharded = runs[f"{case}/plain"], runs[f"{case}/sharded"]
     assert not isinstance(plain, str), plain
     assert not isinstance(sharded, str), sharded
-    assert sharded["kind"] == "DistributedOptimizer" and sharded["sharded"], (sharded["kind"], sharded["sharded"])
+    if CASES[case][1] == "rmsprop":
+        assert sharded["kind"] == "ZeroRedundancyOptimizer" and not sharded["sharded"], sharded["kind"]
+    else:
+        assert sharded["kind"] == "DistributedOptimizer" and sharded["sharded"], (sharded["kind"], sharded["sharded"])
     assert not plain["sharded"]
     _equal_states(sharded["final"], plain["final"])
     _equal_optimizer(sharded["optimizer"], plain["optimizer"])
