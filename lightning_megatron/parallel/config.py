@@ -108,6 +108,14 @@ class ParallelConfig:
         async_save: with ``"torch_dist"``, write checkpoints in the background (``--async-save``).
         distributed_timeout_minutes: timeout of every process group, the world's and each of the mesh's
             (``--distributed-timeout-minutes``); None: the strategy's ``timeout`` (Lightning's, 30 minutes).
+        auto_resume: a ``fit`` given no ``ckpt_path`` resumes from the newest complete checkpoint (file or sharded
+            directory) in the ``ModelCheckpoint`` directories, if there is one
+            (:mod:`lightning_megatron.strategy.resilience`; docs/reliability.md, "Long runs").
+        exit_signal_handler: on any of ``exit_signals`` at any rank, every rank finishes the step in flight, writes
+            ``last-preempted.ckpt`` into the ``ModelCheckpoint`` directory and exits with
+            :data:`~lightning_megatron.strategy.resilience.REQUEUE_EXIT_CODE` (``--exit-signal-handler``).
+        exit_signals: the signal names ``exit_signal_handler`` saves and exits on (default ``("SIGTERM",)``; add
+            e.g. ``"SIGUSR1"`` for SLURM's early ``--signal``).
         recompute_granularity: activation recompute (:mod:`lightning_megatron.parallel.recompute`): None (off),
             ``"selective"`` (the parts named in ``recompute_modules``) or ``"full"`` (whole layers).
         recompute_method: with ``"full"``: ``"uniform"`` (every layer, in groups of ``recompute_num_layers``
@@ -158,6 +166,9 @@ class ParallelConfig:
     ckpt_format: str = "torch"
     async_save: bool = False
     distributed_timeout_minutes: Optional[float] = None
+    auto_resume: bool = False
+    exit_signal_handler: bool = False
+    exit_signals: Sequence[str] = ("SIGTERM",)
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -178,7 +189,8 @@ class ParallelConfig:
         if not _is_int(self.etp) or self.etp < 1:
             raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
         for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile",
-                     "enable_cuda_graph", "overlap_param_gather", "tp_comm_overlap"):
+                     "enable_cuda_graph", "overlap_param_gather", "tp_comm_overlap", "auto_resume",
+                     "exit_signal_handler"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False (a string such as 'no' "
                                  "would count as True)")
@@ -320,6 +332,9 @@ class ParallelConfig:
         t = self.distributed_timeout_minutes
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"distributed_timeout_minutes={t!r} must be None or a number of minutes > 0")
+        from lightning_megatron.strategy.resilience import check_exit_signals
+
+        self.exit_signals = check_exit_signals(self.exit_signals)
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.layout_rules import check_schedule, default_schedule

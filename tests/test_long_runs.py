@@ -1,0 +1,236 @@
+"""Long runs survive: automatic resume, in-place restarts under torchrun, save on preemption, slow ranks named.
+
+Every job is ``tests/_resume_job.py`` (2 ranks, CPU/gloo, a tiny model, 8 steps of Megatron's data sampler, a
+checkpoint every 2 steps, ``auto_resume=True``); its final weights are compared bit for bit with an uninterrupted
+run of the same layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.checkpoint.latest import latest_checkpoint
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.strategy.resilience import PREEMPTED_CHECKPOINT, REQUEUE_EXIT_CODE
+from tests._dist import free_port, run_distributed, run_each
+from tests._resume_job import train
+from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "_resume_job.py")
+
+
+def _log(out, rank=0):
+    with open(os.path.join(out, f"log{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _losses(out, rank=0):
+    """step -> loss (the last one logged: a step trained again after a restart must give the same loss)."""
+    seen = {}
+    for r in _log(out, rank):
+        if "step" in r:
+            assert seen.get(r["step"], r["loss"]) == r["loss"], (r, seen)
+            seen[r["step"]] = r["loss"]
+    return seen
+
+
+def _starts(out, rank=0):
+    return [r["start"] for r in _log(out, rank) if "start" in r]
+
+
+def _final(out):
+    return torch.load(os.path.join(out, "final.pt"), weights_only=True)
+
+
+def _assert_bit_equal(out, ref):
+    a, b = _final(out), _final(ref)
+    assert a.keys() == b.keys()
+    diff = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, f"final weights differ from the uninterrupted run: {diff}"
+    assert _losses(out) == _losses(ref)
+
+
+# ---------------------------------------------------------------------------------------------- options
+def test_long_run_options_are_validated(tmp_path):
+    """The options are typed: bools refuse strings; exit signals must be catchable signal names. Without a
+    ModelCheckpoint exit_signal_handler has nowhere to save, and under SLURMEnvironment(auto_requeue=True) its
+    requeue signal stays Lightning's."""
+    for name in ("auto_resume", "exit_signal_handler"):
+        with pytest.raises(ValueError, match=name):
+            ParallelConfig(**{name: "yes"})
+    for bad in ((), ("SIGKILL",), ("SIGNOPE",), (15,)):
+        with pytest.raises(ValueError, match="exit_signals"):
+            ParallelConfig(exit_signals=bad)
+    assert ParallelConfig(exit_signals="SIGUSR1").exit_signals == ("SIGUSR1",)
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from lightning_megatron.strategy.resilience import check_requeue_signal
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, plugins=[SLURMEnvironment(auto_requeue=True)])
+    with pytest.raises(ValueError, match="SIGUSR1, the requeue_signal"):
+        check_requeue_signal(trainer, ("SIGTERM", "SIGUSR1"))
+    check_requeue_signal(trainer, ("SIGTERM",))   # SIGTERM ours, SIGUSR1 Lightning's: no conflict
+    strategy = MegatronStrategy(exit_signal_handler=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                         max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match="add ModelCheckpoint"):
+        trainer.fit(new_module(cfg, 1), DataLoader(ListDataset(make_samples(cfg, 4)), batch_size=4))
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
+    """Files that are not complete zip archives, directories without complete DCP metadata and temporary
+    entries are passed over; among the complete ones the newest wins, in any of the directories."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    torch.save({"x": torch.ones(3)}, a / "step=2.ckpt")
+    time.sleep(0.01)
+    torch.save({"x": torch.ones(3)}, b / "step=4.ckpt")
+    assert latest_checkpoint([str(a), str(b), str(tmp_path / "missing")]) == str(b / "step=4.ckpt")
+    time.sleep(0.01)
+    data = open(a / "step=2.ckpt", "rb").read()
+    with open(a / "step=6.ckpt", "wb") as f:          # truncated: its zip directory is missing
+        f.write(data[: len(data) // 2])
+    (a / "step=8.ckpt").mkdir()                        # a directory without .metadata
+    (a / ".step=10.ckpt.dcp-tmp-1").mkdir()            # a killed save's temporary directory
+    assert latest_checkpoint([str(a), str(b)]) == str(b / "step=4.ckpt")
+    assert latest_checkpoint([str(tmp_path / "missing")]) is None
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _failing_then_resumed(rank, world, out, ref, layout, fmt, faults):
+    """The uninterrupted run, then the same run with ``faults`` (errors on both ranks at once), restarted in the
+    same processes until it completes, each restart resuming by itself."""
+    train(rank, world, ref, layout, fmt, "-")
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            train(rank, world, out, layout, fmt, faults)
+            return attempts
+        except RuntimeError as err:
+            if "injected fault" not in str(err) or attempts > 3:
+                raise
+
+
+def test_auto_resume_after_two_failures_is_bit_exact_under_every_layout(tmp_path):
+    """tp2 + SP (full checkpoints), pp2 and dp2 with the distributed optimizer (sharded checkpoints; background
+    saves: the torchrun test below): the run fails at step 3 and again at step 7; each restart passes no ckpt_path and resumes from the
+    newest complete checkpoint (steps 2 and 6), the data position included. The final weights and every step's
+    loss equal the uninterrupted run's bit for bit."""
+    cases = [(f"{layout}-{fmt}", (str(tmp_path / layout), str(tmp_path / f"{layout}-ref"), layout, fmt,
+                                  "raise@3:0,raise@3:1,raise@7:0,raise@7:1"))
+             for layout, fmt in (("tp2", "torch"), ("pp2", "torch_dist"), ("dp2_distopt", "torch_dist_async"))]
+    out = run_distributed(run_each, 2, _failing_then_resumed, cases)
+    for name, (path, ref, *_rest) in cases:
+        assert all(o[name] == 3 for o in out), (name, [o[name] for o in out])
+        assert _starts(path) == [0, 2, 6], (name, _starts(path))
+        _assert_bit_equal(path, ref)
+
+
+def _torchrun(out, layout, fmt, faults, restarts, extra=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           JOB, str(out), layout, fmt, faults, *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def test_torchrun_restarts_in_place_three_times_and_ends_bit_exact(tmp_path):
+    """Under ``torchrun --max-restarts=3``: rank 1 SIGKILLed while the background save of step 4 is writing,
+    rank 0 raising at step 6, rank 1 SIGKILLed at step 7. torchrun restarts the job in place three times in a
+    row; every restart comes back (no connectFullMesh "Connection refused", no hang: each attempt starts its
+    process group on a store of its own) and resumes from the newest complete checkpoint by itself; the job
+    ends with the weights of an uninterrupted run."""
+    out, ref = tmp_path / "job", tmp_path / "ref"
+    out.mkdir(), ref.mkdir()
+    run_distributed(train, 2, str(ref), "dp2_distopt", "torch_dist_async", "-")
+    done = _torchrun(out, "dp2_distopt", "torch_dist_async", "kill_in_save@4:1,raise@6:0,kill@7:1", 3)
+    assert done.returncode == 0, done.stdout[-4000:]
+    starts = _starts(out)
+    assert len(starts) == 4 and starts[0] == 0 and starts[1] == 2, starts   # step 4's save never completed
+    # the saves of steps 6 and 8 run in the background while the next step trains: a failure right after one
+    # may find it incomplete, and the restart then resumes from the one before
+    assert starts[2] in (4, 6) and starts[3] in (4, 6) and starts[3] >= starts[2], starts
+    _assert_bit_equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------- preemption
+def _popen_job(out, faults):
+    """The job as a user's script: rank 0 started by hand, rank 1 by Lightning's launcher."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()))
+    return subprocess.run([sys.executable, JOB, str(out), "tp2", "torch", faults, "--devices", "2",
+                           "--exit-signal-handler"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def test_exit_signal_saves_every_rank_and_exits_requeue_then_resumes_bit_exact(tmp_path):
+    """exit_signal_handler=True, tp2: SIGTERM reaches rank 1 while the checkpoint of step 2 is being written;
+    the save completes, both ranks write last-preempted.ckpt at step 2 and the job exits with code 75. The next
+    start resumes from it; SIGTERM to rank 1 at the start of step 5 (between two checkpoints): the step in flight
+    is finished, saved (step 5) and the job exits 75 again. The third start resumes at step 5 and ends with the
+    weights of an uninterrupted run."""
+    out, ref = tmp_path / "job", tmp_path / "ref"
+    out.mkdir(), ref.mkdir()
+    run_distributed(train, 2, str(ref), "tp2", "torch", "-")
+    faults = "term_in_save@2:1,term@4:1"
+    first = _popen_job(out, faults)
+    assert first.returncode == REQUEUE_EXIT_CODE, first.stdout[-4000:]
+    assert "received SIGTERM" in first.stdout and "exiting with code 75" in first.stdout, first.stdout[-4000:]
+    preempted = out / "ckpt" / PREEMPTED_CHECKPOINT
+    assert torch.load(preempted, weights_only=True, map_location="cpu")["global_step"] == 2
+    assert (out / "ckpt" / "step=2.ckpt").exists()
+    second = _popen_job(out, faults)
+    assert second.returncode == REQUEUE_EXIT_CODE, second.stdout[-4000:]
+    assert torch.load(preempted, weights_only=True, map_location="cpu")["global_step"] == 5
+    third = _popen_job(out, faults)
+    assert third.returncode == 0, third.stdout[-4000:]
+    assert _starts(out) == [0, 2, 5] and _starts(out, 1) == [0, 2, 5]
+    _assert_bit_equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------- stragglers
+class _SlowRank(pl.Callback):
+    def __init__(self, rank, seconds):
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
+def _straggler_run(rank, world, slow_rank):
+    from lightning_megatron import StragglerMonitor
+
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    monitor = StragglerMonitor(every_n_steps=2)
+    callbacks = [monitor] + ([_SlowRank(slow_rank, 0.2)] if slow_rank is not None else [])
+    trainer = trainer_for(world, MegatronStrategy(tp=2), 6, callbacks=callbacks)
+    trainer.fit(new_module(cfg, 6), DataLoader(ListDataset(make_samples(cfg, 24)), batch_size=4))
+    return monitor.reports
+
+
+def test_straggler_monitor_names_the_slow_rank_and_no_other(tmp_path):
+    """tp2, a report every 2 steps: rank 1 sleeping 200 ms per step is named (with its coordinates: tp rank 1)
+    in the first two reports and rank 0 never; without a slow rank nobody is named."""
+    out = run_distributed(run_each, 2, _straggler_run, [("slow", (1,)), ("none", (None,))])
+    for rank_out in out:
+        slow, none = rank_out["slow"], rank_out["none"]
+        assert isinstance(slow, list) and isinstance(none, list), (slow, none)
+        assert len(slow) == 3 and len(none) == 3
+        assert [r["slow"] for r in slow[:2]] in ([[1], [1]], [[], [1]]), slow
+        assert all(0 not in r["slow"] for r in slow)
+        assert slow[1]["relative_speed"][1] < 0.5 and slow[1]["coords"][1] == {"pp": 0, "tp": 1, "cp": 0, "dp": 0}
+        assert all(r["slow"] == [] for r in none), none
