@@ -123,6 +123,7 @@ class Faults(pl.Callback):
 def train(rank: int, world: int, out: str, layout: str, fmt: str, faults: str, steps: int = 8,
           exit_signal_handler: bool = False, devices: Optional[int] = None) -> Any:
     """One rank of the job (see the module doc); returns its ``trainer.global_step``."""
+    os.makedirs(out, exist_ok=True)
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
     strategy = MegatronStrategy(**LAYOUTS[layout], **FORMATS[fmt], auto_resume=True,

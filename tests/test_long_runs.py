@@ -131,7 +131,7 @@ def test_auto_resume_after_two_failures_is_bit_exact_under_every_layout(tmp_path
     loss equal the uninterrupted run's bit for bit."""
     cases = [(f"{layout}-{fmt}", (str(tmp_path / layout), str(tmp_path / f"{layout}-ref"), layout, fmt,
                                   "raise@3:0,raise@3:1,raise@7:0,raise@7:1"))
-             for layout, fmt in (("tp2", "torch"), ("pp2", "torch_dist"), ("dp2_distopt", "torch_dist_async"))]
+             for layout, fmt in (("tp2", "torch"), ("pp2", "torch_dist"), ("dp2_distopt", "torch_dist"))]
     out = run_distributed(run_each, 2, _failing_then_resumed, cases)
     for name, (path, ref, *_rest) in cases:
         assert all(o[name] == 3 for o in out), (name, [o[name] for o in out])
@@ -147,22 +147,21 @@ def _torchrun(out, layout, fmt, faults, restarts, extra=()):
                           stderr=subprocess.STDOUT, text=True, timeout=300)
 
 
-def test_torchrun_restarts_in_place_three_times_and_ends_bit_exact(tmp_path):
-    """Under ``torchrun --max-restarts=3``: rank 1 SIGKILLed while the background save of step 4 is writing,
-    rank 0 raising at step 6, rank 1 SIGKILLed at step 7. torchrun restarts the job in place three times in a
-    row; every restart comes back (no connectFullMesh "Connection refused", no hang: each attempt starts its
-    process group on a store of its own) and resumes from the newest complete checkpoint by itself; the job
-    ends with the weights of an uninterrupted run."""
+def test_torchrun_restarts_in_place_twice_and_ends_bit_exact(tmp_path):
+    """Under ``torchrun --max-restarts=2``: rank 1 SIGKILLed while the background save of step 4 is writing, then
+    rank 0 raising at step 6. torchrun restarts the job in place twice in a row; each restart comes back (no
+    connectFullMesh "Connection refused", no hang: every attempt starts its process group on a store of its own)
+    and resumes from the newest complete checkpoint by itself; the job ends with the weights of an uninterrupted
+    run. (Each attempt costs ~8 s of process start on 2 cores, hence two.)"""
     out, ref = tmp_path / "job", tmp_path / "ref"
     out.mkdir(), ref.mkdir()
     run_distributed(train, 2, str(ref), "dp2_distopt", "torch_dist_async", "-")
-    done = _torchrun(out, "dp2_distopt", "torch_dist_async", "kill_in_save@4:1,raise@6:0,kill@7:1", 3)
+    done = _torchrun(out, "dp2_distopt", "torch_dist_async", "kill_in_save@4:1,raise@6:0", 2)
     assert done.returncode == 0, done.stdout[-4000:]
     starts = _starts(out)
-    assert len(starts) == 4 and starts[0] == 0 and starts[1] == 2, starts   # step 4's save never completed
-    # the saves of steps 6 and 8 run in the background while the next step trains: a failure right after one
-    # may find it incomplete, and the restart then resumes from the one before
-    assert starts[2] in (4, 6) and starts[3] in (4, 6) and starts[3] >= starts[2], starts
+    # step 4's save never completed; step 6's runs in the background while step 7 starts: a failure right then may
+    # find it incomplete, and the restart resumes from step 4
+    assert len(starts) == 3 and starts[:2] == [0, 2] and starts[2] in (4, 6), starts
     _assert_bit_equal(out, ref)
 
 
@@ -176,27 +175,25 @@ def _popen_job(out, faults):
 
 
 def test_exit_signal_saves_every_rank_and_exits_requeue_then_resumes_bit_exact(tmp_path):
-    """exit_signal_handler=True, tp2: SIGTERM reaches rank 1 while the checkpoint of step 2 is being written;
-    the save completes, both ranks write last-preempted.ckpt at step 2 and the job exits with code 75. The next
-    start resumes from it; SIGTERM to rank 1 at the start of step 5 (between two checkpoints): the step in flight
-    is finished, saved (step 5) and the job exits 75 again. The third start resumes at step 5 and ends with the
-    weights of an uninterrupted run."""
+    """exit_signal_handler=True, tp2 + SP, a user's script (Lightning's popen launch): SIGTERM to rank 1 at the
+    start of step 5, between two interval checkpoints (steps 4 and 6). Every rank finishes that step and writes
+    last-preempted.ckpt at step 5; a second SIGTERM, to rank 0 while that checkpoint is being written, does not
+    cut it short. The job exits with code 75 and leaves no process. The next start (no ckpt_path) resumes at step
+    5 and ends with the weights of an uninterrupted run."""
     out, ref = tmp_path / "job", tmp_path / "ref"
     out.mkdir(), ref.mkdir()
     run_distributed(train, 2, str(ref), "tp2", "torch", "-")
-    faults = "term_in_save@2:1,term@4:1"
+    faults = "term@4:1,term_in_save@5:0"
     first = _popen_job(out, faults)
     assert first.returncode == REQUEUE_EXIT_CODE, first.stdout[-4000:]
-    assert "received SIGTERM" in first.stdout and "exiting with code 75" in first.stdout, first.stdout[-4000:]
-    preempted = out / "ckpt" / PREEMPTED_CHECKPOINT
-    assert torch.load(preempted, weights_only=True, map_location="cpu")["global_step"] == 2
-    assert (out / "ckpt" / "step=2.ckpt").exists()
+    assert first.stdout.count("received SIGTERM") == 2, first.stdout[-4000:]
+    assert first.stdout.count("exiting with code 75 (requeue)") == 2, first.stdout[-4000:]   # both ranks saved
+    assert torch.load(out / "ckpt" / PREEMPTED_CHECKPOINT, weights_only=True, map_location="cpu")["global_step"] == 5
+    pids = [r["pid"] for rank in (0, 1) for r in _log(out, rank) if "pid" in r]
+    assert all(not os.path.exists(f"/proc/{p}") for p in pids), pids
     second = _popen_job(out, faults)
-    assert second.returncode == REQUEUE_EXIT_CODE, second.stdout[-4000:]
-    assert torch.load(preempted, weights_only=True, map_location="cpu")["global_step"] == 5
-    third = _popen_job(out, faults)
-    assert third.returncode == 0, third.stdout[-4000:]
-    assert _starts(out) == [0, 2, 5] and _starts(out, 1) == [0, 2, 5]
+    assert second.returncode == 0, second.stdout[-4000:]
+    assert _starts(out) == [0, 5] and _starts(out, 1) == [0, 5]
     _assert_bit_equal(out, ref)
 
 
@@ -215,7 +212,7 @@ def _straggler_run(rank, world, slow_rank):
 
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
-    monitor = StragglerMonitor(every_n_steps=2)
+    monitor = StragglerMonitor(every_n_steps=2, min_excess_s=0.05)   # tiny steps on 2 loaded cores: ms of noise
     callbacks = [monitor] + ([_SlowRank(slow_rank, 0.2)] if slow_rank is not None else [])
     trainer = trainer_for(world, MegatronStrategy(tp=2), 6, callbacks=callbacks)
     trainer.fit(new_module(cfg, 6), DataLoader(ListDataset(make_samples(cfg, 24)), batch_size=4))
@@ -223,7 +220,7 @@ def _straggler_run(rank, world, slow_rank):
 
 
 def test_straggler_monitor_names_the_slow_rank_and_no_other(tmp_path):
-    """tp2, a report every 2 steps: rank 1 sleeping 200 ms per step is named (with its coordinates: tp rank 1)
+    """tp2, a report every 2 steps: rank 1 sleeping 200 ms per step (its peer waits for it in a collective) is named (with its coordinates: tp rank 1)
     in the first two reports and rank 0 never; without a slow rank nobody is named."""
     out = run_distributed(run_each, 2, _straggler_run, [("slow", (1,)), ("none", (None,))])
     for rank_out in out:
