@@ -68,6 +68,7 @@ ROTARY_CALL = "        tables = rotary_cos_sin(pos, c.kv_channels, c.rotary_base
 GRAD_SYNC = "lightning_megatron/parallel/grad_sync.py"
 STEP = "lightning_megatron/parallel/forward_backward.py"
 FLAT = "tests/test_flat_buffers.py::"
+LONG = "tests/test_long_runs.py::"
 
 
 def sharp(case: str) -> str:
@@ -355,6 +356,32 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/strategy/model_setup.py",
               "after_wait=main.adopt_broadcast if main is not None else None)", "after_wait=None)"),),
         (recipe("bf16p", "dp2-distopt-param-gather"), recipe("bf16p-rem", "dp2-distopt-param-gather"))),
+    Mutation(
+        "restart-attempts-share-keys", "under torchrun's shared agent store the process group starts without a "
+        "prefix of its restart attempt (a restarted rank reads the dead attempt's gloo addresses)",
+        (Edit("lightning_megatron/strategy/launcher.py",
+              '    return dist.PrefixStore(f"/lightning_megatron/{run}/attempt_{attempt}/", store)\n',
+              '    return dist.PrefixStore(f"/lightning_megatron/{run}/", store)\n'),),
+        (LONG + "test_restart_attempts_start_on_stores_of_their_own",)),
+    Mutation(
+        "auto-resume-takes-the-oldest", "auto_resume loads the oldest complete checkpoint instead of the newest",
+        (Edit("lightning_megatron/checkpoint/latest.py", "    return max(found)[1] if found else None\n",
+              "    return min(found)[1] if found else None\n"),),
+        (LONG + "test_latest_checkpoint_is_the_newest_complete_one",
+         LONG + "test_auto_resume_after_two_failures_is_bit_exact_under_every_layout")),
+    Mutation(
+        "requeue-exit-counted-as-failure", "the launching rank's watcher takes a rank that saved on SIGTERM and "
+        "exited 75 for a failure and ends the job with code 1",
+        (Edit("lightning_megatron/strategy/launcher.py",
+              "            failed = [p for p in children if p.poll() not in (None, 0, REQUEUE_EXIT_CODE)]\n",
+              "            failed = [p for p in children if p.poll() not in (None, 0)]\n"),),
+        (LONG + "test_exit_signal_saves_every_rank_and_exits_requeue_then_resumes_bit_exact",)),
+    Mutation(
+        "straggler-counts-waiting-as-busy", "StragglerMonitor's sampler does not tell waiting in a collective from "
+        "work (every rank of a synchronous job then looks as slow as the slowest)",
+        (Edit("lightning_megatron/callbacks/straggler.py", "                    waiting = True\n",
+              "                    waiting = False\n"),),
+        (LONG + "test_straggler_monitor_names_the_slow_rank_and_no_other",)),
 )
 
 

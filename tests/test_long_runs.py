@@ -108,6 +108,29 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert latest_checkpoint([str(tmp_path / "missing")]) is None
 
 
+def test_restart_attempts_start_on_stores_of_their_own(monkeypatch):
+    """Under torchrun's shared agent store each restart attempt's process group keys live under a prefix of their
+    own: what attempt 0 wrote (a dead rank's gloo address) is invisible to attempt 1. Outside torchrun: torch's
+    own rendezvous (None)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_megatron.strategy.launcher import restart_safe_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert restart_safe_store("127.0.0.1", 1, timedelta(seconds=5)) is None
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    stores = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        stores.append(restart_safe_store("127.0.0.1", agent.port, timedelta(seconds=5)))
+    stores[0].set("rank_1", "127.0.0.1:50574")
+    assert stores[0].check(["rank_1"]) and not stores[1].check(["rank_1"])
+    assert not agent.check(["rank_1"])
+
+
 # ---------------------------------------------------------------------------------------------- resume
 def _failing_then_resumed(rank, world, out, ref, layout, fmt, faults):
     """The uninterrupted run, then the same run with ``faults`` (errors on both ranks at once), restarted in the
@@ -126,9 +149,9 @@ def _failing_then_resumed(rank, world, out, ref, layout, fmt, faults):
 
 def test_auto_resume_after_two_failures_is_bit_exact_under_every_layout(tmp_path):
     """tp2 + SP (full checkpoints), pp2 and dp2 with the distributed optimizer (sharded checkpoints; background
-    saves: the torchrun test below): the run fails at step 3 and again at step 7; each restart passes no ckpt_path and resumes from the
-    newest complete checkpoint (steps 2 and 6), the data position included. The final weights and every step's
-    loss equal the uninterrupted run's bit for bit."""
+    saves: the torchrun test below): the run fails at step 3 and again at step 7 (every rank raises); each restart
+    passes no ckpt_path and resumes from the newest complete checkpoint (steps 2 and 6), the data position
+    included. The final weights and every step's loss equal the uninterrupted run's bit for bit."""
     cases = [(f"{layout}-{fmt}", (str(tmp_path / layout), str(tmp_path / f"{layout}-ref"), layout, fmt,
                                   "raise@3:0,raise@3:1,raise@7:0,raise@7:1"))
              for layout, fmt in (("tp2", "torch"), ("pp2", "torch_dist"), ("dp2_distopt", "torch_dist"))]

@@ -183,7 +183,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
 
     def _add_long_run_hooks(self, trainer: "pl.Trainer") -> None:
         """``auto_resume``: the newest complete checkpoint when ``fit`` got no ``ckpt_path``;
-        ``exit_signal_handler``: the end-of-step save on an exit signal (:mod:`~lightning_megatron.strategy.resilience`)."""
+        ``exit_signal_handler``: the end-of-step save on an exit signal
+        (:mod:`~lightning_megatron.strategy.resilience`)."""
         cfg = self.parallel_config
         if cfg.auto_resume:
             install_auto_resume(trainer, self)
