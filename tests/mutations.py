@@ -382,6 +382,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/callbacks/straggler.py", "                    waiting = True\n",
               "                    waiting = False\n"),),
         (LONG + "test_straggler_monitor_names_the_slow_rank_and_no_other",)),
+    Mutation(
+        "rerun-drops-the-step", "check_for_nan_in_loss_and_grad='rerun' drops a non-finite step instead of "
+        "replaying it",
+        (Edit("lightning_megatron/strategy/gradients.py",
+              "            result = self._replay(optimizer, closure_then_finalize, model, skipped, rng, **kwargs)\n",
+              "            self._count_skipped(skipped)\n            return None\n"),),
+        (LONG + "test_rerun_replays_a_non_finite_step_and_stops_only_when_it_repeats",)),
 )
 
 

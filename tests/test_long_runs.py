@@ -254,3 +254,53 @@ def test_straggler_monitor_names_the_slow_rank_and_no_other(tmp_path):
         assert all(0 not in r["slow"] for r in slow)
         assert slow[1]["relative_speed"][1] < 0.5 and slow[1]["coords"][1] == {"pp": 0, "tp": 1, "cp": 0, "dp": 0}
         assert all(r["slow"] == [] for r in none), none
+
+
+# ---------------------------------------------------------------------------------------------- rerun
+class _PoisonFirstBackwards(pl.Callback):
+    """A NaN gradient (``decoder.layers["1"].mlp.linear_fc2.weight``) on rank 1 in the first ``times`` backward
+    passes of step ``at`` (1: a transient fault; 2: one that repeats when the step is replayed)."""
+
+    def __init__(self, at, times):
+        self.at, self.times, self.fired = at, times, 0
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            p = pl_module.model.decoder.layers["1"].mlp.linear_fc2.weight
+            p.register_hook(self._poison)
+        self.trainer = trainer
+
+    def _poison(self, g):
+        if self.trainer.global_step == self.at and self.fired < self.times:
+            self.fired += 1
+            return torch.full_like(g, float("nan"))
+        return g
+
+
+def _rerun_case(rank, world, times):
+    from tests.parity import WeightsAfterStep
+
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    weights = WeightsAfterStep()
+    strategy = MegatronStrategy(tp=2, check_for_nan_in_loss_and_grad="rerun")
+    callbacks = [weights] + ([_PoisonFirstBackwards(1, times)] if times else [])
+    trainer = trainer_for(world, strategy, 4, callbacks=callbacks)
+    trainer.fit(new_module(cfg, 4), DataLoader(ListDataset(make_samples(cfg, 16)), batch_size=4))
+    return {"weights": weights.after_step, "reruns": strategy.rerun_steps}
+
+
+def test_rerun_replays_a_non_finite_step_and_stops_only_when_it_repeats():
+    """check_for_nan_in_loss_and_grad="rerun", tp2, a NaN gradient on rank 1 at step 1: a fault that does not
+    repeat in the replay is counted and training goes on, every step's weights bit-equal to a clean run's; a fault
+    that repeats raises NonFiniteError naming the step, the rank and the parameter, on every rank."""
+    out = run_distributed(run_each, 2, _rerun_case, [("clean", (0,)), ("transient", (1,)), ("persistent", (2,))])
+    for rank, res in enumerate(out):
+        clean, transient, persistent = res["clean"], res["transient"], res["persistent"]
+        assert isinstance(clean, dict) and isinstance(transient, dict), (clean, transient)
+        assert clean["reruns"] == 0 and transient["reruns"] == 1
+        assert len(transient["weights"]) == 4
+        assert all(torch.equal(a, b) for a, b in zip(transient["weights"], clean["weights"])), rank
+        assert isinstance(persistent, str) and "NonFiniteError" in persistent and "at step 1" in persistent \
+            and "rank 1: gradient of model.decoder.layers.1.mlp.linear_fc2.weight (nan)" in persistent, persistent
+        assert "NonFiniteStepSkipped" not in persistent.splitlines()[-1], persistent

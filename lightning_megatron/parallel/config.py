@@ -101,7 +101,8 @@ class ParallelConfig:
         check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
             gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
             default on; :mod:`lightning_megatron.parallel.nonfinite`); ``"skip"``: drop such a step on every rank
-            instead (counted and logged) and go on.
+            instead (counted and logged) and go on; ``"rerun"``: replay such a step once from the same inputs (a
+            fault that does not repeat is logged and training goes on; one that repeats stops as with True).
         ckpt_format: ``"torch"`` (default: one file of full tp=1 tensors, gathered to rank 0) or ``"torch_dist"``
             (a directory written by ``torch.distributed.checkpoint``, each rank its own shards;
             ``--ckpt-format``; :mod:`lightning_megatron.checkpoint.distributed`).
@@ -239,9 +240,11 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
-        if not isinstance(self.check_for_nan_in_loss_and_grad, bool) and self.check_for_nan_in_loss_and_grad != "skip":
+        if not isinstance(self.check_for_nan_in_loss_and_grad, bool) \
+                and self.check_for_nan_in_loss_and_grad not in ("skip", "rerun"):
             raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
-                             "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on) or False")
+                             "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on), 'rerun' "
+                             "(replay that step once; stop if it repeats) or False")
         self._check_checkpoint_options()
         from lightning_megatron.parallel.layout_rules import check_recompute_options
 

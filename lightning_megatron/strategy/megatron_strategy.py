@@ -132,6 +132,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self._sharded_io: Optional[Any] = None
         self.skipped_steps: int = 0   # steps dropped by check_for_nan_in_loss_and_grad="skip" (logged as such)
         self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
+        self.rerun_steps: int = 0   # non-finite steps replayed finite by check_for_nan_in_loss_and_grad="rerun"
         self._exit_signals: Optional[ExitSignalHandler] = None   # exit_signal_handler=True: during fit
 
     @property
@@ -186,6 +187,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         ``exit_signal_handler``: the end-of-step save on an exit signal
         (:mod:`~lightning_megatron.strategy.resilience`)."""
         cfg = self.parallel_config
+        if cfg.check_for_nan_in_loss_and_grad == "rerun" and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"check_for_nan_in_loss_and_grad='rerun' with Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): a replay reruns only the last micro-batch (the earlier ones' "
+                "gradients are already summed); use accumulate_grad_batches=1 (pipeline parallelism runs its "
+                "micro-batches inside the step) or 'skip'")
         if cfg.auto_resume:
             install_auto_resume(trainer, self)
         if cfg.exit_signal_handler and trainer.state.fn == TrainerFn.FITTING:
