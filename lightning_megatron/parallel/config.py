@@ -1,9 +1,10 @@
 """Parallel layout sizes and their validation (one clear error per broken rule)."""
 from __future__ import annotations
 
+import signal
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 #: the comm types whose attention exchanges all-to-all and can run delayed weight-gradient GEMMs meanwhile
@@ -18,6 +19,22 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
 #: checkpoint formats (Megatron's ``--ckpt-format``): one file of full tensors, or a directory of shards (DCP)
 CKPT_FORMATS = ("torch", "torch_dist")
+
+
+_UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
+
+
+def check_exit_signals(value: Any) -> Tuple[str, ...]:
+    """``exit_signals`` as a tuple of signal names; ValueError naming an unknown or uncatchable one."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"exit_signals={value!r} must be a non-empty sequence of signal names, e.g. "
+                         "('SIGTERM', 'SIGUSR1')")
+    for name in names:
+        if name not in signal.Signals.__members__ or name in _UNHANDLEABLE:
+            raise ValueError(f"exit_signals: {name!r} is not a signal a process can handle; use names such as "
+                             "'SIGTERM', 'SIGUSR1', 'SIGUSR2'")
+    return tuple(dict.fromkeys(names))
 
 
 def _is_int(value: Any) -> bool:
@@ -335,8 +352,6 @@ class ParallelConfig:
         t = self.distributed_timeout_minutes
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"distributed_timeout_minutes={t!r} must be None or a number of minutes > 0")
-        from lightning_megatron.strategy.resilience import check_exit_signals
-
         self.exit_signals = check_exit_signals(self.exit_signals)
 
     def _check_pipeline(self) -> None:

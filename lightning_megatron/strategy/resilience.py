@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning.pytorch as pl
+from lightning_megatron.parallel.config import check_exit_signals  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +39,6 @@ REQUEUE_EXIT_CODE = 75
 #: the checkpoint written on an exit signal (its name starts with ``last``: Lightning's ``ckpt_path="last"``
 #: finds it too)
 PREEMPTED_CHECKPOINT = "last-preempted.ckpt"
-_UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
-
-
-def check_exit_signals(value: Any) -> Tuple[str, ...]:
-    """``exit_signals`` as a tuple of signal names; ValueError naming an unknown or uncatchable one."""
-    names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"exit_signals={value!r} must be a non-empty sequence of signal names, e.g. "
-                         "('SIGTERM', 'SIGUSR1')")
-    for name in names:
-        if name not in signal.Signals.__members__ or name in _UNHANDLEABLE:
-            raise ValueError(f"exit_signals: {name!r} is not a signal a process can handle; use names such as "
-                             "'SIGTERM', 'SIGUSR1', 'SIGUSR2'")
-    return tuple(dict.fromkeys(names))
 
 
 class Preempted(SystemExit):
