@@ -370,11 +370,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (LONG + "test_latest_checkpoint_is_the_newest_complete_one",
          LONG + "test_auto_resume_after_two_failures_is_bit_exact_under_every_layout")),
     Mutation(
-        "requeue-exit-counted-as-failure", "the launching rank's watcher takes a rank that saved on SIGTERM and "
-        "exited 75 for a failure and ends the job with code 1",
-        (Edit("lightning_megatron/strategy/launcher.py",
-              "            failed = [p for p in children if p.poll() not in (None, 0, REQUEUE_EXIT_CODE)]\n",
-              "            failed = [p for p in children if p.poll() not in (None, 0)]\n"),),
+        "exit-signal-recorded-but-not-acted-on", "exit_signal_handler records SIGTERM but no end-of-step save runs: "
+        "the job trains on and the progress since the last interval checkpoint is lost at the next kill",
+        (Edit("lightning_megatron/strategy/megatron_strategy.py",
+              "                trainer.callbacks.append(saver)\n", "                pass\n"),),
         (LONG + "test_exit_signal_saves_every_rank_and_exits_requeue_then_resumes_bit_exact",)),
     Mutation(
         "straggler-counts-waiting-as-busy", "StragglerMonitor's sampler does not tell waiting in a collective from "
