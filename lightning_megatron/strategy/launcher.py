@@ -96,7 +96,8 @@ def watch_children(procs: Callable[[], List[subprocess.Popen]], poll_s: float = 
 
 def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
     """End this process ``grace_s`` seconds after a SIGTERM or SIGINT that has a Python handler (Lightning's, or
-    Python's KeyboardInterrupt), unless it has ended by then. Python runs signal handlers only between bytecodes of
+    Python's KeyboardInterrupt), unless it has ended by then or the signal's handler has run and says it takes over
+    (``handler.takes_over(signum)``: ``exit_signal_handler``'s, which saves at the end of the step and exits). Python runs signal handlers only between bytecodes of
     the main thread, so a rank blocked in a collective would otherwise never notice; the signal's arrival is seen
     through ``signal.set_wakeup_fd`` by a daemon thread. Call from the main thread; returns whether it is watching
     (False when another wakeup fd is set, e.g. by an asyncio loop, which is left alone)."""
