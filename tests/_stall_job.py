@@ -1,7 +1,7 @@
 """A 2-process tp=2 training job (popen launch, as a user's script) in which one rank stalls at step 1; run by
 tests/test_reliability.py. Each rank writes its pid to ``OUT/pid<rank>`` and the stalled one ``OUT/stalled``.
 
-    python tests/_stall_job.py STALL_RANK OUT TIMEOUT_SECONDS
+    python tests/_stall_job.py STALL_RANK OUT TIMEOUT_SECONDS [--exit-signal-handler]
 """
 import os
 import sys
@@ -9,6 +9,7 @@ import time
 from datetime import timedelta
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,10 +37,12 @@ def main() -> None:
     stall_rank, out, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     pl.seed_everything(SEED, verbose=False)
     cfg = tiny_config()
-    strategy = MegatronStrategy(tp=2, timeout=timedelta(seconds=seconds))
+    handler = "--exit-signal-handler" in sys.argv
+    strategy = MegatronStrategy(tp=2, timeout=timedelta(seconds=seconds), exit_signal_handler=handler)
+    callbacks = [Stall(stall_rank, out)] + ([ModelCheckpoint(dirpath=os.path.join(out, "ckpt"))] if handler else [])
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[Stall(stall_rank, out)])
+                         enable_checkpointing=handler, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks)
     trainer.fit(new_module(cfg, 3), DataLoader(ListDataset(make_samples(cfg, 12)), batch_size=4))
 
 

@@ -71,6 +71,7 @@ FLAT = "tests/test_flat_buffers.py::"
 PACKED = "tests/test_packed_sequences.py::"
 SHARDS = "tests/test_main_param_shards.py::"
 CP_INIT = "lightning_megatron/parallel/context_parallel/__init__.py"
+LONG = "tests/test_long_runs.py::"
 
 
 def sharp(case: str) -> str:
@@ -433,6 +434,38 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (Edit("lightning_megatron/data/gpt_dataset.py", "    return eod.cumsum(-1) - eod\n",
               "    return eod.cumsum(-1)\n"),),
         ("tests/test_data_megatron.py::test_gpt_dataset_reset_position_ids_and_attention_mask",)),
+    Mutation(
+        "restart-attempts-share-keys", "under torchrun's shared agent store the process group starts without a "
+        "prefix of its restart attempt (a restarted rank reads the dead attempt's gloo addresses)",
+        (Edit("lightning_megatron/strategy/launcher.py",
+              '    return dist.PrefixStore(f"/lightning_megatron/{run}/attempt_{attempt}/", store)\n',
+              '    return dist.PrefixStore(f"/lightning_megatron/{run}/", store)\n'),),
+        (LONG + "test_restart_attempts_start_on_stores_of_their_own",)),
+    Mutation(
+        "auto-resume-takes-the-oldest", "auto_resume loads the oldest complete checkpoint instead of the newest",
+        (Edit("lightning_megatron/checkpoint/latest.py", "    return max(found)[1] if found else None\n",
+              "    return min(found)[1] if found else None\n"),),
+        (LONG + "test_latest_checkpoint_is_the_newest_complete_one",
+         LONG + "test_auto_resume_after_two_failures_is_bit_exact_under_every_layout")),
+    Mutation(
+        "exit-signal-recorded-but-not-acted-on", "exit_signal_handler records SIGTERM but no end-of-step save runs: "
+        "the job trains on and the progress since the last interval checkpoint is lost at the next kill",
+        (Edit("lightning_megatron/strategy/megatron_strategy.py",
+              "                trainer.callbacks.append(saver)\n", "                pass\n"),),
+        (LONG + "test_exit_signal_saves_every_rank_and_exits_requeue_then_resumes_bit_exact",)),
+    Mutation(
+        "straggler-counts-waiting-as-busy", "StragglerMonitor's sampler does not tell waiting in a collective from "
+        "work (every rank of a synchronous job then looks as slow as the slowest)",
+        (Edit("lightning_megatron/callbacks/straggler.py", "                    waiting = True\n",
+              "                    waiting = False\n"),),
+        (LONG + "test_straggler_monitor_names_the_slow_rank_and_no_other",)),
+    Mutation(
+        "rerun-drops-the-step", "check_for_nan_in_loss_and_grad='rerun' drops a non-finite step instead of "
+        "replaying it",
+        (Edit("lightning_megatron/strategy/gradients.py",
+              "            result = self._replay(optimizer, closure_then_finalize, model, skipped, rng, **kwargs)\n",
+              "            self._count_skipped(skipped)\n            return None\n"),),
+        (LONG + "test_rerun_replays_a_non_finite_step_and_stops_only_when_it_repeats",)),
 )
 
 

@@ -58,11 +58,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _start_job(stall_rank: int, out, seconds: float) -> subprocess.Popen:
+def _start_job(stall_rank: int, out, seconds: float, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_stall_job.py"), str(stall_rank), str(out),
-                             str(seconds)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             str(seconds), *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for(path, timeout: float = 120) -> None:
@@ -106,11 +106,13 @@ def test_stalled_rank_times_out_on_a_subgroup_and_takes_the_job_down(tmp_path, j
     assert all(_gone(p) for p in pids), pids
 
 
-def test_sigterm_to_a_rank_blocked_in_a_collective_ends_the_job(tmp_path, jobs):
+@pytest.mark.parametrize("handler", [False, True], ids=["plain", "exit_signal_handler"])
+def test_sigterm_to_a_rank_blocked_in_a_collective_ends_the_job(tmp_path, jobs, handler):
     """Rank 0 stalls at step 1 (10-minute timeout); rank 1 is blocked in a collective waiting for it, where no
     Python signal handler can run. SIGTERM to rank 1 ends it after the grace period, and rank 0, which launched it,
-    ends the job: everything is gone within seconds, far before any timeout."""
-    job = _start_job(0, tmp_path, 600)
+    ends the job: everything is gone within seconds, far before any timeout. The same with exit_signal_handler=True
+    (whose handler, which would save at the end of the step, never runs there)."""
+    job = _start_job(0, tmp_path, 600, *(["--exit-signal-handler"] if handler else []))
     jobs.append(job)
     _wait_for(tmp_path / "stalled")
     pids = _pids(tmp_path)

@@ -1,6 +1,6 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count; the
 loss curve as CSV / PNG (``LossCurve``); the weights of a checkpoint without training state at the start
-(``CheckpointWeights``)."""
+(``CheckpointWeights``); the ranks that set everyone's pace (``StragglerMonitor``)."""
 from lightning_megatron.utils.lazy import lazy_exports
 
 _EXPORTS = {
@@ -16,6 +16,7 @@ _EXPORTS = {
     "peak_memory_reserved_gib": "lightning_megatron.callbacks.mfu",
     "precision_kind": "lightning_megatron.callbacks.mfu",
     "SampleContinuation": "lightning_megatron.callbacks.sample",
+    "StragglerMonitor": "lightning_megatron.callbacks.straggler",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,9 +1,10 @@
 """Parallel layout sizes and their validation (one clear error per broken rule)."""
 from __future__ import annotations
 
+import signal
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 #: the comm types whose attention exchanges all-to-all and can run delayed weight-gradient GEMMs meanwhile
@@ -18,6 +19,22 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
 #: checkpoint formats (Megatron's ``--ckpt-format``): one file of full tensors, or a directory of shards (DCP)
 CKPT_FORMATS = ("torch", "torch_dist")
+
+
+_UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
+
+
+def check_exit_signals(value: Any) -> Tuple[str, ...]:
+    """``exit_signals`` as a tuple of signal names; ValueError naming an unknown or uncatchable one."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"exit_signals={value!r} must be a non-empty sequence of signal names, e.g. "
+                         "('SIGTERM', 'SIGUSR1')")
+    for name in names:
+        if name not in signal.Signals.__members__ or name in _UNHANDLEABLE:
+            raise ValueError(f"exit_signals: {name!r} is not a signal a process can handle; use names such as "
+                             "'SIGTERM', 'SIGUSR1', 'SIGUSR2'")
+    return tuple(dict.fromkeys(names))
 
 
 def _is_int(value: Any) -> bool:
@@ -101,13 +118,22 @@ class ParallelConfig:
         check_for_nan_in_loss_and_grad: stop with an error naming the step and parameter at a NaN/inf loss or
             gradient norm, and refuse to checkpoint non-finite weights (``--check-for-nan-in-loss-and-grad``,
             default on; :mod:`lightning_megatron.parallel.nonfinite`); ``"skip"``: drop such a step on every rank
-            instead (counted and logged) and go on.
+            instead (counted and logged) and go on; ``"rerun"``: replay such a step once from the same inputs (a
+            fault that does not repeat is logged and training goes on; one that repeats stops as with True).
         ckpt_format: ``"torch"`` (default: one file of full tp=1 tensors, gathered to rank 0) or ``"torch_dist"``
             (a directory written by ``torch.distributed.checkpoint``, each rank its own shards;
             ``--ckpt-format``; :mod:`lightning_megatron.checkpoint.distributed`).
         async_save: with ``"torch_dist"``, write checkpoints in the background (``--async-save``).
         distributed_timeout_minutes: timeout of every process group, the world's and each of the mesh's
             (``--distributed-timeout-minutes``); None: the strategy's ``timeout`` (Lightning's, 30 minutes).
+        auto_resume: a ``fit`` given no ``ckpt_path`` resumes from the newest complete checkpoint (file or sharded
+            directory) in the ``ModelCheckpoint`` directories, if there is one
+            (:mod:`lightning_megatron.strategy.resilience`; docs/reliability.md, "Long runs").
+        exit_signal_handler: on any of ``exit_signals`` at any rank, every rank finishes the step in flight, writes
+            ``last-preempted.ckpt`` into the ``ModelCheckpoint`` directory and exits with
+            :data:`~lightning_megatron.strategy.resilience.REQUEUE_EXIT_CODE` (``--exit-signal-handler``).
+        exit_signals: the signal names ``exit_signal_handler`` saves and exits on (default ``("SIGTERM",)``; add
+            e.g. ``"SIGUSR1"`` for SLURM's early ``--signal``).
         recompute_granularity: activation recompute (:mod:`lightning_megatron.parallel.recompute`): None (off),
             ``"selective"`` (the parts named in ``recompute_modules``) or ``"full"`` (whole layers).
         recompute_method: with ``"full"``: ``"uniform"`` (every layer, in groups of ``recompute_num_layers``
@@ -158,6 +184,9 @@ class ParallelConfig:
     ckpt_format: str = "torch"
     async_save: bool = False
     distributed_timeout_minutes: Optional[float] = None
+    auto_resume: bool = False
+    exit_signal_handler: bool = False
+    exit_signals: Sequence[str] = ("SIGTERM",)
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -178,7 +207,8 @@ class ParallelConfig:
         if not _is_int(self.etp) or self.etp < 1:
             raise ValueError(f"etp must be a positive integer, got {self.etp!r}")
         for name in ("sequence_parallel", "grad_reduce_in_bf16", "use_distributed_optimizer", "compile",
-                     "enable_cuda_graph", "overlap_param_gather", "tp_comm_overlap"):
+                     "enable_cuda_graph", "overlap_param_gather", "tp_comm_overlap", "auto_resume",
+                     "exit_signal_handler"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False (a string such as 'no' "
                                  "would count as True)")
@@ -227,9 +257,11 @@ class ParallelConfig:
                 f"exchanges: it needs cp > 1 with cp_comm_type 'a2a' or 'a2a+p2p' and tp=1; got cp={self.cp}, "
                 f"cp_comm_type={self.cp_comm_type!r}, tp={self.tp}")
         check_cp_kernel_options(self.cp_attention_kernel, self.cp_compile_merge, self.cp_sm_carveout)
-        if not isinstance(self.check_for_nan_in_loss_and_grad, bool) and self.check_for_nan_in_loss_and_grad != "skip":
+        if not isinstance(self.check_for_nan_in_loss_and_grad, bool) \
+                and self.check_for_nan_in_loss_and_grad not in ("skip", "rerun"):
             raise ValueError(f"check_for_nan_in_loss_and_grad={self.check_for_nan_in_loss_and_grad!r} must be True "
-                             "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on) or False")
+                             "(stop at a NaN/inf loss or gradient norm), 'skip' (drop that step and go on), 'rerun' "
+                             "(replay that step once; stop if it repeats) or False")
         self._check_checkpoint_options()
         from lightning_megatron.parallel.layout_rules import check_recompute_options
 
@@ -320,6 +352,7 @@ class ParallelConfig:
         t = self.distributed_timeout_minutes
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"distributed_timeout_minutes={t!r} must be None or a number of minutes > 0")
+        self.exit_signals = check_exit_signals(self.exit_signals)
 
     def _check_pipeline(self) -> None:
         from lightning_megatron.parallel.layout_rules import check_schedule, default_schedule

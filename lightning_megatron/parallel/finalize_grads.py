@@ -61,7 +61,7 @@ class GradientFinalizer:
         copy = stages.tied_copy() if stages is not None else None
         self.excluded_from_norm: Set[int] = {id(copy)} if copy is not None else set()
         check = config.check_for_nan_in_loss_and_grad
-        self.guard = NonFiniteGuard(parallelized.module, enabled=bool(check), skip=check == "skip")
+        self.guard = NonFiniteGuard(parallelized.module, enabled=bool(check), skip=check in ("skip", "rerun"))
         #: pipeline stages' data-parallel reduction started in backward (``overlap_grad_reduce``), else None
         self.reducer: Optional[GradBucketReducer] = None
         uses: dict = {}   # backward passes per micro-batch of a parameter several stages of this rank use

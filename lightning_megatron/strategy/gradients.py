@@ -1,7 +1,8 @@
 """The gradient hooks of :class:`~lightning_megatron.strategy.MegatronStrategy` (a mixin it inherits): after an
 optimizer step's backward, finish the gradients (:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`:
 the reductions DDP does not do, the non-finite check), clip them by their global norm over every model-parallel
-group, and count the steps ``check_for_nan_in_loss_and_grad="skip"`` dropped."""
+group, count the steps ``check_for_nan_in_loss_and_grad="skip"`` dropped, and replay a non-finite step once under
+``"rerun"``."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_megatron.checkpoint.distributed import rng_state, set_rng_state
 from lightning_megatron.parallel.nonfinite import NonFiniteStepSkipped
 
 log = logging.getLogger("lightning_megatron.strategy")
@@ -40,21 +42,51 @@ class GradientHooks:
             self.finalize_gradients()
             return result
 
+        rerun = self.parallel_config.check_for_nan_in_loss_and_grad == "rerun"
         if guard is not None:
             if self._skips_unlogged:
                 self._log_skipped()
-            guard.start_step(None if self._loss_scaled() else optimizer)
+            # rerun: the checks stay on the host, so that a non-finite step is known before the next one starts
+            guard.start_step(None if self._loss_scaled() or rerun else optimizer)
+        rng = rng_state(self.root_device, self.tp_rng) if rerun else None
         try:
-            result = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
-        except NonFiniteStepSkipped as skipped:   # check_for_nan_in_loss_and_grad="skip": every rank is here
-            self._count_skipped(skipped)
-            return None
+            result = self._step_once(optimizer, closure_then_finalize, model, **kwargs)
+        except NonFiniteStepSkipped as skipped:   # "skip" / "rerun": every rank is here
+            if not rerun:
+                self._count_skipped(skipped)
+                return None
+            result = self._replay(optimizer, closure_then_finalize, model, skipped, rng, **kwargs)
+        if guard is not None:
+            guard.end_step()
+        return result
+
+    def _step_once(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._finalized = False
             if self._steps is not None:
                 self._steps.end_step()
-        if guard is not None:
-            guard.end_step()
+
+    def _replay(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, fault: NonFiniteStepSkipped,
+                rng: Any, **kwargs: Any) -> Any:
+        """``check_for_nan_in_loss_and_grad="rerun"``: run the step's forward and backward (Lightning's closure: the
+        same batch; the RNG states as the first time) and the optimizer step again. A non-finite value again raises
+        :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` (naming step, ranks and parameter); a finite
+        replay steps, and the fault is counted (``rerun_steps``) and logged on rank 0."""
+        guard = self._grads.guard
+        if self.is_global_zero:
+            log.warning("%s; replaying the step from the same inputs", str(fault).split(". The step was skipped")[0])
+        set_rng_state(rng, self.root_device, self.tp_rng)
+        guard.skip = False
+        try:
+            result = self._step_once(optimizer, closure, model, **kwargs)
+        finally:
+            guard.skip = True
+        self.rerun_steps += 1
+        if self.is_global_zero:
+            log.warning("the replayed step %s was finite: the fault did not repeat, training goes on (%d replayed so "
+                        "far)", guard.step, self.rerun_steps)
         return result
 
     def settle_non_finite(self, log_skip: bool = True) -> None:

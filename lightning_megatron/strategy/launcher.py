@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -28,6 +29,8 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn
 
 import lightning.pytorch as pl
+
+from lightning_megatron.strategy.resilience import REQUEUE_EXIT_CODE
 
 DEFAULT_SEED = 1234  # Megatron's --seed default, used when seed_everything was not called
 
@@ -80,7 +83,8 @@ def watch_children(procs: Callable[[], List[subprocess.Popen]], poll_s: float = 
         while True:
             time.sleep(poll_s)
             children = list(procs())
-            failed = [p for p in children if p.poll() not in (None, 0)]
+            # a rank that saved on an exit signal and exits "requeue me" is not a failure: every rank does
+            failed = [p for p in children if p.poll() not in (None, 0, REQUEUE_EXIT_CODE)]
             if failed:
                 for p in children:
                     if p.poll() is None:
@@ -92,7 +96,8 @@ def watch_children(procs: Callable[[], List[subprocess.Popen]], poll_s: float = 
 
 def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
     """End this process ``grace_s`` seconds after a SIGTERM or SIGINT that has a Python handler (Lightning's, or
-    Python's KeyboardInterrupt), unless it has ended by then. Python runs signal handlers only between bytecodes of
+    Python's KeyboardInterrupt), unless it has ended by then or the signal's handler has run and says it takes over
+    (``handler.takes_over(signum)``: ``exit_signal_handler``'s, which saves at the end of the step and exits). Python runs signal handlers only between bytecodes of
     the main thread, so a rank blocked in a collective would otherwise never notice; the signal's arrival is seen
     through ``signal.set_wakeup_fd`` by a daemon thread. Call from the main thread; returns whether it is watching
     (False when another wakeup fd is set, e.g. by an asyncio loop, which is left alone)."""
@@ -120,11 +125,35 @@ def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
             hit = [b for b in data if b in watched]
             if hit:
                 time.sleep(grace_s)
+                handler = signal.getsignal(hit[0])
+                takes_over = getattr(handler, "takes_over", None)
+                if callable(takes_over) and takes_over(hit[0]):
+                    continue   # a handler of the main thread took it (exit_signal_handler: it saves, then exits)
                 name = signal.Signals(hit[0]).name
                 _end(128 + hit[0], f"{name} received {grace_s:.0f}s ago and the process did not stop")
 
     threading.Thread(target=run, name="lightning-megatron-signals", daemon=True).start()
     return True
+
+
+def restart_safe_store(main_address: str, main_port: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun (torchelastic) with its shared rendezvous store, the store for ``init_process_group``: the
+    agent's TCPStore at ``main_address:main_port`` under a prefix of this restart attempt; elsewhere None (torch's
+    own ``env://`` rendezvous is right).
+
+    torchrun's agent hosts one TCPStore for every restart of the job (``TORCHELASTIC_USE_AGENT_STORE=True``, the
+    default since torch 2.4) and hands each attempt the same address, while the workers' ``env://`` rendezvous
+    uses it without a per-attempt prefix. A restarted rank then finds the keys of the previous attempt: a peer's
+    gloo address that nobody listens on any more ("connectFullMesh failed ... Connection refused" while that peer
+    is still starting) or a store barrier that counts the dead ranks' arrivals (a hang at initialisation). The
+    prefix holds torchrun's own ``TORCHELASTIC_RESTART_COUNT`` (and ``TORCHELASTIC_RUN_ID``), read like
+    ``MASTER_ADDR``: the launcher's contract, not a switch."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    store = dist.TCPStore(main_address, int(main_port), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/lightning_megatron/{run}/attempt_{attempt}/", store)
 
 
 def guard_processes(launcher: Any, cluster_environment: Any, world_size: int) -> None:
@@ -144,13 +173,19 @@ def guard_processes(launcher: Any, cluster_environment: Any, world_size: int) ->
         watch_signals()
 
 
-def kill_launched(launcher: Any) -> None:
+def kill_launched(launcher: Any, wait: bool = False, wait_s: float = 60.0) -> None:
     """Kill the ranks Lightning's script ``launcher`` started that are still running (a failed rank takes them
-    with it); any other launcher: nothing."""
+    with it); ``wait``: first give them ``wait_s`` seconds to exit by themselves (they stop alike, e.g. after an
+    exit-signal checkpoint). Any other launcher: nothing."""
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     if isinstance(launcher, _SubprocessScriptLauncher):
         for proc in getattr(launcher, "procs", []):
+            if wait:
+                try:
+                    proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    pass
             if proc.poll() is None:
                 proc.kill()
 

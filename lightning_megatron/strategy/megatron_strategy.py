@@ -11,6 +11,7 @@ hooks (the one place its loop is bypassed). Lightning features a layout cannot r
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -22,7 +23,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -47,12 +50,14 @@ from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.lightning_features import (attach_weight_averages, check_lightning_features,
                                                           check_short_pipeline_steps)
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
-                                                  kill_launched)
+                                                  kill_launched, restart_safe_store)
 from lightning_megatron.strategy.model_setup import (check_pipeline_module, parallel_context, shard_fsdp,
                                                      shard_optimizer_states, wrap_data_parallel)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
+from lightning_megatron.strategy.resilience import (ExitSignalHandler, Preempted, PreemptionCheckpoint,
+                                                    check_requeue_signal, install_auto_resume)
 from lightning_megatron.strategy.step_path import StepPath
 from lightning_megatron.strategy.summary import count_whole_model
 
@@ -141,6 +146,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         if dry_run is not None and self.parallel_config.check_for_nan_in_loss_and_grad:
             raise ValueError("check_for_nan_in_loss_and_grad=True with dry_run: the fake collectives leave their "
                              "results unfilled, so losses and gradients of a dry run are meaningless; drop it")
+        self.rerun_steps: int = 0   # non-finite steps replayed finite by check_for_nan_in_loss_and_grad="rerun"
+        self._exit_signals: Optional[ExitSignalHandler] = None   # exit_signal_handler=True: during fit
 
     @property
     def precision_plugin(self) -> Precision:
@@ -180,6 +187,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             check_lightning_features(module.trainer, module, self.parallel_config, self._params_dtype())
+            self._add_long_run_hooks(module.trainer)
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
@@ -192,18 +200,59 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         self.tp_rng = seed_rank_streams(self.seed, self.mesh.rank("tp"), self.mesh.rank("pp"), self.root_device)
         log.info("lightning-megatron mesh: %r", self.mesh)
 
-    def setup_distributed(self) -> None:
-        """Lightning's process group, or in a dry run the fake one of ``dry_run.world_size`` ranks (Lightning itself
-        sees one process: it logs and prints as rank 0)."""
-        if self.dry_run is None:
-            super().setup_distributed()
-            return
-        from lightning.fabric.utilities.seed import reset_seed
+    def _add_long_run_hooks(self, trainer: "pl.Trainer") -> None:
+        """``auto_resume``: the newest complete checkpoint when ``fit`` got no ``ckpt_path``;
+        ``exit_signal_handler``: the end-of-step save on an exit signal
+        (:mod:`~lightning_megatron.strategy.resilience`)."""
+        cfg = self.parallel_config
+        if cfg.check_for_nan_in_loss_and_grad == "rerun" and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"check_for_nan_in_loss_and_grad='rerun' with Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): a replay reruns only the last micro-batch (the earlier ones' "
+                "gradients are already summed); use accumulate_grad_batches=1 (pipeline parallelism runs its "
+                "micro-batches inside the step) or 'skip'")
+        if cfg.auto_resume:
+            install_auto_resume(trainer, self)
+        if cfg.exit_signal_handler and trainer.state.fn == TrainerFn.FITTING:
+            if not trainer.checkpoint_callbacks:
+                raise ValueError("exit_signal_handler=True saves into the ModelCheckpoint directory: add "
+                                 "ModelCheckpoint(dirpath=...) to the Trainer's callbacks (or enable_checkpointing)")
+            check_requeue_signal(trainer, cfg.exit_signals)
+            saver = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+            if saver is None:
+                saver = PreemptionCheckpoint(ExitSignalHandler(cfg.exit_signals))
+                trainer.callbacks.append(saver)
+            saver.handler.received = None
+            self._exit_signals = saver.handler
 
+    def setup_distributed(self) -> None:
+        """Lightning's process-group start, except in two cases. In a dry run it starts the fake group of
+        ``dry_run.world_size`` ranks (Lightning itself sees one process: it logs and prints as rank 0). Under
+        torchrun with its shared rendezvous store the group starts on a store prefixed by the restart attempt, so
+        that a job restarted in place (``--max-restarts``) never reads the dead attempt's keys
+        (:func:`~lightning_megatron.strategy.launcher.restart_safe_store`)."""
+        if self.dry_run is not None:
+            reset_seed()
+            self.set_world_ranks()
+            init_fake_process_group(self.dry_run, self._timeout)
+            self._process_group_backend = "fake"
+            return
+        env = self.cluster_environment
+        store = None
+        if not torch.distributed.is_initialized() and env is not None:
+            store = restart_safe_store(env.main_address, env.main_port, self._timeout or default_pg_timeout)
+        if store is None:
+            return super().setup_distributed()
         reset_seed()
         self.set_world_ranks()
-        init_fake_process_group(self.dry_run, self._timeout)
-        self._process_group_backend = "fake"
+        self._process_group_backend = self._get_process_group_backend()
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        log.info("Initializing distributed: GLOBAL_RANK: %d, MEMBER: %d/%d (restart attempt's store)",
+                 self.global_rank, self.global_rank + 1, self.world_size)
+        torch.distributed.init_process_group(self._process_group_backend, store=store, rank=self.global_rank,
+                                             world_size=self.world_size, timeout=self._timeout, device_id=device_id)
+        if self._process_group_backend == "nccl":   # as Lightning: destroyed at exit (torch warns otherwise)
+            atexit.register(_destroy_dist_connection)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; in a dry run the object itself (Lightning sees one process; a fake broadcast of
@@ -211,9 +260,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         return obj if self.dry_run is not None else super().broadcast(obj, src)
 
     def on_exception(self, exception: BaseException) -> None:
-        """A failed rank (an error, a timed-out collective) takes the ranks it launched with it."""
+        """A failed rank (an error, a timed-out collective) takes the ranks it launched with it; after an
+        exit-signal checkpoint (:class:`Preempted`, every rank stops alike) they are waited for instead."""
         super().on_exception(exception)
-        kill_launched(self._launcher)
+        if self._exit_signals is not None:
+            self._exit_signals.uninstall()
+        kill_launched(self._launcher, wait=isinstance(exception, Preempted))
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
@@ -324,6 +376,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     def on_train_start(self) -> None:
         """Under pp > 1, refuse (on every rank, before the first batch) steps the schedule cannot run."""
         super().on_train_start()
+        if self._exit_signals is not None:   # after Lightning registered its own handlers: these replace them
+            self._exit_signals.install()
         pipeline = self._steps.pipeline if self._steps is not None else None
         if pipeline is not None:
             check_short_pipeline_steps(self.lightning_module.trainer, pipeline.schedule_name, pipeline.pp,
@@ -332,6 +386,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     def on_train_end(self) -> None:
         self.wait_for_parameters()
         self.finish_checkpoints()
+        if self._exit_signals is not None:
+            self._exit_signals.uninstall()
         super().on_train_end()   # GradientHooks: the last step's non-finite verdict, when decided on the device
 
     def teardown(self) -> None:
