@@ -19,6 +19,7 @@ from lightning_megatron.planner.cli import main
 from lightning_megatron.planner import Layout, load_hardware, plan, predict, state_bytes
 from lightning_megatron.planner.check import MEASURED_FILE, compare, row_case
 from lightning_megatron.planner.model import Workload
+from lightning_megatron.planner.memory import static_bytes_per_param
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_BOUND, TIME_BOUND = 0.10, 0.15
@@ -127,7 +128,7 @@ def test_bf16_moments_shorten_the_predicted_optimizer_step_as_measured():
 def test_bf16_params_peak_and_state_match_what_they_measured():
     """bf16 parameters (``MegatronPrecision(params_dtype=torch.bfloat16)``, ``params_dtype="bf16"``): 6 bytes per
     parameter (bf16 copy + fp32 main), fp32 main gradients, Adam states as with fp32 parameters (the distributed
-    optimizer shards only those). The 1.3B model on one H200 (RESULTS.md, "Precision: bf16 parameters and FP8 on one
+    optimizer shards the main parameters with them: 2 + 4 + 12 / dp). The 1.3B model on one H200 (RESULTS.md, "Precision: bf16 parameters and FP8 on one
     GPU"): the predicted peak within 10% of the eager measurement (bf16 autocast 35.58 GiB, bf16 parameters 34.17;
     the planner's rows are eager runs, compile=True peaks are lower: 30.82 / 30.16) and 1.41 GiB lower within
     0.15 GiB (no autocast weight copies, a bf16 residual stream); the state held between steps (main gradients
@@ -135,11 +136,16 @@ def test_bf16_params_peak_and_state_match_what_they_measured():
     without remainders: ``store_param_remainders=False`` (the default with bf16 parameters is on)."""
     cfg = GPTConfig.llama_1b_bench()
     n = cfg.num_parameters
-    for layout in (Layout(), Layout(dp=4, sharding="optim")):
-        fp32, bf16 = (state_bytes(cfg, layout, dp_rank=0, params_dtype=d) for d in ("fp32", "bf16"))
-        assert (bf16.params, bf16.grads, bf16.optimizer) == (6 * n, 4 * n, fp32.optimizer), layout
-        assert bf16.main_grads and not fp32.main_grads
-        assert fp32.between_steps - bf16.between_steps == 2 * n and bf16.between_steps == 6 * n + bf16.optimizer
+    fp32, bf16 = (state_bytes(cfg, Layout(), dp_rank=0, params_dtype=d) for d in ("fp32", "bf16"))
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (6 * n, 4 * n, fp32.optimizer)
+    assert bf16.main_grads and not fp32.main_grads
+    assert fp32.between_steps - bf16.between_steps == 2 * n and bf16.between_steps == 6 * n + bf16.optimizer
+    # the distributed optimizer with bf16 parameters: the fp32 main parameters sharded with the states, Megatron's
+    # 2 + 4 + 12 / dp bytes per parameter (the buckets' padding and the step counters aside)
+    for dp in (2, 4, 8):
+        sharded = state_bytes(cfg, Layout(dp=dp, sharding="optim"), dp_rank=None, params_dtype="bf16")
+        assert sharded.grads == 4 * n and sharded.params < 6 * n
+        assert sharded.total / n == pytest.approx(static_bytes_per_param("bf16", True, dp), rel=1e-5), dp
     hw = load_hardware("h200")
     layout = Layout(micro_batch_size=4)
     fp32, bf16 = (predict(layout, Workload(cfg, 2048, 4, params_dtype=d, store_param_remainders=False), hw) for d in ("fp32", "bf16"))
