@@ -140,6 +140,22 @@ def train(rank: int, world: int, out: str, layout: str, fmt: str, faults: str, s
     return trainer.global_step
 
 
+def spawn_train(out: str, faults: str, max_restarts: int, steps: int = 8) -> Any:
+    """The ``dp2_distopt`` job from this (main) process through the strategy's own launcher (``start_method="spawn"``,
+    ``max_restarts``); returns the trainer (its module holds the full final weights) and the launcher's restarts."""
+    os.makedirs(out, exist_ok=True)
+    pl.seed_everything(SEED, verbose=False)
+    cfg = tiny_config()
+    strategy = MegatronStrategy(**LAYOUTS["dp2_distopt"], auto_resume=True, start_method="spawn",
+                                max_restarts=max_restarts, distributed_timeout_minutes=1)
+    saver = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{step}", every_n_train_steps=SAVE_EVERY,
+                            save_top_k=-1)
+    trainer = trainer_for(2, strategy, steps, callbacks=[Faults(out, parse_faults(faults)), saver])
+    data = ListGPTDataModule(make_samples(cfg, steps * GLOBAL_BATCH), GLOBAL_BATCH // 2)
+    trainer.fit(new_module(cfg, steps), datamodule=data)
+    return trainer, strategy.launcher.restarts
+
+
 def main() -> None:
     out, layout, fmt, faults = sys.argv[1:5]
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8

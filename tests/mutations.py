@@ -435,6 +435,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "    return eod.cumsum(-1)\n"),),
         ("tests/test_data_megatron.py::test_gpt_dataset_reset_position_ids_and_attention_mask",)),
     Mutation(
+        "spawn-launcher-never-restarts", "MegatronStrategy(start_method='spawn', max_restarts=N) gives up at the "
+        "first failed rank",
+        (Edit("lightning_megatron/strategy/launcher.py", "                if self.restarts >= self.max_restarts:\n",
+              "                if True:\n"),),
+        (LONG + "test_the_strategys_own_launcher_restarts_a_killed_rank_and_ends_bit_exact",)),
+    Mutation(
         "restart-attempts-share-keys", "under torchrun's shared agent store the process group starts without a "
         "prefix of its restart attempt (a restarted rank reads the dead attempt's gloo addresses)",
         (Edit("lightning_megatron/strategy/launcher.py",

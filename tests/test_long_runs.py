@@ -188,6 +188,32 @@ def test_torchrun_restarts_in_place_twice_and_ends_bit_exact(tmp_path):
     _assert_bit_equal(out, ref)
 
 
+def test_the_strategys_own_launcher_restarts_a_killed_rank_and_ends_bit_exact(tmp_path):
+    """``MegatronStrategy(start_method="spawn", max_restarts=1, auto_resume=True)`` from the user's process: rank 1
+    SIGKILLed at step 3; the launcher starts both ranks again on a new port, the restart resumes from step 2's
+    checkpoint by itself, and the weights handed back to the main process equal the uninterrupted run's bit for bit.
+    ``max_restarts`` under popen, or without ``auto_resume``, is refused naming the way that works."""
+    from tests._resume_job import spawn_train
+
+    ref = tmp_path / "ref"
+    run_distributed(train, 2, str(ref), "dp2_distopt", "torch", "-")
+    env = dict(os.environ)
+    try:
+        trainer, restarts = spawn_train(str(tmp_path / "job"), "kill@3:1", max_restarts=1)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert restarts == 1 and _starts(str(tmp_path / "job"), 1) == [0, 2], _starts(str(tmp_path / "job"), 1)
+    final, want = trainer.lightning_module.state_dict(), _final(str(ref))
+    diff = {k: float((final[k].float() - want[k].float()).abs().max()) for k in want if not torch.equal(final[k], want[k])}
+    assert not diff, diff
+    assert _losses(str(tmp_path / "job"), 1) == _losses(str(ref), 1)
+    with pytest.raises(ValueError, match="start_method='popen'.*torchrun --max-restarts"):
+        MegatronStrategy(max_restarts=1, auto_resume=True)
+    with pytest.raises(ValueError, match="without auto_resume=True"):
+        MegatronStrategy(max_restarts=1, start_method="spawn")
+
+
 # ---------------------------------------------------------------------------------------------- preemption
 def _popen_job(out, faults):
     """The job as a user's script: rank 0 started by hand, rank 1 by Lightning's launcher."""

@@ -191,7 +191,35 @@ def kill_launched(launcher: Any, wait: bool = False, wait_s: float = 60.0) -> No
 
 
 class MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards."""
+    """Spawn launcher that hands the main process full (gathered) weights instead of rank 0's TP shards, and with
+    ``max_restarts`` starts every rank again (on a new port) when one fails, up to that many times: with
+    ``auto_resume`` each attempt resumes from the newest complete checkpoint (:attr:`restarts` counts them)."""
+
+    def __init__(self, strategy: Any, start_method: str = "spawn", max_restarts: int = 0) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        from lightning.fabric.plugins.environments.lightning import find_free_network_port
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+        while True:
+            try:
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+            except (ProcessRaisedException, ProcessExitedException) as err:
+                if self.restarts >= self.max_restarts:
+                    raise
+                self.restarts += 1
+                first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                rank_zero_warn(f"a rank failed ({first}); starting every rank again, restart {self.restarts} of "
+                               f"max_restarts={self.max_restarts}, from the newest complete checkpoint")
+                port = find_free_network_port()   # the failed attempt's port may still be held
+                env = self._strategy.cluster_environment
+                if hasattr(env, "_main_port"):
+                    env._main_port = port
+                os.environ["MASTER_PORT"] = str(port)
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(*args, **kwargs)

@@ -84,6 +84,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             mesh's); give one of them (``distributed_timeout_minutes``: Megatron's name, in minutes).
         start_method: ``"popen"`` (default: re-runs the script per process; also works under torchrun and
             SLURM) or ``"spawn"`` / ``"fork"`` (tests, notebooks; the main process gets the full weights back).
+        max_restarts: with ``"spawn"`` / ``"fork"`` and ``auto_resume=True``: when a rank fails (an error, a kill)
+            every rank is started again, up to this many times, each restart resuming from the newest complete
+            checkpoint (torchrun's ``--max-restarts`` for the strategy's own launcher; under ``"popen"`` a
+            ValueError: use torchrun or a SLURM requeue).
         dry_run: a :class:`~lightning_megatron.parallel.dry_run.DryRun`: this one process (``Trainer(devices=1)``)
             plays rank ``dry_run.rank`` of a job of ``dry_run.world_size`` over torch's fake communication backend
             (collectives return at once, memory and compute are that rank's; the non-finite checks are off, losses
@@ -115,6 +119,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_restarts: int = 0,
         dry_run: Optional[DryRun] = None,
         **options: Any,
     ) -> None:
@@ -130,6 +135,17 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **options)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts!r} must be an int >= 0")
+        if max_restarts and start_method == "popen":
+            raise ValueError(f"max_restarts={max_restarts} with start_method='popen': the script's own process is "
+                             "rank 0 and cannot start itself again; use torchrun --max-restarts (or a SLURM "
+                             "requeue), or start_method='spawn'")
+        if max_restarts and not self.parallel_config.auto_resume:
+            raise ValueError(f"max_restarts={max_restarts} without auto_resume=True: a restart would train from "
+                             "the start again; set auto_resume=True (and a ModelCheckpoint that saves)")
+        #: spawn / fork: how often the launcher starts every rank again after one failed (:class:`MegatronMultiProcessingLauncher`)
+        self.max_restarts = max_restarts
         self.mesh: Optional[ParallelMesh] = None
         self.tp_rng: Optional[TensorParallelRNG] = None
         self.seed: int = global_seed()
@@ -179,7 +195,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                              "num_nodes=1)")
         super()._configure_launcher()   # popen (Lightning's); spawn / fork hand the weights back to the main process
         if self._start_method != "popen":
-            self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method,
+                                                             max_restarts=self.max_restarts)
 
     def setup_environment(self) -> None:
         """Refuse the Lightning features this layout cannot run (every rank at once, before any collective), start

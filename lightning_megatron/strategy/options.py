@@ -24,7 +24,7 @@ LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.i
 #: is a layout option, a DDP argument or a DDP hook option (``tests/test_strategy.py`` holds this to the signature)
 STRATEGY_KEYWORDS = ("tp", "pp", "vp", "cp", "ep", "etp", "sequence_parallel", "accelerator", "parallel_devices",
                      "cluster_environment", "checkpoint_io", "precision_plugin", "process_group_backend", "timeout",
-                     "start_method", "dry_run")
+                     "start_method", "max_restarts", "dry_run")
 
 
 def parallel_config_from_options(options: Dict[str, Any], timeout: Optional[timedelta], default_timeout: timedelta,
