@@ -572,6 +572,7 @@ CASES = [
     ([], ["--no-overlap-grad-reduce"], {"MegatronStrategy.overlap_grad_reduce": False}),
     ([], ["--ddp-bucket-size", "1000000"], {"MegatronStrategy.bucket_size": 1000000}),
     (["--use-distributed-optimizer"], ["--overlap-param-gather"], {"MegatronStrategy.overlap_param_gather": True}),
+    ([], ["--exit-signal-handler"], {"MegatronStrategy.exit_signal_handler": True}),
     ([], ["--tp-comm-overlap"], {"MegatronStrategy.tp_comm_overlap": True}),
     ([], ["--compile"], {"MegatronStrategy.compile": True}),
     (["--compile"], ["--enable-cuda-graph"], {"MegatronStrategy.enable_cuda_graph": True}),

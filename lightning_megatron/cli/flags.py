@@ -174,6 +174,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_flag(g, "--overlap-param-gather", "MegatronStrategy.overlap_param_gather", action="store_true",
              help="with --use-distributed-optimizer: the parameter broadcast after the step overlaps the next "
                   "forward, layer by layer")
+    add_flag(g, "--exit-signal-handler", "MegatronStrategy.exit_signal_handler", action="store_true",
+             help="on SIGTERM every rank finishes the step, saves last-preempted.ckpt into --save's directory and "
+                  "exits with code 75 (requeue); docs/reliability.md")
     add_flag(g, "--tp-comm-overlap", "MegatronStrategy.tp_comm_overlap", action="store_true",
              help="with sequence parallelism: SP all-gather / reduce-scatter as rings of chunked GEMMs")
     add_flag(g, "--compile", "MegatronStrategy.compile", action="store_true",

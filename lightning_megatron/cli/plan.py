@@ -279,6 +279,7 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
                 ("overlap_grad_reduce", args.overlap_grad_reduce), ("bucket_size", args.ddp_bucket_size),
                 ("overlap_param_gather", args.overlap_param_gather or None),
                 ("tp_comm_overlap", args.tp_comm_overlap or None), ("compile", args.compile or None),
+                ("exit_signal_handler", args.exit_signal_handler or None),
                 ("enable_cuda_graph", args.enable_cuda_graph or None),
                 ("check_for_nan_in_loss_and_grad", args.check_for_nan_in_loss_and_grad),
                 ("ckpt_format", args.ckpt_format), ("async_save", args.async_save or None),
