@@ -222,3 +222,14 @@ def test_verify_command_prints_measured_beside_planned():
         line = next(line for line in lines if line.strip().startswith(row))
         assert line.split()[-1] == "1.000", line   # the measured bytes are the planner's
     assert "without communication" in out.stdout
+
+
+def test_a_rank_out_of_memory_is_reported_as_such():
+    """A rank that ran out of GPU memory measured nothing else: its line says so beside the planner's peak (on
+    2026-12-05 the 8B row's first rank on one H200 printed a KeyError here instead)."""
+    from lightning_megatron.planner.verify import format_rank, load_job, predicted
+
+    job = load_job("examples/configs/llama3_8b.yaml")
+    got = {"rank": 0, "device": "NVIDIA H200", "steps": 2, "out_of_memory": "CUDA out of memory. Tried to allocate"}
+    text = format_rank(job, got, predicted(job, 0))
+    assert text.startswith("rank 0 (pp 0, dp 0, cp 0, tp 0) on NVIDIA H200") and "OUT OF MEMORY" in text, text

@@ -205,6 +205,11 @@ def _bytes(v: Optional[int]) -> str:
 def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> str:
     """One rank's measured numbers beside the planner's (measured / predicted / ratio)."""
     at = rank_coordinates(job.layout, got["rank"])
+    head = (f"rank {got['rank']} (pp {at['pp']}, dp {at['dp']}, cp {at['cp']}, tp {at['tp']}) on {got['device']}, "
+            f"{got['steps']} steps; the planner {'fits' if want['fits'] else 'does not fit'} this rank")
+    if got.get("out_of_memory"):   # nothing else was measured
+        return (f"{head}\n  OUT OF MEMORY on {got['device']} (planner: peak {want['peak_gib']:.2f} GiB): "
+                f"{got['out_of_memory']}")
     state_got = sum(got[k] or 0 for k in ("state_params", "state_grads", "state_optimizer"))
     state_want = want["state_params"] + want["state_grads"] + want["state_optimizer"]
     rows = [("parameters held", f"{got['params']:,}", f"{want['params']:,}"),
@@ -218,11 +223,6 @@ def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> st
              f"{want['peak_gib']:.2f}"),
             ("compute s / step", f"{got['compute_s']:.4g}", f"{want['compute_s']:.4g}"),
             ("compute-only MFU", f"{100 * got['mfu']:.1f}%", f"{100 * want['mfu']:.1f}%")]
-    head = (f"rank {got['rank']} (pp {at['pp']}, dp {at['dp']}, cp {at['cp']}, tp {at['tp']}) on {got['device']}, "
-            f"{got['steps']} steps; the planner {'fits' if want['fits'] else 'does not fit'} this rank")
-    if got.get("out_of_memory"):
-        return (f"{head}\n  OUT OF MEMORY on {got['device']} (planner: peak {want['peak_gib']:.2f} GiB): "
-                f"{got['out_of_memory']}")
     lines = [head, f"  {'':30s} {'measured':>16s} {'planner':>16s} {'ratio':>7s}"]
     for name, a, b in rows:
         try:
