@@ -368,6 +368,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd]",
          SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[adamw-remainders-param-gather]")),
     Mutation(
+        "bf16-buffers-averaged-twice", "grad_reduce_in_bf16 under the distributed optimizer: a bf16 gradient bucket, "
+        "averaged in place before its all-reduce, is divided by the group's size again after it",
+        (Edit("lightning_megatron/parallel/main_grad.py", "            elif not bucket.averaged:\n",
+              "            else:\n"),),
+        (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd-bf16-reduce]",)),
+    Mutation(
         "shard-main-not-written-to-bf16", "the stepped fp32 main-parameter shard is not written into the bf16 copies "
         "(the next forward runs on the old weights)",
         (Edit("lightning_megatron/parallel/main_param_shards.py",

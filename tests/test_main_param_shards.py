@@ -122,6 +122,11 @@ CASES = {
     "adamw": (BF16, None, {}),
     "adamw-remainders-param-gather": (BF16_REM, None, dict(overlap_param_gather=True, overlap_grad_reduce=True)),
     "adamw-bf16-moments": (BF16, "bf16_moments", {}),
+    # grad_reduce_in_bf16: the sharded run's main gradients are bf16 buffers (accumulated and averaged in bf16), the
+    # unsharded run's fp32 buffers communicated in bf16: the same numbers at one micro-batch per step
+    "sgd-bf16-reduce": (BF16, "sgd", dict(grad_reduce_in_bf16=True)),
+    "adamw-remainders-bf16-reduce-overlaps": (BF16_REM, None, dict(grad_reduce_in_bf16=True, overlap_grad_reduce=True,
+                                                                    overlap_param_gather=True)),
     # another optimizer: ZeroRedundancyOptimizer over whole fp32 main parameters, broadcasts overlapped
     "rmsprop-fallback-param-gather": (BF16_REM, "rmsprop", dict(overlap_param_gather=True)),
 }
@@ -154,32 +159,37 @@ def test_sharded_step_equals_the_unsharded_step_bit_for_bit(runs, case: str) -> 
                for k in plain["final"])
 
 
-def _bytes_at(world: int, precision: Dict[str, Any]) -> Dict[str, float]:
+def _bytes_at(world: int, precision: Dict[str, Any], bf16_grads: bool = False) -> Dict[str, float]:
     strategy = dict(use_distributed_optimizer=True) if world > 1 else {}
+    if bf16_grads:
+        strategy["grad_reduce_in_bf16"] = True
     out = run_distributed(shard_run, world, strategy, precision, None, 1)
     for r in out:
         assert not isinstance(r, str), r
     return out[0]["bytes"]
 
 
-@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-main", "remainders"])
-def test_static_bytes_per_parameter_follow_megatrons_formula(remainders: bool) -> None:
+@pytest.mark.parametrize("remainders, bf16_grads", [(False, False), (True, False), (False, True)],
+                         ids=["fp32-main", "remainders", "bf16-grads"])
+def test_static_bytes_per_parameter_follow_megatrons_formula(remainders: bool, bf16_grads: bool) -> None:
     """2 (bf16 parameter) + 4 (fp32 main gradient) + (4 main parameter + 8 Adam moments) / dp; with remainders the
     main parameter's 4 bytes are the bf16 parameter's 2 plus a 2-byte remainder: 2 + 4 + 10 / dp. Counted from the
     tensors on rank 0 (the buckets' padding to a multiple of dp is the only slack). At dp = 1 a step of one
-    micro-batch keeps the backward's bf16 gradients (2 bytes) instead of fp32 main gradients (4): 2 less."""
+    micro-batch keeps the backward's bf16 gradients (2 bytes) instead of fp32 main gradients (4): 2 less. With
+    ``grad_reduce_in_bf16`` the sharded runs' main gradients are bf16 buffers: ``2 + 2 + 12 / dp``."""
     from lightning_megatron.planner.memory import static_bytes_per_param
 
     precision = BF16_REM if remainders else BF16
     for dp in (1, 2, 4):
-        measured = _bytes_at(dp, precision)
+        measured = _bytes_at(dp, precision, bf16_grads)
         total = sum(measured.values())
-        formula = 2 + 4 + (10 if remainders else 12) / dp
+        formula = static_bytes_per_param(params_dtype="bf16", distributed_optimizer=True, dp=dp,
+                                         store_param_remainders=remainders, grad_reduce_in_bf16=bf16_grads)
+        grads = 2 if bf16_grads and dp > 1 else 4
+        assert formula == pytest.approx(2 + grads + (10 if remainders else 12) / dp)
         direct = 2 if dp == 1 else 0   # the bf16 gradients kept where nothing reduces them
         assert total == pytest.approx(formula - direct, rel=2e-3), (dp, measured)
-        assert measured["grads"] == pytest.approx(4 - direct), (dp, measured)
-        assert static_bytes_per_param(params_dtype="bf16", distributed_optimizer=True, dp=dp,
-                                      store_param_remainders=remainders) == pytest.approx(formula)
+        assert measured["grads"] == pytest.approx(grads - direct), (dp, measured)
 
 
 def test_checkpoints_are_whole_and_resume_into_the_shards(tmp_path) -> None:

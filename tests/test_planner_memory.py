@@ -52,6 +52,9 @@ BF16_PARAMS = {
 }
 # the same with the fp32 main parameters held as int16 remainders next to the bf16 copies
 BF16_PARAMS.update({f"{name}-rem": case for name, case in BF16_PARAMS.items() if "distopt" in name})
+# the distributed optimizer's main gradients as bf16 buffers (grad_reduce_in_bf16): 2 bytes per parameter
+BF16_PARAMS["tp2sp-dp2-distopt-bf16-params-bf16-grads"] = (
+    dict(CASES["tp2sp-dp2-distopt"][0], grad_reduce_in_bf16=True), CASES["tp2sp-dp2-distopt"][1], 1)
 CASES.update(BF16_PARAMS)
 #: FSDP's levels with bf16 parameters: FSDP2 holds them (fp32 shards, bf16 compute copies gathered per unit)
 CASES["tp2sp-dp2-fsdp-optim_grads-bf16-params"] = CASES["tp2sp-dp2-fsdp-optim_grads"]
@@ -62,11 +65,15 @@ def _moment_bytes(case: str) -> int:
 
 
 def _params_dtype(case: str) -> str:
-    return "bf16" if case.endswith(("-bf16-params", "-bf16-params-rem")) else "fp32"
+    return "bf16" if case.endswith(("-bf16-params", "-bf16-params-rem", "-bf16-grads")) else "fp32"
 
 
 def _remainders(case: str) -> bool:
     return case.endswith("-rem")
+
+
+def _bf16_grads(case: str) -> bool:
+    return case.endswith("-bf16-grads")
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -149,7 +156,7 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
         cp_rank, dp_rank, pp_rank = rest % layout.cp, (rest // layout.cp) % layout.dp, rest // (layout.cp * layout.dp)
         want = state_bytes(cfg, layout, pp_rank, dp_rank=dp_rank * layout.cp + cp_rank,
                            moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case),
-                           store_param_remainders=_remainders(case))
+                           store_param_remainders=_remainders(case), grad_reduce_in_bf16=_bf16_grads(case))
         assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), (
             case, rank, got, want)
         if want.main_grads:   # bf16 parameters: the optimizer step dropped the main gradients
@@ -159,7 +166,8 @@ def test_planner_bytes_equal_what_each_rank_allocates(allocations, case):
             if layout.sharding == "no_shard" or layout.dp * layout.cp == 1:
                 assert (want.params, want.grads) == (fp32.params * per_param // 4, fp32.grads), (want, fp32)
             else:   # the distributed optimizer: the main parameters (or remainders) sharded with the states
-                assert want.grads == fp32.grads and want.params < fp32.params * per_param // 4, (want, fp32)
+                grads = fp32.grads // 2 if _bf16_grads(case) else fp32.grads   # bf16 buffers: 2 bytes
+                assert want.grads == grads and want.params < fp32.params * per_param // 4, (want, fp32)
         if layout.dp > 1 and layout.sharding != "no_shard":  # really sharded: less than the rank's whole states
             whole = state_bytes(cfg, dataclasses.replace(layout, sharding="no_shard"), pp_rank,
                                 moment_bytes=_moment_bytes(case), params_dtype=_params_dtype(case))

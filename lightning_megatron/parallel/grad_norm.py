@@ -85,10 +85,13 @@ def _sum_squares(grads: List[Tuple[torch.nn.Parameter, Tensor]], device: torch.d
     if not grads:
         return torch.zeros((), dtype=dtype, device=device)
     tensors = [g for _, g in grads]
+    # half-precision gradients (bf16 main-gradient buffers, a direct step's): their norms in ``dtype``, not rounded
+    half = all(t.dtype in (torch.bfloat16, torch.float16) for t in tensors) and dtype != tensors[0].dtype
+    kwargs = {"dtype": dtype} if half else {}
     if local_norms is None:
-        norms = torch._foreach_norm(coalesce(tensors), 2.0)
+        norms = torch._foreach_norm(coalesce(tensors), 2.0, **kwargs)
     else:
-        norms = torch._foreach_norm(tensors, 2.0)
+        norms = torch._foreach_norm(tensors, 2.0, **kwargs)
         local_norms.extend(zip([p for p, _ in grads], norms))
     return torch.stack([n.to(dtype) for n in norms]).pow(2).sum()
 

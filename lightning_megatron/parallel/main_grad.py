@@ -108,6 +108,8 @@ class _Bucket:
     #: the bucket's reduction in flight: its work and the tensor reduced (the gradients or a bf16 copy)
     work: Any = None
     flat: Optional[Tensor] = None
+    #: the reduced tensor was divided by the group's size before the sum (``reduce_dtype``)
+    averaged: bool = False
     #: the distributed optimizer's shard of the bucket (:meth:`MainParams.shard`), else None
     shard: Optional["BucketShard"] = None
     #: with a shard: the fp32 main parameters of the shard's elements (``shard.length``; with remainders only while
@@ -221,6 +223,8 @@ class MainParams:
         self._optimizer_steps_main = False
         #: a zero per device, expanded to a parameter's shape in the sharded main view (:meth:`_placeholder`)
         self._zeros: Dict[torch.device, Tensor] = {}
+        #: the main gradients' dtype: fp32, or with shards and ``grad_reduce_in_bf16`` bf16 (:meth:`shard`)
+        self.grad_dtype = torch.float32
         seen = set()
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
@@ -321,7 +325,7 @@ class MainParams:
         index, offset = self._where[id(p)]
         bucket = self.buckets[index]
         if bucket.grad is None:
-            bucket.grad = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
+            bucket.grad = torch.empty(bucket.numel, dtype=self.grad_dtype, device=bucket.device)
         return _slot(bucket.grad, offset, p)
 
     @torch.no_grad()
@@ -482,8 +486,9 @@ class MainParams:
                     p.grad = self._grads[id(p)]
         flat = bucket.grad
         assert flat is not None
-        if reduce.reduce_dtype is not None:
-            flat = flat.to(reduce.reduce_dtype).div_(reduce.size)
+        if reduce.reduce_dtype is not None:   # a copy in that dtype, or the bf16 buffer itself, averaged first
+            flat = (flat.to(reduce.reduce_dtype) if flat.dtype != reduce.reduce_dtype else flat).div_(reduce.size)
+            bucket.averaged = True
         bucket.flat = flat
         bucket.work = dist.all_reduce(flat, group=reduce.group, async_op=True)
 
@@ -507,11 +512,11 @@ class MainParams:
             if bucket.work is None:
                 continue
             bucket.work.wait()
-            if bucket.flat is bucket.grad:
-                bucket.grad.div_(self._reduce.size)
-            else:
+            if bucket.flat is not bucket.grad:
                 bucket.grad.copy_(bucket.flat)
-            bucket.work, bucket.flat = None, None
+            elif not bucket.averaged:
+                bucket.grad.div_(self._reduce.size)
+            bucket.work, bucket.flat, bucket.averaged = None, None, False
 
     def _leave_direct(self) -> None:
         """End direct mode for this step: the gradients kept so far go the way of a step's first gradients
@@ -580,14 +585,19 @@ class MainParams:
         return bool(self.buckets) and self.buckets[0].shard is not None
 
     @torch.no_grad()
-    def shard(self, group_of: Callable[["_Bucket"], Tuple[Any, int, int]]) -> None:
+    def shard(self, group_of: Callable[["_Bucket"], Tuple[Any, int, int]],
+              grad_dtype: Optional[torch.dtype] = None) -> None:
         """Keep only this rank's shard of each bucket's fp32 main parameters (Megatron's distributed optimizer):
         ``group_of(bucket)`` gives the bucket's data-parallel ``(group, size, rank)`` (dp x cp; expert buckets: edp).
         Each bucket's compute buffer is padded to ``size * length`` elements (``length = ceil(numel / size)``) so
         that it can be all-gathered in place; the main parameters (or with remainders the remainders) of elements
         ``[rank * length, (rank + 1) * length)`` stay, the rest are freed: per parameter 2 bytes (bf16 copy) + 4 / size
-        (fp32 main shard; with remainders 2 / size). No communication here. In the compute view, before the first
-        step; once."""
+        (fp32 main shard; with remainders 2 / size). ``grad_dtype``: the main gradients' dtype from now on (bf16:
+        Megatron's ``--grad-reduce-in-bf16`` buffers, accumulated and reduced in bf16, 2 bytes per parameter instead
+        of 4; default fp32). No communication here. In the compute view, before the first step; once."""
+        if grad_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"MainParams.shard(grad_dtype={grad_dtype!r}): the main gradients are torch.float32 or "
+                             "torch.bfloat16 (grad_reduce_in_bf16)")
         if self.sharded:
             raise RuntimeError("MainParams.shard(): the main parameters are sharded already")
         if self.in_main_view:
@@ -616,6 +626,7 @@ class MainParams:
                 self._compute[id(p)] = view
                 p.data = view
         self._main, self._remainder = {}, {}
+        self.grad_dtype = grad_dtype or torch.float32
 
     def _in_shard(self, p: nn.Parameter) -> Optional[Tuple["_Bucket", int, int]]:
         """``(bucket, lo, hi)``: the elements ``[lo, hi)`` of ``p``'s bucket that are both ``p``'s and this rank's
@@ -636,11 +647,12 @@ class MainParams:
         return placed + (self._where[id(p)][1],)
 
     def _placeholder(self, p: nn.Parameter) -> Tensor:
-        """What a parameter holds in the step's main view with shards: an fp32 tensor of its shape without storage
-        (one zero, expanded), so that its fp32 main gradient can be its ``grad``; nothing reads its values there."""
+        """What a parameter holds in the step's main view with shards: a tensor of its shape and its main gradient's
+        dtype without storage (one zero, expanded), so that its main gradient can be its ``grad``; nothing reads its
+        values there."""
         zero = self._zeros.get(p.device)
         if zero is None:
-            zero = self._zeros[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
+            zero = self._zeros[p.device] = torch.zeros((), dtype=self.grad_dtype, device=p.device)
         return zero.expand(p.shape)
 
     def shard_main(self, bucket: "_Bucket") -> Tensor:

@@ -83,6 +83,8 @@ class DistributedOptimizer(Optimizer):
         main_params: the model's :class:`~lightning_megatron.parallel.main_grad.MainParams`, sharded here
             (:meth:`MainParams.shard`).
         group_of: a bucket's data-parallel ``(group, size, rank)`` (dp x cp; expert buckets: expert data parallel).
+        grad_dtype: the main gradients' dtype (``torch.bfloat16`` with ``grad_reduce_in_bf16``: Megatron's bf16
+            buffers, ``2 + 2 + 12 / dp`` bytes per parameter; each fragment's gradient is its fp32 copy in the step).
 
     ``state`` stays empty (the rebuilt optimizer, :attr:`inner`, holds the fragments' states). Communication: one
     all-gather of each bucket's bf16 buffer over its group per step (:meth:`gather_params`); checkpoints gather the
@@ -90,7 +92,7 @@ class DistributedOptimizer(Optimizer):
     """
 
     def __init__(self, optimizer: Optimizer, main_params: MainParams,
-                 group_of: Callable[[Any], Tuple[Any, int, int]]) -> None:
+                 group_of: Callable[[Any], Tuple[Any, int, int]], grad_dtype: Optional[torch.dtype] = None) -> None:
         if not elementwise(optimizer):
             raise ValueError(f"DistributedOptimizer: {type(optimizer).__name__} is not one of the elementwise "
                              f"optimizers {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}, whose update of a shard of a "
@@ -103,7 +105,7 @@ class DistributedOptimizer(Optimizer):
         self.original = optimizer
         self.main_params = main_params
         if not main_params.sharded:
-            main_params.shard(group_of)
+            main_params.shard(group_of, grad_dtype)
         self.fragments: List[_Fragment] = []
         #: per group of ``param_groups``: its parameters' fragments
         self._group_fragments: List[List[_Fragment]] = []
@@ -153,8 +155,8 @@ class DistributedOptimizer(Optimizer):
         if self.inner is not None:
             for frag in self.fragments:   # the main view's main-parameter shard (joined afresh with remainders)
                 frag.tensor.data = self._main_view(frag.bucket, frag.lo, frag.hi)
-                grad = frag.bucket.grad
-                frag.tensor.grad = None if grad is None else grad[frag.lo:frag.hi]
+                grad = frag.bucket.grad   # bf16 buffers (grad_reduce_in_bf16): this run's part in fp32
+                frag.tensor.grad = None if grad is None else grad[frag.lo:frag.hi].to(torch.float32)
             self._sync_hyperparameters()
             found = getattr(self, "found_inf", None)
             if found is not None:

@@ -56,12 +56,14 @@ BF16_BYTES = 2         # a bf16 parameter's compute copy
 
 
 def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bool = True, dp: int = 1,
-                           store_param_remainders: bool = False, moment_bytes: int = ADAM_BYTES) -> float:
+                           store_param_remainders: bool = False, moment_bytes: int = ADAM_BYTES,
+                           grad_reduce_in_bf16: bool = False) -> float:
     """Megatron's static bytes per parameter of one rank (parameters, gradients during a step, optimizer states) at
     data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]``; bf16 parameters
     ``2 + 4 + (4 + moment_bytes) [/ dp]`` (``2 + 4 + 12 / dp`` with the distributed optimizer and fp32 moments),
-    the main parameter's 4 bytes 2 with remainders. What :func:`state_bytes` counts, less the buckets' padding and
-    the per-tensor ``step`` scalars."""
+    the main parameter's 4 bytes 2 with remainders, and with ``grad_reduce_in_bf16`` under the distributed optimizer
+    the gradients' 4 bytes 2 (``2 + 2 + 12 / dp``: Megatron's bf16 gradient buffers). What :func:`state_bytes`
+    counts, less the buckets' padding and the per-tensor ``step`` scalars."""
     check_dtype_name("params_dtype", params_dtype, PARAMS_DTYPE_BYTES)
     check_param_remainders(params_dtype, store_param_remainders)
     if dp < 1:
@@ -70,7 +72,8 @@ def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bo
     if params_dtype == "fp32":
         return PARAM_BYTES + GRAD_BYTES + moment_bytes / shard
     main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
-    return BF16_BYTES + GRAD_BYTES + (main_bytes + moment_bytes) / shard
+    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and distributed_optimizer and dp > 1 else GRAD_BYTES
+    return BF16_BYTES + grad_bytes + (main_bytes + moment_bytes) / shard
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,7 @@ def _adam_bytes(tensors: Sequence[ParamTensor], moment_bytes: int = ADAM_BYTES) 
 
 def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int] = 0,
                 edp_rank: Optional[int] = 0, moment_bytes: int = ADAM_BYTES, params_dtype: str = "fp32",
-                store_param_remainders: bool = False) -> StateBytes:
+                store_param_remainders: bool = False, grad_reduce_in_bf16: bool = False) -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of one rank (pipeline rank ``pp_rank``; ``dp_rank`` its
     index in the dp x cp group and ``edp_rank`` in expert data parallel, which only matter when sharded; None:
     the rank holding the most). ``moment_bytes``: bytes per parameter of Adam's two moments (8 in fp32; 4 with both
@@ -285,8 +288,9 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     With bf16 parameters the distributed optimizer shards the fp32 main parameters (or remainders) with the Adam
     states, each bucket cut into equal runs (:class:`~lightning_megatron.parallel.main_param_shards.
     DistributedOptimizer`, Megatron's): per parameter 2 bytes (bf16 copy) + 4 (fp32 main gradient) + (4 main or 2
-    remainder + ``moment_bytes``) / dp (:func:`static_bytes_per_param`); with fp32 parameters it shards the Adam
-    states per whole tensor (:func:`zero_partition`).
+    remainder + ``moment_bytes``) / dp (:func:`static_bytes_per_param`), the gradients 2 bytes with
+    ``grad_reduce_in_bf16`` (bf16 buffers); with fp32 parameters it shards the Adam states per whole tensor
+    (:func:`zero_partition`).
     """
     tensors = rank_parameters(model, layout, pp_rank)
     dense = [t for t in tensors if not t.expert]
@@ -313,7 +317,8 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
         runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]
         padded, length, local, pieces = (sum(r[i] for r in runs) for i in range(4))
         main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
-        return StateBytes(BF16_BYTES * padded + main_bytes * length, GRAD_BYTES * n,
+        grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and dp_cp > 1 else GRAD_BYTES   # bf16 gradient buffers
+        return StateBytes(BF16_BYTES * padded + main_bytes * length, grad_bytes * n,
                           moment_bytes * local + STEP_BYTES * pieces, main)
 
     def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:

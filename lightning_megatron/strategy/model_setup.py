@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -116,7 +117,9 @@ def shard_main_params(optimizers: List[Any], lr_scheduler_configs: List[Any], mo
         name = "edp" if bucket.expert else "dp_cp"
         return mesh.group(name), mesh.size(name), mesh.rank(name)
 
-    sharded: List[Any] = [DistributedOptimizer(getattr(o, "_optimizer", o), main, group_of) for o in optimizers]
+    grad_dtype = torch.bfloat16 if cfg.grad_reduce_in_bf16 else None   # Megatron's bf16 gradient buffers
+    sharded: List[Any] = [DistributedOptimizer(getattr(o, "_optimizer", o), main, group_of, grad_dtype)
+                          for o in optimizers]
     for old, new in zip(optimizers, sharded):
         for config in lr_scheduler_configs:
             if getattr(config.scheduler, "optimizer", None) is old:
