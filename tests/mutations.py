@@ -384,8 +384,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "planner-main-params-whole", "the planner counts whole fp32 main parameters on every rank under the "
         "distributed optimizer with bf16 parameters",
         (Edit("lightning_megatron/planner/memory.py",
-              "        return StateBytes(BF16_BYTES * padded + main_bytes * length, GRAD_BYTES * n,",
-              "        return StateBytes(BF16_BYTES * padded + main_bytes * n, GRAD_BYTES * n,"),),
+              "        return StateBytes(BF16_BYTES * padded + main_bytes * length, grad_bytes * n,",
+              "        return StateBytes(BF16_BYTES * padded + main_bytes * n, grad_bytes * n,"),),
         ("tests/test_planner_memory.py::test_planner_bytes_equal_what_each_rank_allocates"
          "[tp2sp-dp2-distopt-bf16-params]",)),
     Mutation(
