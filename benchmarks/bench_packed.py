@@ -36,14 +36,19 @@ def timed(step, device: torch.device, iters: int, warmup: int) -> float:
     return (time.perf_counter() - start) * 1e3 / iters
 
 
-def ours(cfg: GPTConfig, tokens, labels, positions, documents, device, iters, warmup) -> float:
-    """One optimizer step of ``GPTModel`` (bf16 weights on CUDA, fused AdamW), with ``documents`` or without."""
+def _built(model_class, cfg: GPTConfig, device: torch.device):
+    """``model_class(cfg)`` on ``device`` (seed 0; bf16 weights on CUDA) and its AdamW (fused on CUDA)."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPTModel(cfg)
+        model = model_class(cfg)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+
+def ours(cfg: GPTConfig, tokens, labels, positions, documents, device, iters, warmup) -> float:
+    """One optimizer step of ``GPTModel`` (bf16 weights on CUDA, fused AdamW), with ``documents`` or without."""
+    model, opt = _built(GPTModel, cfg, device)
 
     def step():
         loss = model(tokens, positions, labels, document_ids=documents).float().mean()
@@ -96,12 +101,7 @@ class Peer(nn.Module):
 
 def peer(cfg: GPTConfig, tokens, labels, documents, device, iters, warmup, compile_: bool) -> float:
     """One optimizer step of the plain PyTorch peer, compiled whole; ``documents`` None: causal block mask."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Peer(cfg)
-    if device.type == "cuda":
-        model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    model, opt = _built(Peer, cfg, device)
     b, s = tokens.shape
     if documents is None:
         def mask_mod(bi, h, qi, ki):

@@ -25,14 +25,26 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 __all__ = ["ExpertShardedOptimizer", "shard_optimizer", "gathered_state_dict", "is_sharded_optimizer",
-           "rebind_lr_scheduler"]
+           "rebind_lr_scheduler", "indexed_param_groups", "constructor_kwargs"]
 
 
-def _constructor_kwargs(optimizer: Optimizer) -> Dict[str, Any]:
+def constructor_kwargs(optimizer: Optimizer) -> Dict[str, Any]:
     """The optimizer's defaults that its constructor accepts (AdamW records ``decoupled_weight_decay`` in its
     defaults but does not take it)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def indexed_param_groups(groups: Sequence[Dict[str, Any]], sizes: Optional[Sequence[int]] = None
+                         ) -> List[Dict[str, Any]]:
+    """``groups``' hyper-parameters with their parameters as consecutive indices (``torch.optim.Optimizer.
+    state_dict()``'s form): group ``i`` takes ``sizes[i]`` indices (default: its own parameter count)."""
+    out, start = [], 0
+    for i, g in enumerate(groups):
+        n = len(g["params"]) if sizes is None else sizes[i]
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+        start += n
+    return out
 
 
 def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
@@ -45,7 +57,7 @@ def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedun
         raise RuntimeError(f"shard_optimizer: {type(optimizer).__name__} already has state; shard it before the "
                            "first step")
     return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), process_group=group,
-                                   **_constructor_kwargs(optimizer))
+                                   **constructor_kwargs(optimizer))
 
 
 class ExpertShardedOptimizer(Optimizer):
@@ -78,7 +90,7 @@ class ExpertShardedOptimizer(Optimizer):
                     links.append(i)
             if groups:
                 self.parts.append((ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                                           process_group=group, **_constructor_kwargs(optimizer)),
+                                                           process_group=group, **constructor_kwargs(optimizer)),
                                    links))
 
     def _sync_hyperparameters(self) -> None:
@@ -119,12 +131,7 @@ class ExpertShardedOptimizer(Optimizer):
         for raw, indices in zip(parts, self._index_maps()):
             for k, values in raw["state"].items():
                 state[indices[k]] = values
-        groups, start = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(self.param_groups)}
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole state (call :meth:`consolidate_state_dict` first, on every rank; valid where both parts were

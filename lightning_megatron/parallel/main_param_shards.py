@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
+from lightning_megatron.parallel.distributed_optimizer import constructor_kwargs, indexed_param_groups
 from lightning_megatron.parallel.main_grad import MainParams
 
 __all__ = ["DistributedOptimizer", "BucketParamGather", "WholeStateView", "ELEMENTWISE_OPTIMIZERS", "elementwise"]
@@ -50,13 +51,6 @@ def elementwise(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` (exactly one of :data:`ELEMENTWISE_OPTIMIZERS`, not a subclass, whose update could read
     other elements) can step fragments of its parameters."""
     return type(optimizer) in ELEMENTWISE_OPTIMIZERS
-
-
-def _constructor_kwargs(optimizer: Optimizer) -> Dict[str, Any]:
-    import inspect
-
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 @dataclass(eq=False)
@@ -127,7 +121,7 @@ class DistributedOptimizer(Optimizer):
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [f.tensor for f in frags]}
                         for g, frags in zip(self.param_groups, self._group_fragments)]
         #: the user's optimizer class over this rank's fragments (None when this rank holds no element)
-        self.inner: Optional[Optimizer] = (type(optimizer)(inner_groups, **_constructor_kwargs(optimizer))
+        self.inner: Optional[Optimizer] = (type(optimizer)(inner_groups, **constructor_kwargs(optimizer))
                                            if self.fragments else None)
         self._step_supports_amp_scaling = bool(getattr(self.inner, "_step_supports_amp_scaling", False))
         #: the asynchronous parameter gather (``overlap_param_gather``), or None: blocking
@@ -250,12 +244,7 @@ class DistributedOptimizer(Optimizer):
                     for k, whole in wholes.items():
                         entry[k] = whole[offset:offset + p.numel()].view(p.shape).clone()
                     state[index[id(p)]] = entry
-        groups, start = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(self.param_groups)}
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole state (:meth:`gathered_state_dict`; collective)."""
@@ -285,11 +274,7 @@ class DistributedOptimizer(Optimizer):
                 else:
                     entry[k] = v
             state[inner_index[id(frag.tensor)]] = entry
-        groups, start = [], 0
-        for g, frags in zip(self.param_groups, self._group_fragments):
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(frags)))})
-            start += len(frags)
+        groups = indexed_param_groups(self.param_groups, [len(frags) for frags in self._group_fragments])
         self.inner.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -287,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     failed: List[int] = []
     for rank in parse_ranks(args.ranks, layout):
         cmd = [sys.executable, "-m", RANK_RUNNER, *argv, "--rank", str(rank)]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
         if proc.returncode != 0 or not found:   # reported, and the other ranks still run
             failed.append(rank)
