@@ -14,7 +14,6 @@ layout: :class:`ExpertShardedOptimizer` keeps one ``ZeroRedundancyOptimizer`` pe
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -24,27 +23,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_megatron.optimizer.param_groups import constructor_kwargs, indexed_param_groups
+
 __all__ = ["ExpertShardedOptimizer", "shard_optimizer", "gathered_state_dict", "is_sharded_optimizer",
-           "rebind_lr_scheduler", "indexed_param_groups", "constructor_kwargs"]
-
-
-def constructor_kwargs(optimizer: Optimizer) -> Dict[str, Any]:
-    """The optimizer's defaults that its constructor accepts (AdamW records ``decoupled_weight_decay`` in its
-    defaults but does not take it)."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
-def indexed_param_groups(groups: Sequence[Dict[str, Any]], sizes: Optional[Sequence[int]] = None
-                         ) -> List[Dict[str, Any]]:
-    """``groups``' hyper-parameters with their parameters as consecutive indices (``torch.optim.Optimizer.
-    state_dict()``'s form): group ``i`` takes ``sizes[i]`` indices (default: its own parameter count)."""
-    out, start = [], 0
-    for i, g in enumerate(groups):
-        n = len(g["params"]) if sizes is None else sizes[i]
-        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
-        start += n
-    return out
+           "rebind_lr_scheduler"]
 
 
 def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:

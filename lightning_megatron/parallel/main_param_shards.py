@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
-from lightning_megatron.parallel.distributed_optimizer import constructor_kwargs, indexed_param_groups
+from lightning_megatron.optimizer.param_groups import constructor_kwargs, indexed_param_groups
 from lightning_megatron.parallel.main_grad import MainParams
 
 __all__ = ["DistributedOptimizer", "BucketParamGather", "WholeStateView", "ELEMENTWISE_OPTIMIZERS", "elementwise"]
