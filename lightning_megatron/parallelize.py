@@ -61,7 +61,8 @@ class ParallelizedModel:
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
         layout: the layout it was split under (a second call with another layout is refused).
         fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
-        main_params: bf16 parameters with fp32 main parameters and gradients (``params_dtype``), else None.
+        main_params: the contiguous parameter-and-gradient buffer (:meth:`hold_in_buffer`; bf16 parameters: with fp32
+            main parameters and gradients), else None (FSDP levels, or a loop that reduces otherwise).
         sequence_parallel_owners: ``(module, name)`` of the SP-replicated parameters (to find them again after
             FSDP replaced the parameter objects: :meth:`refresh`).
     """
@@ -82,6 +83,21 @@ class ParallelizedModel:
         """The context in which bf16 parameters hold their fp32 main values (:meth:`MainParams.main_view`: what
         checkpoints and imports read and write), or none with fp32 parameters."""
         return self.main_params.main_view() if self.main_params is not None else contextlib.nullcontext()
+
+    def hold_in_buffer(self, params_dtype: Optional[torch.dtype] = None, bucket_size: Optional[int] = None,
+                       store_param_remainders: bool = False) -> MainParams:
+        """Hold the module's parameters and their gradients in :class:`~lightning_megatron.parallel.main_grad.
+        MainParams`' contiguous buckets (``params_dtype=torch.bfloat16``: bf16 copies of fp32 main parameters; None:
+        the parameters in their own dtype), which then own the data-parallel reduction, and route every pipeline
+        schedule's weight gradients into them. Once: a record holding a buffer returns it. Call after anything that
+        replaces the parameters' storage (a precision plugin's ``convert_module``), before the optimizers are built.
+        """
+        if self.main_params is None:
+            self.main_params = MainParams(self.module, params_dtype, bucket_size, store_param_remainders,
+                                          expert_params=self.expert_params)
+            if self.pipeline is not None:   # every schedule's weight gradients into the buffer
+                self.pipeline.weight_grad_sink = self.main_params.weight_grads
+        return self.main_params
 
     def refresh(self) -> None:
         """Find the recorded parameters again after a step that replaced the parameter objects (FSDP's
@@ -189,7 +205,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
                 tp_rng: Optional[TensorParallelRNG] = None,
                 fp8: Optional[Float8Config] = None,
                 params_dtype: Optional[torch.dtype] = None,
-                store_param_remainders: bool = False) -> ParallelizedModel:
+                store_param_remainders: bool = False,
+                param_buffer: bool = False) -> ParallelizedModel:
     """Apply TP(+SP), CP, EP and the pipeline split to ``module`` in place, then materialise it (see the module
     docstring for the order). Collective only where a step needs it (none before materialisation).
 
@@ -208,6 +225,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             parameters and gradients (:class:`~lightning_megatron.parallel.main_grad.MainParams`); None keeps fp32.
         store_param_remainders: with bf16 parameters, hold the fp32 main parameters as bf16 copy plus int16
             remainder (``MainParams(store_param_remainders=True)``).
+        param_buffer: also without ``params_dtype``, hold the parameters (in their own dtype) and their gradients
+            in :class:`~lightning_megatron.parallel.main_grad.MainParams`' contiguous buckets, which then own the
+            data-parallel reduction (:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`) in place
+            of torch DDP (:meth:`ParallelizedModel.hold_in_buffer`; :class:`~lightning_megatron.MegatronStrategy`
+            calls that itself, after its precision plugin converted the module).
 
     Idempotent: a module this function already parallelised (e.g. by ``trainer.fit`` before ``trainer.test``) is
     returned as it is, with the record of the first call, when the layout is the same.
@@ -264,19 +286,15 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     materialize(module, models, device, seed)
     if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
         fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
-    main_params = (MainParams(module, params_dtype, config.bucket_size, store_param_remainders,
-                              expert_params=expert_parameters(module))
-                   if params_dtype is not None else None)
-    if pipeline is not None and main_params is not None:   # every schedule's weight gradients into the main grads
-        pipeline.weight_grad_sink = main_params.take_weight_grads
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
         pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
-        main_params=main_params,
         sequence_parallel_owners=list(sp_owners),
     )
+    if params_dtype is not None or param_buffer:
+        record.hold_in_buffer(params_dtype, config.bucket_size, store_param_remainders)
     keep_parallelized_record(module, record)
     return record
 

@@ -335,9 +335,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (recipe("bf16p", "pp2-1f1b-m4"), recipe("bf16p", "pp2-vp2-interleaved"))),
     Mutation(
         "weight-gradient-route-skipped", "the zero-bubble schedules' separate weight-gradient pass is not handed to "
-        "the fp32 main gradients",
+        "the buffer's gradients",
         (Edit("lightning_megatron/parallel/pipeline.py",
-              "            backward_weight(bwd_chunk_id, last_backward=last_backward)\n            sink(params)\n",
+              "            with sink(params):\n                backward_weight(bwd_chunk_id, last_backward=last_backward)\n",
               "            backward_weight(bwd_chunk_id, last_backward=last_backward)\n"),),
         (recipe("bf16p", "pp2-zbv"), recipe("bf16p-rem", "pp2-vp2-interleaved-zero-bubble"))),
     Mutation(
@@ -350,7 +350,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "loaded-bf16-copies-not-adopted", "load_state_dict in the compute view writes only the bf16 copies",
         (Edit("lightning_megatron/parallel/main_grad.py",
-              "        if not self.in_main_view:\n            self.adopt_compute_copies(",
+              "        if not self.in_main_view and not self.keeps_dtype:\n            self.adopt_compute_copies(",
               "        if False:\n            self.adopt_compute_copies("),),
         ("tests/test_hf.py::test_load_state_dict_with_bf16_parameters_survives_the_optimizer_steps",)),
     Mutation(

@@ -34,24 +34,19 @@ def test_misspelt_config_keyword_names_the_right_one():
     assert GPTConfig.tiny().replace(num_layers=3).num_layers == 3
 
 
-class _SeeWrapper(pl.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:
-        ddp = trainer.strategy.model
-        self.seen = (type(ddp).__name__, ddp.bucket_bytes_cap, ddp.broadcast_buffers, ddp.gradient_as_bucket_view)
-
-
-def _ddp_settings(rank, world):
-    cfg, seen = tiny_config(), _SeeWrapper()
-    strategy = MegatronStrategy(bucket_cap_mb=1, broadcast_buffers=False, gradient_as_bucket_view=False)
-    trainer = trainer_for(world, strategy, 1, callbacks=[seen])
-    trainer.fit(new_module(cfg, 1), DataLoader(ListDataset(make_samples(cfg, 2)), batch_size=1))
-    return seen.seen
-
-
-def test_ddp_keywords_reach_ddp():
-    for name, cap, broadcast, bucket_view in run_distributed(_ddp_settings, 2):
-        assert name == "DistributedDataParallel"
-        assert (cap, broadcast, bucket_view) == (1024 * 1024, False, False)
+def test_ddp_keywords_are_refused_naming_what_replaces_them():
+    """torch DDP wraps no model of the strategy (the parameters' buffer reduces the gradients): its keywords would do
+    nothing, so each is a ValueError naming the replacement; a misspelt one stays a TypeError."""
+    cases = {"bucket_cap_mb": (1, "Give bucket_size= instead"),
+             "find_unused_parameters": (True, "not needed: a parameter without a gradient joins"),
+             "gradient_as_bucket_view": (False, "always views of the buffer"),
+             "broadcast_buffers": (False, "no counterpart"),
+             "ddp_comm_hook": (lambda state, bucket: None, "grad_reduce_in_bf16=True")}
+    for name, (value, replacement) in cases.items():
+        with pytest.raises(ValueError, match=rf"MegatronStrategy\({name}=.*DistributedDataParallel.*{replacement}"):
+            MegatronStrategy(**{name: value})
+    with pytest.raises(TypeError, match="did you mean `bucket_cap_mb`"):
+        MegatronStrategy(bucket_cap_mbb=1)
 
 
 def test_every_documented_strategy_keyword_is_accepted():
@@ -67,7 +62,7 @@ def test_every_documented_strategy_keyword_is_accepted():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for call in re.findall(r"MegatronStrategy\(([^()]*)\)", doc.read_text()):
             for name in re.findall(r"(\w+)=", call):
-                assert name in accepted or name in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters, (doc.name, name)
+                assert name in accepted, (doc.name, name)
 
 
 def test_misspelt_precision_keyword_names_the_right_one():

@@ -23,7 +23,7 @@ MICRO = 2
 # id: (strategy kwargs, micro-batches per step, clip, what the evidence must show)
 CASES: Dict[str, tuple] = {
     "tp2xdp2-sp-tp_comm_overlap": (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True), 2, 0.05, "ring"),
-    "dp4-no-overlap_grad_reduce": (dict(overlap_grad_reduce=False), 2, None, "one-bucket"),
+    "dp4-no-overlap_grad_reduce": (dict(overlap_grad_reduce=False), 2, None, "after-backward"),
     "cp2xdp2-bucket_size": (dict(cp=2, overlap_grad_reduce=True, bucket_size=3000), 1, 0.05, "buckets"),
     "pp2xdp2-overlap_grad_reduce": (dict(pp=2, overlap_grad_reduce=True, bucket_size=3000), 4, 0.05, "backward"),
     "pp2xdp2-interleaved-overlap_grad_reduce": (
@@ -47,17 +47,16 @@ class Evidence(pl.Callback):
         from lightning_megatron.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
         s = trainer.strategy
-        reducer = s._grads.reducer
-        ddp = s.model if isinstance(s.model, torch.nn.parallel.DistributedDataParallel) else None
+        buffer = s.parallelized.main_params   # the parameters' buffer: its dense buckets reduce over dp x cp
+        dense = [b for b in buffer.buckets if not b.expert]
         self.seen = {
             "ring_layers": sum(bool(getattr(m, "tp_comm_overlap", False)) for m in pl_module.modules()
                                if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
-            "buckets": len(reducer.buckets) if reducer is not None else None,
-            "started_in_backward": reducer.started_in_backward if reducer is not None else None,
+            "buckets": len(dense),
+            "started_in_backward": buffer.started_in_backward,
             "waited_in_forward": s._param_gather.waited_in_forward if s._param_gather is not None else None,
-            "ddp_bucket_bytes": ddp.bucket_bytes_cap if ddp is not None else None,
-            "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
-            "element_bytes": next(pl_module.parameters()).element_size(),
+            # elements of each bucket of matrices holding more than one parameter
+            "shared_bucket_elements": [b.numel for b in dense if len(b.params) > 1 and b.params[0].dim() > 1],
         }
 
 
@@ -175,10 +174,12 @@ def test_overlap_matches_single_process(runs, case):
         seen = r[case]["seen"]
         if evidence == "ring":
             assert seen["ring_layers"] > 0, seen   # 2 layers x (qkv, proj, fc1, fc2) + the LM head
-        elif evidence == "one-bucket":   # torch DDP with one bucket of every gradient
-            assert seen["ddp_bucket_bytes"] > seen["param_bytes"], seen
-        elif evidence == "buckets":   # bucket_size=3000 elements of the parameters' dtype
-            assert seen["ddp_bucket_bytes"] == 3000 * seen["element_bytes"], seen
+        elif evidence == "after-backward":   # every bucket reduced after the backward, none inside it
+            assert seen["buckets"] >= 1 and seen["started_in_backward"] == 0, seen
+        elif evidence == "buckets":   # bucket_size=3000 elements, each bucket started inside backward
+            sizes = seen["shared_bucket_elements"]
+            assert all(n <= 3000 for n in sizes) and seen["buckets"] > 2, seen
+            assert seen["started_in_backward"] == STEPS * seen["buckets"], seen
         elif evidence == "backward":   # every bucket of every step started inside backward
             assert seen["buckets"] > 1 and seen["started_in_backward"] == STEPS * seen["buckets"], seen
         elif evidence == "forward":   # parameters waited for by the forward pre-hooks, after the first step

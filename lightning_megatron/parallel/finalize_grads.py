@@ -68,8 +68,11 @@ class GradientFinalizer:
         for stage in stages.modules if stages is not None else []:
             for q in stage.parameters():
                 uses[id(q)] = uses.get(id(q), 0) + 1
-        overlap = mesh.size("dp_cp") > 1 and overlaps_grad_reduce(config) and not config.fsdp   # FSDP: its own
-        if overlap and parallelized.main_params is not None:   # bf16 parameters: the main-gradient buckets reduce
+        reduce = mesh.size("dp_cp") > 1 and not config.fsdp   # FSDP: its own
+        overlap = reduce and overlaps_grad_reduce(config)
+        #: the buffer's buckets start their reductions inside the backward (else all in :meth:`finalize`)
+        self.overlaps_buffer = overlap and parallelized.main_params is not None
+        if reduce and parallelized.main_params is not None:   # the buffer's buckets reduce themselves
             parallelized.main_params.overlap_reduction(mesh.group("dp_cp"), mesh.size("dp_cp"), uses,
                                                        self.reduce_dtype)
         elif overlap and stages is not None:
@@ -91,7 +94,7 @@ class GradientFinalizer:
         if self.reducer is not None:
             self.reducer.start_step(num_microbatches)
         main_params = self.parallelized.main_params
-        if main_params is not None:
+        if main_params is not None and self.overlaps_buffer:
             main_params.arm_reduction(num_microbatches)
 
     def finalize(self, num_microbatches: Optional[int] = None) -> None:

@@ -99,6 +99,8 @@ class _Bucket:
     grad: Optional[Tensor] = None
     expecting: int = 0
     pending: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
+    #: parameters in their own dtype whose first gradient waits in ``pending``: ``p.grad`` becomes the view once copied
+    waiting: List[nn.Parameter] = field(default_factory=list)
     #: its parameters, in buffer order
     params: List[nn.Parameter] = field(default_factory=list)
     #: holds routed-expert parameters (reduced over expert data parallel by the caller, never here)
@@ -145,7 +147,7 @@ class _Reduction:
 
 def bucket_layout(params: List[nn.Parameter], bucket_size: int,
                   apart: Optional[Set[int]] = None) -> List[List[nn.Parameter]]:
-    """``params`` cut into buckets: in their order, one device per bucket, a new bucket when the next parameter would
+    """``params`` cut into buckets: in their order, one device and dtype per bucket, a new bucket when the next parameter would
     take it past ``bucket_size`` elements (a larger parameter gets one of its own); matrices only, the vectors
     (``dim() < 2``) of a device in one bucket of their own after them. The parameters whose ``id`` is in ``apart``
     (routed experts, reduced over another group) are laid out the same way in buckets of their own, after the
@@ -154,21 +156,22 @@ def bucket_layout(params: List[nn.Parameter], bucket_size: int,
         return (bucket_layout([p for p in params if id(p) not in apart], bucket_size)
                 + bucket_layout([p for p in params if id(p) in apart], bucket_size))
     buckets: List[List[nn.Parameter]] = []
-    vectors: Dict[torch.device, List[nn.Parameter]] = {}
-    open_: Dict[torch.device, List[nn.Parameter]] = {}
-    filled: Dict[torch.device, int] = {}
+    vectors: Dict[Tuple[torch.device, torch.dtype], List[nn.Parameter]] = {}
+    open_: Dict[Tuple[torch.device, torch.dtype], List[nn.Parameter]] = {}
+    filled: Dict[Tuple[torch.device, torch.dtype], int] = {}
     for p in params:
+        key = (p.device, p.dtype)
         if p.dim() < 2:
-            vectors.setdefault(p.device, []).append(p)
+            vectors.setdefault(key, []).append(p)
             continue
-        current = open_.get(p.device)
-        if current and filled[p.device] + p.numel() > bucket_size:
-            buckets.append(open_.pop(p.device))
+        current = open_.get(key)
+        if current and filled[key] + p.numel() > bucket_size:
+            buckets.append(open_.pop(key))
             current = None
         if current is None:
-            open_[p.device], filled[p.device] = [], 0
-        open_[p.device].append(p)
-        filled[p.device] += p.numel()
+            open_[key], filled[key] = [], 0
+        open_[key].append(p)
+        filled[key] += p.numel()
     return buckets + list(open_.values()) + list(vectors.values())
 
 
@@ -193,15 +196,22 @@ class MainParams:
             the caller's expert-data-parallel reduction.
     """
 
-    def __init__(self, module: nn.Module, params_dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, module: nn.Module, params_dtype: Optional[torch.dtype] = torch.bfloat16,
                  bucket_size: Optional[int] = None, store_param_remainders: bool = False,
                  expert_params: Optional[List[nn.Parameter]] = None) -> None:
-        if params_dtype not in PARAMS_DTYPES or params_dtype is None:
-            raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 "
-                             "(with fp32 main parameters); use params_dtype=torch.bfloat16 or None (fp32)")
+        if params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 (with "
+                             "fp32 main parameters) or, with None, in their own dtype (the parameters are the main "
+                             "parameters); use params_dtype=torch.bfloat16 or None")
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size!r}: the buffers' buckets hold at least one element")
+        if store_param_remainders and params_dtype is None:
+            raise ValueError("store_param_remainders=True completes bf16 parameters to fp32 main parameters; with "
+                             "params_dtype=None the parameters are the main parameters: pass "
+                             "params_dtype=torch.bfloat16 or drop store_param_remainders")
         self.params_dtype = params_dtype
+        #: the parameters are their own main parameters (``params_dtype=None``): one buffer per bucket, no copies
+        self.keeps_dtype = params_dtype is None
         self.store_param_remainders = bool(store_param_remainders)
         self.params: List[nn.Parameter] = []
         self.buckets: List[_Bucket] = []
@@ -214,6 +224,8 @@ class MainParams:
         #: ``id(p)`` -> its main gradient (a view of its bucket's gradient buffer) once this step has written it
         self._grads: Dict[int, Tensor] = {}
         self._hooks: List[Any] = []
+        #: parameters whose gradients a separate weight-gradient pass is writing (:meth:`weight_grads`)
+        self._weight_pass: Set[int] = set()
         self.in_main_view = False
         #: this step keeps its gradients as the backward left them (:meth:`start_step`)
         self.direct = False
@@ -223,8 +235,9 @@ class MainParams:
         self._optimizer_steps_main = False
         #: a zero per device, expanded to a parameter's shape in the sharded main view (:meth:`_placeholder`)
         self._zeros: Dict[torch.device, Tensor] = {}
-        #: the main gradients' dtype: fp32, or with shards and ``grad_reduce_in_bf16`` bf16 (:meth:`shard`)
-        self.grad_dtype = torch.float32
+        #: the main gradients' dtype: fp32, or with shards and ``grad_reduce_in_bf16`` bf16 (:meth:`shard`); None
+        #: (parameters in their own dtype): each bucket's parameters' dtype
+        self.grad_dtype: Optional[torch.dtype] = None if self.keeps_dtype else torch.float32
         seen = set()
         for p in module.parameters():
             if id(p) in seen or not p.is_floating_point() or p.is_meta:
@@ -247,8 +260,12 @@ class MainParams:
             numel = sum(p.numel() for p in members)
             device = members[0].device
             remainders = self.store_param_remainders
-            bucket = _Bucket(numel, device, torch.empty(numel, dtype=params_dtype, device=device),
-                             None if remainders else torch.empty(numel, dtype=torch.float32, device=device),
+            compute = torch.empty(numel, dtype=params_dtype or members[0].dtype, device=device)
+            if self.keeps_dtype:   # the parameters are the main parameters: one buffer
+                main: Optional[Tensor] = compute
+            else:
+                main = None if remainders else torch.empty(numel, dtype=torch.float32, device=device)
+            bucket = _Bucket(numel, device, compute, main,
                              torch.empty(numel, dtype=torch.int16, device=device) if remainders else None)
             self.buckets.append(bucket)
             offset = 0
@@ -263,10 +280,11 @@ class MainParams:
                         self._remainder[id(p)] = rest
                     else:
                         assert bucket.main is not None
-                        main = _slot(bucket.main, offset, p)
-                        main.copy_(p.data)
-                        compute.copy_(main)
-                        self._main[id(p)] = main
+                        view = _slot(bucket.main, offset, p)
+                        view.copy_(p.data)
+                        if view.data_ptr() != compute.data_ptr():
+                            compute.copy_(view)
+                        self._main[id(p)] = view
                 self._where[id(p)] = (index, offset)
                 self._compute[id(p)] = compute
                 p.data = compute
@@ -287,7 +305,7 @@ class MainParams:
         """``load_state_dict`` post-hook of a module owning parameters: in the compute view the load wrote the bf16
         copies, so they become the main parameters (remainders zero), or the next optimizer step would write the
         old main parameters back over them. In the main view the load wrote the main parameters themselves."""
-        if not self.in_main_view:
+        if not self.in_main_view and not self.keeps_dtype:
             self.adopt_compute_copies([p for p in owner.parameters(recurse=False) if id(p) in self._where])
 
     @torch.no_grad()
@@ -298,6 +316,8 @@ class MainParams:
         if self.in_main_view:
             raise RuntimeError("adopt_compute_copies() in the main view: the parameters hold their fp32 main values "
                                "there already; call it after writing the bf16 copies in the compute view")
+        if self.keeps_dtype:   # the parameters are the main parameters
+            return
         if self.sharded:
             for p in self.params if params is None else params:
                 placed = self._in_shard(p)
@@ -325,7 +345,7 @@ class MainParams:
         index, offset = self._where[id(p)]
         bucket = self.buckets[index]
         if bucket.grad is None:
-            bucket.grad = torch.empty(bucket.numel, dtype=self.grad_dtype, device=bucket.device)
+            bucket.grad = torch.empty(bucket.numel, dtype=self.grad_dtype or bucket.compute.dtype, device=bucket.device)
         return _slot(bucket.grad, offset, p)
 
     @torch.no_grad()
@@ -349,6 +369,43 @@ class MainParams:
                 self._main[key].copy_(main_value)
             self._compute[key].copy_(self._main[key])
 
+    @contextmanager
+    def weight_grads(self, params: List[nn.Parameter]) -> Generator[None, None, None]:
+        """Around a backward route that writes ``p.grad`` of ``params`` without the post-accumulate hook (the
+        zero-bubble pipeline schedules' separate weight-gradient pass assigns or adds ``weight.grad`` itself): the
+        gradients it writes reach the buffer as the hook would have taken them, once per micro-batch. bf16
+        parameters: :meth:`take_weight_grads` after it. Parameters in their own dtype keep their gradient on
+        ``p.grad``, so it is set aside during the pass (each gradient the pass writes is then a new tensor) and the
+        new one added to it after."""
+        if not self.keeps_dtype or self.in_main_view:
+            yield
+            self.take_weight_grads(params)
+            return
+        held = {id(p): p.grad for p in params if id(p) in self._where}
+        for p in params:
+            if id(p) in held:
+                p.grad = None
+        self._weight_pass = set(held)   # the hook leaves them to this context (the pass may accumulate by autograd)
+        try:
+            yield
+        finally:
+            self._weight_pass = set()
+            for p in params:
+                if id(p) not in held:
+                    continue
+                new, old = p.grad, held[id(p)]
+                p.grad = old
+                if new is None:
+                    continue
+                if old is None:   # the step's first gradient of p: as the hook takes it
+                    p.grad = new
+                    self._accumulate_in_place(p)
+                    continue
+                with torch.no_grad():   # into the waiting gradient or the buffer's view, in place
+                    old.add_(new)
+                if not self.direct and self._expected is not None:
+                    self._arrived(p, self._where[id(p)][0])
+
     def take_weight_grads(self, params: List[nn.Parameter]) -> None:
         """The gradients a backward route wrote into ``p.grad`` without the post-accumulate hook (the zero-bubble
         pipeline schedules' separate weight-gradient pass assigns or adds ``weight.grad`` itself): moved into the
@@ -365,11 +422,14 @@ class MainParams:
         bypassed :meth:`_accumulate` (and :meth:`take_weight_grads`); they are folded into the main gradients now,
         rather than dropped by :meth:`to_main`, counted in :attr:`late_grads` and warned about once (they were
         summed in bf16 across the micro-batches). Rank-local, so no rank stops where the others go on."""
-        late = [p for p in self.params if p.grad is not None]
+        if self.keeps_dtype:   # the buffer's own gradients stay on their parameters: only untracked ones are late
+            late = [p for p in self.params if p.grad is not None and id(p) not in self._grads]
+        else:
+            late = [p for p in self.params if p.grad is not None]
         if not late:
             return
         self.late_grads += len(late)
-        if not self._warned_late:
+        if not self._warned_late and not self.keeps_dtype:   # in their own dtype nothing was lost
             self._warned_late = True
             warnings.warn(
                 f"{len(late)} bf16 parameter(s) (first of shape {tuple(late[0].shape)}) held a gradient the fp32 "
@@ -390,8 +450,12 @@ class MainParams:
     def _accumulate(self, p: Tensor) -> None:
         """Post-accumulate-grad hook: ``main_grad += p.grad`` in fp32, then drop ``p.grad``. The first gradient of the
         step is copied in (the buffer needs no zeroing), together with the rest of its bucket's once they are all
-        there (:meth:`_copy_pending`). In a direct step the first gradient is kept as it is instead."""
+        there (:meth:`_copy_pending`). In a direct step the first gradient is kept as it is instead. Parameters in
+        their own dtype: :meth:`_accumulate_in_place`."""
         if self.in_main_view or p.grad is None:
+            return
+        if self.keeps_dtype:
+            self._accumulate_in_place(p)
             return
         key = id(p)
         if self.direct:
@@ -415,6 +479,32 @@ class MainParams:
                 if len(bucket.pending) >= bucket.expecting:
                     self._copy_pending(index)
         p.grad = None
+        if self._expected is not None:
+            self._arrived(p, index)
+
+    def _accumulate_in_place(self, p: Tensor) -> None:
+        """The post-accumulate-grad hook of parameters in their own dtype (torch DDP's ``gradient_as_bucket_view``):
+        ``p.grad`` stays the gradient. The step's first one is copied into the buffer with the rest of its bucket's
+        (:meth:`_copy_pending`), after which ``p.grad`` is its view of the buffer, into which autograd adds the later
+        micro-batches in place; until then autograd adds them into the waiting gradient itself. A direct step
+        leaves the gradients as autograd made them."""
+        key = id(p)
+        if self.direct or key in self._weight_pass:
+            return
+        index = self._where[key][0]
+        view = self._grads.get(key)
+        if view is None:
+            self._grads[key] = self._grad_view(p)
+            bucket = self.buckets[index]
+            bucket.pending.append((self._grads[key], p.grad))
+            bucket.waiting.append(p)
+            if len(bucket.pending) >= bucket.expecting:
+                self._copy_pending(index)
+        elif p.grad is not view and not any(g is p.grad for _, g in self.buckets[index].pending):
+            with torch.no_grad():   # a gradient put on the parameter anew (not added in place): into the buffer
+                self._copy_pending(index)
+                view.add_(p.grad)
+            p.grad = view
         if self._expected is not None:
             self._arrived(p, index)
 
@@ -545,6 +635,10 @@ class MainParams:
             bucket.pending = []
             with torch.no_grad():
                 torch._foreach_copy_(list(views), list(grads))
+            waiting, bucket.waiting = bucket.waiting, []
+            for p, grad in zip(waiting, grads):   # parameters in their own dtype: the gradient is the view now
+                if p.grad is grad:
+                    p.grad = self._grads[id(p)]
 
     def main_grad(self, p: nn.Parameter) -> Optional[Tensor]:
         """The fp32 gradient of ``p`` accumulated over this step's micro-batches (None before its first one):
@@ -577,6 +671,24 @@ class MainParams:
         for p in self.params:
             index, offset = self._where[id(p)]
             self._main[id(p)] = _slot(self.buckets[index].main, offset, p)
+
+    @torch.no_grad()
+    def broadcast_replicas(self, group_of: Callable[["_Bucket"], Tuple[Any, int, int]]) -> None:
+        """Make the data-parallel replicas equal (what torch DDP does when it wraps a module): each bucket's
+        parameters (the compute buffer; with bf16 parameters also the fp32 main parameters or the remainders) from the
+        first rank of its group, ``group_of(bucket)`` giving ``(group, size, rank)`` (dp x cp; expert buckets: edp).
+        One broadcast per buffer; collective over those groups. In the compute view, before sharding."""
+        if self.sharded or self.in_main_view:
+            raise RuntimeError("MainParams.broadcast_replicas(): broadcast once, unsharded, in the compute view")
+        for bucket in self.buckets:
+            group, size, _ = group_of(bucket)
+            if size == 1:
+                continue
+            source = dist.get_global_rank(group, 0)
+            for tensor in {id(t): t for t in (bucket.compute, bucket.main, bucket.remainder) if t is not None}.values():
+                # the int16 remainders travel as 16-bit floats (gloo broadcasts no int16; the bits are kept)
+                dist.broadcast(tensor.view(torch.bfloat16) if tensor.dtype == torch.int16 else tensor, source,
+                               group=group)
 
     # ------------------------------------------------------------------ shards (the distributed optimizer)
     @property
@@ -611,10 +723,13 @@ class MainParams:
             n = max(0, min(bucket.numel, shard.start + length) - shard.start)
             whole = join_fp32(bucket.compute, bucket.remainder) if bucket.remainder is not None else bucket.main
             assert whole is not None
-            main = torch.zeros(length, dtype=torch.float32, device=bucket.device)
-            main[:n] = whole[shard.start:shard.start + n]
             compute = torch.zeros(size * length, dtype=bucket.compute.dtype, device=bucket.device)
             compute[:bucket.numel] = bucket.compute
+            if self.keeps_dtype:   # the shard of the parameters themselves
+                main = compute[shard.start:shard.start + length]
+            else:
+                main = torch.zeros(length, dtype=torch.float32, device=bucket.device)
+                main[:n] = whole[shard.start:shard.start + n]
             if bucket.remainder is not None:
                 bucket.remainder = split_fp32(main)[1]
                 bucket.main_shard = None
@@ -626,7 +741,8 @@ class MainParams:
                 self._compute[id(p)] = view
                 p.data = view
         self._main, self._remainder = {}, {}
-        self.grad_dtype = grad_dtype or torch.float32
+        if grad_dtype is not None or not self.keeps_dtype:
+            self.grad_dtype = grad_dtype or torch.float32
 
     def _in_shard(self, p: nn.Parameter) -> Optional[Tuple["_Bucket", int, int]]:
         """``(bucket, lo, hi)``: the elements ``[lo, hi)`` of ``p``'s bucket that are both ``p``'s and this rank's
@@ -676,7 +792,7 @@ class MainParams:
             high, low = split_fp32(bucket.main_shard)
             compute.copy_(high)
             bucket.remainder.copy_(low)
-        else:
+        elif compute.data_ptr() != bucket.main_shard.data_ptr():   # parameters in their own dtype: stepped in place
             compute.copy_(bucket.main_shard)
 
     @contextmanager
@@ -694,7 +810,7 @@ class MainParams:
                 if shard.size == 1:
                     whole = mine.clone()
                 else:
-                    whole = torch.empty(shard.size * shard.length, dtype=torch.float32, device=bucket.device)
+                    whole = torch.empty(shard.size * shard.length, dtype=mine.dtype, device=bucket.device)
                     dist.all_gather_into_tensor(whole, mine, group=shard.group)
                 wholes.append(whole)
         for p in self.params:
@@ -739,7 +855,8 @@ class MainParams:
                                                   bucket.remainder)
             for p in self.params:
                 p.grad = None
-                p.data = self._placeholder(p)
+                if not self.keeps_dtype:   # parameters in their own dtype hold their (whole) values still
+                    p.data = self._placeholder(p)
                 p.grad = self.main_grad(p)
             return
         if self.store_param_remainders:
@@ -773,7 +890,7 @@ class MainParams:
                     bucket.remainder.copy_(low)
                 bucket.main = None
             self._main = {}
-        elif self.buckets and copy:
+        elif self.buckets and copy and not self.keeps_dtype:
             torch._foreach_copy_([b.compute for b in self.buckets], [b.main for b in self.buckets])
         for p in self.params:
             p.grad = None
@@ -783,7 +900,7 @@ class MainParams:
 
     def _drop_grads(self) -> None:
         for bucket in self.buckets:
-            bucket.grad, bucket.pending = None, []
+            bucket.grad, bucket.pending, bucket.waiting = None, [], []
         self._grads = {}
 
     @contextmanager
@@ -797,7 +914,7 @@ class MainParams:
             with self._whole_main():
                 yield
             return
-        if self.in_main_view:
+        if self.in_main_view or self.keeps_dtype:   # parameters in their own dtype: one view
             yield
             return
         buffers, grads, direct = [b.grad for b in self.buckets], dict(self._grads), dict(self._direct)
@@ -830,6 +947,9 @@ class MainParams:
         followed by one copy over the buckets (with remainders: one split)."""
         if self.sharded:   # the distributed optimizer wrote and gathered the bf16 copies
             optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
+        elif self.keeps_dtype:   # the parameters are the main parameters: any optimizer steps them in either view
+            optimizer.register_step_post_hook(lambda *_: self.to_compute(copy=False))
+            self._optimizer_steps_main = True
         elif isinstance(optimizer, PrecisionAwareAdamW):
             optimizer.write_param_copies(self.compute_copy)
             if self.store_param_remainders:

@@ -149,8 +149,8 @@ class DistributedOptimizer(Optimizer):
         if self.inner is not None:
             for frag in self.fragments:   # the main view's main-parameter shard (joined afresh with remainders)
                 frag.tensor.data = self._main_view(frag.bucket, frag.lo, frag.hi)
-                grad = frag.bucket.grad   # bf16 buffers (grad_reduce_in_bf16): this run's part in fp32
-                frag.tensor.grad = None if grad is None else grad[frag.lo:frag.hi].to(torch.float32)
+                grad = frag.bucket.grad   # bf16 buffers (grad_reduce_in_bf16): this run's part in the main dtype
+                frag.tensor.grad = None if grad is None else grad[frag.lo:frag.hi].to(frag.tensor.dtype)
             self._sync_hyperparameters()
             found = getattr(self, "found_inf", None)
             if found is not None:

@@ -225,16 +225,16 @@ class PipelineRunner:
         stage_indices: their global stage indices; ``num_stages``: ``pp*vp``.
         pp_group: the pipeline group; ``pp_ranks``: its global ranks (index = pipeline rank).
         schedule: a name in :data:`SCHEDULE_NAMES`; ``device``: where activations live.
-        weight_grad_sink: called with a stage's parameters after each of its separate weight-gradient passes (the
-            zero-bubble schedules' ``backward_weight_one_chunk``, which writes ``weight.grad`` without the
-            parameters' post-accumulate hooks); e.g. :meth:`~lightning_megatron.parallel.main_grad.MainParams.
-            take_weight_grads`, so that every schedule's gradients reach the fp32 main gradients per micro-batch.
+        weight_grad_sink: called with a stage's parameters, a context entered around each of its separate
+            weight-gradient passes (the zero-bubble schedules' ``backward_weight_one_chunk``, which writes
+            ``weight.grad`` without the parameters' post-accumulate hooks); e.g. :meth:`~lightning_megatron.parallel.
+            main_grad.MainParams.weight_grads`, so that every schedule's gradients reach the buffer per micro-batch.
     """
 
     def __init__(self, stage_modules: List[PipelineStageModule],
                  stage_indices: List[int], num_stages: int, pp_group: dist.ProcessGroup, pp_ranks: List[int],
                  schedule: str, device: torch.device, v_shape: bool,
-                 weight_grad_sink: Optional[Callable[[List[nn.Parameter]], None]] = None) -> None:
+                 weight_grad_sink: Optional[Callable[[List[nn.Parameter]], ContextManager[None]]] = None) -> None:
         self.stage_modules = stage_modules
         self.stage_indices, self.num_stages = stage_indices, num_stages
         self.pp_group, self.pp_ranks = pp_group, pp_ranks
@@ -259,8 +259,8 @@ class PipelineRunner:
         backward_weight = stage.backward_weight_one_chunk
 
         def backward_weight_then_sink(bwd_chunk_id: int, last_backward: bool = False) -> None:
-            backward_weight(bwd_chunk_id, last_backward=last_backward)
-            sink(params)
+            with sink(params):
+                backward_weight(bwd_chunk_id, last_backward=last_backward)
 
         stage.backward_weight_one_chunk = backward_weight_then_sink
 
@@ -492,7 +492,7 @@ class PipelineStages:
         self.model, self.tied_embeddings = model, tied_embeddings
         #: handed to every :class:`PipelineRunner` of these stages (see its ``weight_grad_sink``); set by
         #: :func:`lightning_megatron.parallelize` when the parameters have fp32 main gradients
-        self.weight_grad_sink: Optional[Callable[[List[nn.Parameter]], None]] = None
+        self.weight_grad_sink: Optional[Callable[[List[nn.Parameter]], ContextManager[None]]] = None
 
     @property
     def v_shape(self) -> bool:

@@ -59,7 +59,8 @@ def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bo
                            store_param_remainders: bool = False, moment_bytes: int = ADAM_BYTES,
                            grad_reduce_in_bf16: bool = False) -> float:
     """Megatron's static bytes per parameter of one rank (parameters, gradients during a step, optimizer states) at
-    data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]``; bf16 parameters
+    data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]`` (the gradients' 4 bytes 2 with
+    ``grad_reduce_in_bf16`` under the distributed optimizer); bf16 parameters
     ``2 + 4 + (4 + moment_bytes) [/ dp]`` (``2 + 4 + 12 / dp`` with the distributed optimizer and fp32 moments),
     the main parameter's 4 bytes 2 with remainders, and with ``grad_reduce_in_bf16`` under the distributed optimizer
     the gradients' 4 bytes 2 (``2 + 2 + 12 / dp``: Megatron's bf16 gradient buffers). What :func:`state_bytes`
@@ -69,10 +70,10 @@ def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bo
     if dp < 1:
         raise ValueError(f"dp={dp!r} must be >= 1")
     shard = dp if distributed_optimizer else 1
-    if params_dtype == "fp32":
-        return PARAM_BYTES + GRAD_BYTES + moment_bytes / shard
-    main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
     grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and distributed_optimizer and dp > 1 else GRAD_BYTES
+    if params_dtype == "fp32":   # the parameters are their own main parameters
+        return PARAM_BYTES + grad_bytes + moment_bytes / shard
+    main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
     return BF16_BYTES + grad_bytes + (main_bytes + moment_bytes) / shard
 
 
@@ -279,8 +280,8 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     instead of 6; ValueError with fp32 parameters).
 
     Sharding levels (``layout.sharding``): ``no_shard`` keeps everything whole; ``optim`` (the distributed
-    optimizer) splits the optimizer states, dense ones over dp x cp and the routed experts' over edp, as torch's
-    ``ZeroRedundancyOptimizer`` does (:func:`zero_partition`); the FSDP levels ``optim_grads`` and
+    optimizer) splits the optimizer states over the buffer's even runs, dense buckets over dp x cp and the routed
+    experts' over edp (:func:`bucket_runs`); the FSDP levels ``optim_grads`` and
     ``optim_grads_params`` hold every tensor's parameters, gradients and Adam states as FSDP2's shards
     (:func:`fsdp_numel`: dense tensors over dp x cp, routed experts over edp, whole when edp = 1 as the library
     leaves them out of FSDP). Both FSDP levels hold the same bytes between steps; the whole bf16 weights they
@@ -289,8 +290,9 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     states, each bucket cut into equal runs (:class:`~lightning_megatron.parallel.main_param_shards.
     DistributedOptimizer`, Megatron's): per parameter 2 bytes (bf16 copy) + 4 (fp32 main gradient) + (4 main or 2
     remainder + ``moment_bytes``) / dp (:func:`static_bytes_per_param`), the gradients 2 bytes with
-    ``grad_reduce_in_bf16`` (bf16 buffers); with fp32 parameters it shards the Adam states per whole tensor
-    (:func:`zero_partition`).
+    ``grad_reduce_in_bf16`` (bf16 buffers); fp32 parameters are their own main parameters (4 + 4 +
+    ``moment_bytes`` / dp). Optimizers that are not elementwise fall back to per-tensor sharding
+    (:func:`zero_partition`), which this does not count.
     """
     tensors = rank_parameters(model, layout, pp_rank)
     dense = [t for t in tensors if not t.expert]
@@ -313,22 +315,16 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
         return StateBytes(PARAM_BYTES * sum(local), GRAD_BYTES * sum(local),
                           sum(moment_bytes * k + STEP_BYTES for k in local))
 
-    if main:   # bf16 parameters: each bucket's even runs hold the main parameters and the states
-        runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]
-        padded, length, local, pieces = (sum(r[i] for r in runs) for i in range(4))
+    # the buffer's buckets cut into even runs: each holds the states (bf16 parameters: and the main parameters)
+    runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]
+    padded, length, local, pieces = (sum(r[i] for r in runs) for i in range(4))
+    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and dp_cp > 1 else GRAD_BYTES   # bf16 gradient buffers
+    if main:
         main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
-        grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and dp_cp > 1 else GRAD_BYTES   # bf16 gradient buffers
-        return StateBytes(BF16_BYTES * padded + main_bytes * length, grad_bytes * n,
-                          moment_bytes * local + STEP_BYTES * pieces, main)
-
-    def shard(tensors: List[ParamTensor], ranks: int, rank: Optional[int]) -> int:
-        if not tensors:
-            return 0
-        per_rank = [_adam_bytes(owned, moment_bytes) for owned in zero_partition(tensors, ranks)]
-        return max(per_rank) if rank is None else per_rank[rank]
-
-    opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)
-    return StateBytes(param_bytes * n, GRAD_BYTES * n, opt, main)
+        params = BF16_BYTES * padded + main_bytes * length
+    else:   # fp32 parameters are their own main parameters: the (padded) buffer only
+        params = PARAM_BYTES * padded
+    return StateBytes(params, grad_bytes * n, moment_bytes * local + STEP_BYTES * pieces, main)
 
 
 def fsdp_numel(tensor: ParamTensor, ranks: int, rank: Optional[int] = 0) -> int:

@@ -29,7 +29,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
 from lightning_megatron.checkpoint.atomic_io import AtomicCheckpointIO
@@ -72,9 +71,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         tp, pp, vp, cp, ep, etp, sequence_parallel: the layout (dp is ``world / (tp * pp * cp)``; ep is carved out of
             the dp x cp x tp ranks).
         options: any other field of :class:`ParallelConfig` (``cp_comm_type``, ``pipeline_schedule``,
-            ``use_distributed_optimizer``, ...: Megatron's names, validated there); else arguments of
-            ``torch.nn.parallel.DistributedDataParallel`` (dp x cp > 1, pp == 1) or Lightning's DDP hook options
-            (``ddp_comm_hook``, ...). Any other keyword raises TypeError naming the closest valid one.
+            ``use_distributed_optimizer``, ...: Megatron's names, validated there). Arguments of torch
+            ``DistributedDataParallel`` and Lightning's DDP hook options raise ValueError naming what replaces them
+            (the parameters' contiguous buffer reduces the gradients, not DDP); any other keyword raises TypeError
+            naming the closest valid one.
         checkpoint_io: default :class:`~lightning_megatron.checkpoint.AtomicCheckpointIO` (a local checkpoint is
             complete or absent, never truncated); used by ``ckpt_format="torch"``.
         ckpt_format, async_save: ``"torch"`` (default) saves one file of full tensors; ``"torch_dist"`` a directory
@@ -299,11 +299,11 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             yield
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Parallelise and materialise the model, wrap DDP over dp x cp when fitting, set up optimizers."""
+        """Parallelise and materialise the model (its parameters in the contiguous buffer, which reduces the gradients
+        over dp x cp, or FSDP2 units at the FSDP levels) when fitting, set up optimizers."""
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
         self.accelerator.setup(trainer)
-        self.parallelize(self.lightning_module)
-        self.precision_plugin.convert_module(self.model)
+        self.parallelize(self.lightning_module)   # the precision plugin converts the module there
         self.model_to_device()
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -313,12 +313,9 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             guard_grads = self._grads.guard.grads
             self._grads = GradientFinalizer(parallelized, mesh, self.fsdp)
             self._grads.guard.grads = guard_grads
-        elif fitting and not cfg.fsdp:
-            register_ours = self._ddp_comm_hook is None
+        elif fitting and not cfg.fsdp:   # the buffer reduces the gradients: the replicas start equal
             self.model = wrap_data_parallel(self.model, parallelized, mesh, cfg, self.determine_ddp_device_ids(),
-                                            self._ddp_kwargs, register_ours)
-            if not register_ours and isinstance(self.model, DistributedDataParallel):
-                self._register_ddp_hooks()
+                                            {}, True)
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers, self._param_gather = shard_optimizer_states(
@@ -347,9 +344,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         plugin = self.precision_plugin
         fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed, tp_rng=self.tp_rng,
-                                        forward_context=plugin.forward_context, fp8=fp8,
-                                        params_dtype=self._params_dtype(),
-                                        store_param_remainders=getattr(plugin, "store_param_remainders", False))
+                                        forward_context=plugin.forward_context, fp8=fp8)
+        plugin.convert_module(module)   # before the buffer takes the parameters' storage (64-true: .double())
+        params_dtype = self._params_dtype()
+        if params_dtype is not None or not cfg.fsdp:   # the buffer owns the gradients (FSDP2 at its levels)
+            self.parallelized.hold_in_buffer(params_dtype, cfg.bucket_size,
+                                             getattr(plugin, "store_param_remainders", False))
         if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
             plugin.attach_fp8_layers(self.parallelized.fp8)
         self._grads = GradientFinalizer(self.parallelized, mesh)

@@ -51,13 +51,25 @@ def parallel_context(mesh: ParallelMesh, cfg: ParallelConfig) -> ParallelContext
 
 def wrap_data_parallel(model: nn.Module, parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
                        device_ids: Optional[List[int]], ddp_kwargs: Dict[str, Any], register_hook: bool) -> nn.Module:
-    """``model`` wrapped in torch DDP over dp x cp (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`) where
-    DDP owns the gradient reduction: one pipeline stage and fp32 parameters. Pipeline stages and bf16 parameters
-    (whose fp32 main gradients the gradient finaliser averages) are returned as they are."""
-    if parallelized.pipeline is not None or parallelized.main_params is not None:
+    """Data parallelism over dp x cp outside the FSDP levels: the parameters' contiguous buffers
+    (:class:`~lightning_megatron.parallel.main_grad.MainParams`) own the gradient reduction, so ``model`` is returned
+    as it is after the replicas are made equal (:meth:`MainParams.broadcast_replicas`: dense buckets from the first
+    rank of dp x cp, routed experts' from the first of edp). A model without buffers (``parallelize`` called without
+    ``param_buffer``) is wrapped in torch DDP (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`)."""
+    main = parallelized.main_params
+    if main is not None:
+        main.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))
+        return model
+    if parallelized.pipeline is not None:
         return model
     return apply_dp(model, mesh, cfg, expert_params=parallelized.expert_params, device_ids=device_ids,
                     ddp_kwargs=ddp_kwargs, register_hook=register_hook)
+
+
+def _bucket_group(mesh: ParallelMesh, bucket: Any) -> Tuple[Any, int, int]:
+    """A buffer bucket's data-parallel ``(group, size, rank)``: edp for routed experts, dp x cp otherwise."""
+    name = "edp" if bucket.expert else "dp_cp"
+    return mesh.group(name), mesh.size(name), mesh.rank(name)
 
 
 def shard_fsdp(module: nn.Module, parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
@@ -114,8 +126,7 @@ def shard_main_params(optimizers: List[Any], lr_scheduler_configs: List[Any], mo
     assert main is not None
 
     def group_of(bucket: Any) -> Tuple[Any, int, int]:
-        name = "edp" if bucket.expert else "dp_cp"
-        return mesh.group(name), mesh.size(name), mesh.rank(name)
+        return _bucket_group(mesh, bucket)
 
     grad_dtype = torch.bfloat16 if cfg.grad_reduce_in_bf16 else None   # Megatron's bf16 gradient buffers
     sharded: List[Any] = [DistributedOptimizer(getattr(o, "_optimizer", o), main, group_of, grad_dtype)

@@ -50,11 +50,36 @@ def parallel_config_from_options(options: Dict[str, Any], timeout: Optional[time
     ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in DDP_SET_BY_STRATEGY]
     check_keywords("MegatronStrategy", options,
                    list(own_keywords) + list(LAYOUT_OPTIONS) + list(DDP_STRATEGY_KEYWORDS) + ddp)
-    config = ParallelConfig(**layout)
-    if config.grad_reduce_in_bf16 and options.get("ddp_comm_hook") is not None:
-        raise ValueError("grad_reduce_in_bf16=True installs its own DDP communication hook; drop ddp_comm_hook="
-                         f"{options['ddp_comm_hook']!r} or grad_reduce_in_bf16")
-    return config, timeout
+    refuse_ddp_keywords(options)
+    return ParallelConfig(**layout), timeout
+
+
+#: what replaces a torch DDP keyword now that the parameter-and-gradient buffer reduces the gradients
+DDP_REPLACEMENTS = {
+    "bucket_cap_mb": "Give bucket_size= instead (elements per bucket of the buffer).",
+    "find_unused_parameters": "It is not needed: a parameter without a gradient joins its bucket's reduction with "
+                              "zeros.",
+    "gradient_as_bucket_view": "It is not needed: the gradients are always views of the buffer's buckets.",
+    "static_graph": "It is not needed: each bucket is reduced once its last gradient of the step has arrived.",
+    "ddp_comm_hook": "To communicate in bf16, give grad_reduce_in_bf16=True instead.",
+    "ddp_comm_state": "To communicate in bf16, give grad_reduce_in_bf16=True instead.",
+    "ddp_comm_wrapper": "To communicate in bf16, give grad_reduce_in_bf16=True instead.",
+}
+
+
+def refuse_ddp_keywords(options: Dict[str, Any]) -> None:
+    """ValueError for a ``DistributedDataParallel`` argument or Lightning DDP hook option in ``options``: torch DDP
+    wraps no model of :class:`~lightning_megatron.MegatronStrategy` (the contiguous parameter-and-gradient buffer,
+    or FSDP2 at its levels, reduces the gradients), so such a keyword would do nothing. The message names what
+    replaces it (:data:`DDP_REPLACEMENTS`)."""
+    if not options:
+        return
+    name = sorted(options)[0]
+    instead = DDP_REPLACEMENTS.get(name, "It has no counterpart here.")
+    raise ValueError(
+        f"MegatronStrategy({name}={options[name]!r}): {name} is an option of torch DistributedDataParallel, which "
+        "this strategy does not use (the parameters' contiguous buffer, or FSDP2 at the FSDP sharding levels, "
+        f"reduces the gradients). {instead} Drop {name}=.")
 
 
 def signature_with_layout_options(init: Callable[..., None]) -> inspect.Signature:

@@ -146,6 +146,8 @@ class StepPath:
             main_params.to_compute()
             single = self._last and not manual
             main_params.start_step(direct=single and strategy.keeps_grads_as_computed(1))
+        if not manual:   # the buckets' reductions start inside the step's last backward (overlap_grad_reduce)
+            strategy._grads.start_step(lm.trainer.accumulate_grad_batches)
         # Lightning divides the returned loss by accumulate_grad_batches (automatic optimization); the aux losses too
         divisor = 1 if manual else lm.trainer.accumulate_grad_batches
         lm.set_moe_aux_loss_scale(strategy.mesh.size("dp_cp") / divisor * self._loss_scale())
