@@ -81,8 +81,9 @@ def test_default_limits_pad_the_data_range():
     svg = chart([Series([(0, 10.0), (100, 0.0)], TRAIN_COLOR)])
     left, top, right, bottom = frame(svg)
     (points,) = subpaths(svg, TRAIN_COLOR)   # x limits -3..103, y limits -0.5..10.5
-    assert points[0] == pytest.approx((left + 3 / 106 * (right - left), bottom - 10.5 / 11 * (bottom - top)), abs=0.006)
-    assert points[1] == pytest.approx((left + 103 / 106 * (right - left), bottom - 0.5 / 11 * (bottom - top)), abs=0.006)
+    width, height = right - left, bottom - top
+    assert points[0] == pytest.approx((left + 3 / 106 * width, bottom - 10.5 / 11 * height), abs=0.006)
+    assert points[1] == pytest.approx((left + 103 / 106 * width, bottom - 0.5 / 11 * height), abs=0.006)
 
 
 def test_non_finite_points_break_the_line_and_odd_inputs_write(tmp_path):
