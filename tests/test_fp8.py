@@ -52,6 +52,7 @@ TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    b = b.detach()
     return float((a.detach().double() - b).norm() / b.norm())
 
 
