@@ -58,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model = ParallelGPTModule(config, **plan.module_kwargs)
 
     # --exit-duration-in-mins (Timer), --profile, --manual-gc / --empty-unused-memory-level, the loss curve (CSV, and
-    # a PNG with matplotlib) written at the end, and the progress bar, refreshed once per --log-interval; the bar
+    # a PNG with matplotlib, else an SVG) written at the end, and the progress bar, refreshed once per --log-interval; the bar
     # goes first, so that it has ended its line when the others print at the end of training
     run_control = plan.build_callbacks()
     callbacks: List[Callback] = [c for c in run_control if isinstance(c, ProgressBar)]

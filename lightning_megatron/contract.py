@@ -31,7 +31,7 @@ class TensorParallelModel(Protocol):
     """A model that can be tensor-parallelised by :func:`lightning_megatron.parallel.apply_tp`."""
 
     def tensor_parallel_plan(self, tp: int, sequence_parallel: bool) -> Dict[str, object]:
-        """Module-name pattern -> TP style (``ColwiseParallel``, ``RowwiseParallel``, ...)."""
+        """Module-name pattern -> TP style (``ColumnParallelStyle``, ``RowParallelStyle``, ...)."""
 
 
 @runtime_checkable

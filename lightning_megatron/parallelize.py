@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_megatron.contract import (InitialisableModel, PipelineModel, TensorParallelModel,
                                          keep_parallelized_record, parallelized_record)
-from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, apply_fp8 as convert_to_fp8
+from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, convert_to_fp8
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters

@@ -478,6 +478,20 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "            result = self._replay(optimizer, closure_then_finalize, model, skipped, rng, **kwargs)\n",
               "            self._count_skipped(skipped)\n            return None\n"),),
         (LONG + "test_rerun_replays_a_non_finite_step_and_stops_only_when_it_repeats",)),
+    Mutation(
+        "loss-curve-svg-y-flipped", "the loss curve's SVG maps the loss upwards in SVG coordinates (a falling loss "
+        "drawn rising)",
+        (Edit("lightning_megatron/callbacks/svg_plot.py",
+              "        return min(max(box.bottom - (y - y0) / (y1 - y0) * (box.bottom - box.top), -_FAR), _FAR)\n",
+              "        return min(max(box.top + (y - y0) / (y1 - y0) * (box.bottom - box.top), -_FAR), _FAR)\n"),),
+        ("tests/test_loss_curve.py::test_the_series_follow_the_data_through_the_documented_mapping",
+         "tests/test_loss_curve.py::test_loss_curve_writes_csv_and_svg_without_matplotlib")),
+    Mutation(
+        "planner-help-table-misaligned", "the planner's --help prints its sharding table's descriptions at the "
+        "end of each key instead of in one column",
+        (Edit("lightning_megatron/planner/cli.py", "        lines.append(f\"  {key:<{column - 4}}  {wrapped[0]}\")\n",
+              "        lines.append(f\"  {key}  {wrapped[0]}\")\n"),),
+        ("tests/test_planner.py::test_help_is_plain_text_with_aligned_tables[planner]",)),
 )
 
 

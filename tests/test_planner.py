@@ -350,3 +350,33 @@ def test_python_m_planner_prints_the_readme_table():
                          text=True, env=env, cwd=ROOT, timeout=300, check=True).stdout
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) >= 5 and "\n".join(table) in readme
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"]], ids=["planner", "verify"])
+def test_help_is_plain_text_with_aligned_tables(argv, capsys, monkeypatch):
+    """``--help`` of the planner and of ``verify`` is written for a terminal: no reST markup, its own paragraphs
+    within 79 columns, and the sharding table's descriptions (continuation lines included) in one column."""
+    from lightning_megatron.planner.memory import SHARDING_LEVELS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":class:", ":func:", ":mod:", ":data:", ":meth:", "::", ".. "):
+        assert markup not in text, (markup, text)
+    head, _, flags = text.partition("\noptions:\n")
+    description, epilog = head.split("\n\n", 1)[1], flags.split("\n\n", 1)[1]   # around argparse's own text
+    assert all(len(line) <= 79 for line in (description + "\n" + epilog).splitlines()), text
+    if argv[0] == "verify":
+        assert "python -m lightning_megatron.planner verify" in epilog
+        return
+    table = text[text.index("sharding levels ("):].split("\n\n")[0].splitlines()[2:]
+    rows = [line for line in table if not line.startswith("    ")]   # the others continue the row above
+    assert [line.split()[0] for line in rows] == list(SHARDING_LEVELS), table
+
+    def value_column(line: str) -> int:
+        body = line[2 + len(line.split()[0]):] if line in rows else line
+        return len(line) - len(body.lstrip())
+
+    assert len({value_column(line) for line in table}) == 1, table

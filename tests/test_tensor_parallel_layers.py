@@ -9,7 +9,7 @@ gradients of inputs, weights and biases. The reference shards are cut with index
 independently of the library's ``shard_tensor``. The tests then compare them in the main process.
 
 ``apply_tp`` with a user plan is checked the same way on a model that is not a GPT: a stack of residual MLP
-blocks whose ``up`` / ``down`` linears are named to ``ColwiseParallel`` / ``RowwiseParallel`` by pattern.
+blocks whose ``up`` / ``down`` linears are named to ``ColumnParallelStyle`` / ``RowParallelStyle`` by pattern.
 """
 from __future__ import annotations
 
@@ -197,12 +197,12 @@ class _MLPStack(torch.nn.Module):
 
 
 def _plan_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> None:
-    """``apply_tp(model, group, sp, plan={"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})``
+    """``apply_tp(model, group, sp, plan={"blocks.*.up": ColumnParallelStyle(), "blocks.*.down": RowParallelStyle()})``
     on a copy of a plain model holding the same weights: outputs and every gradient against the plain model."""
     import copy
 
     from lightning_megatron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
-    from lightning_megatron.parallel.tensor_parallel.plan import ColwiseParallel, RowwiseParallel
+    from lightning_megatron.parallel.tensor_parallel.plan import ColumnParallelStyle, RowParallelStyle
 
     for sp in (False, True):
         case = f"plan-tp{tp}-{'sp' if sp else 'nosp'}"
@@ -212,7 +212,7 @@ def _plan_cases(group, tp: int, rank: int, out: Dict[str, Dict[str, Tuple]]) -> 
         x_ref = _leaf(x)
         (ref(x_ref) * up).sum().backward()
         model = apply_tp(copy.deepcopy(ref), group, sp,
-                         plan={"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
+                         plan={"blocks.*.up": ColumnParallelStyle(), "blocks.*.down": RowParallelStyle()})
         seq = _rows(S, tp, rank) if sp else slice(None)
         x_par = _leaf(x[seq])
         model.zero_grad()
@@ -412,3 +412,23 @@ def test_single_rank_cross_entropy_dtype(dtype, expected):
     assert loss.dtype == expected
     want = F.cross_entropy(logits[..., :VOCAB].to(expected).reshape(-1, VOCAB), target.reshape(-1), reduction="none")
     assert torch.equal(loss.reshape(-1), want)
+
+
+def test_the_plan_styles_earlier_names_import_with_a_deprecation_warning():
+    """``ColwiseParallel`` / ``RowwiseParallel`` / ``VocabParallel`` / ``SequenceParallelNorm`` (the styles' earlier
+    names, the first two torch's DTensor style names) still import from the package and from ``plan``: the same
+    class, with a DeprecationWarning naming the new name. Unknown names still raise AttributeError."""
+    import importlib
+
+    from lightning_megatron.parallel.tensor_parallel import plan
+
+    package = importlib.import_module("lightning_megatron.parallel.tensor_parallel")
+    renamed = {"ColwiseParallel": "ColumnParallelStyle", "RowwiseParallel": "RowParallelStyle",
+               "VocabParallel": "VocabParallelStyle", "SequenceParallelNorm": "SequenceParallelNormStyle"}
+    for old, new in renamed.items():
+        for module in (package, plan):
+            with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use {new},"):
+                assert getattr(module, old) is getattr(plan, new), (module, old)
+        assert old not in package.__all__ and new in package.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'ColwiseParallelX'"):
+        getattr(package, "ColwiseParallelX")

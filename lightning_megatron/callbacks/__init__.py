@@ -1,5 +1,5 @@
 """Training callbacks: throughput and model FLOPs utilisation (``MFUMonitor``) with Megatron's FLOPs count; the
-loss curve as CSV / PNG (``LossCurve``); the weights of a checkpoint without training state at the start
+loss curve as CSV and PNG or SVG (``LossCurve``); the weights of a checkpoint without training state at the start
 (``CheckpointWeights``); the ranks that set everyone's pace (``StragglerMonitor``)."""
 from lightning_megatron.utils.lazy import lazy_exports
 

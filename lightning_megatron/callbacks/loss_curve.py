@@ -1,5 +1,5 @@
-"""``LossCurve``: the run's train / validation loss per optimizer step as a CSV and a PNG (drawn by matplotlib when
-it is installed, else by the standard-library renderer in :mod:`lightning_megatron.callbacks.png_plot`)."""
+"""``LossCurve``: the run's train / validation loss per optimizer step as a CSV and a picture: a PNG drawn by
+matplotlib when it is installed, else an SVG written by :mod:`lightning_megatron.callbacks.svg_plot`."""
 from __future__ import annotations
 
 import csv
@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.callbacks.optimizer_step import OptimizerStepCallback
-from lightning_megatron.callbacks.png_plot import TRAIN_COLOR, VAL_COLOR, Series, write_line_chart_png
+from lightning_megatron.callbacks.svg_plot import TRAIN_COLOR, VAL_COLOR, Series, write_line_chart_svg
 from lightning_megatron.utils.optional import MATPLOTLIB
 
 __all__ = ["LossCurve", "plot_loss_curve"]
@@ -19,8 +19,8 @@ __all__ = ["LossCurve", "plot_loss_curve"]
 class LossCurve(OptimizerStepCallback):
     """Record ``train_loss`` after every optimizer step and ``val_loss`` after every validation (global rank 0;
     both are already the global values), and write them at the end of training as ``<path>.csv`` (columns
-    ``step, train_loss, val_loss``) and the picture ``<path>.png`` (:func:`plot_loss_curve`: matplotlib's plot when
-    matplotlib is installed, the ``[plots]`` extra; otherwise the same lines drawn by the built-in renderer).
+    ``step, train_loss, val_loss``) and the picture (:func:`plot_loss_curve`): ``<path>.png`` drawn by matplotlib
+    when it is installed (the ``[plots]`` extra), else ``<path>.svg``.
     Communicates nothing. The train losses stay on the device and are read on the host every ``read_every`` steps,
     at validation and at the end (reading one waits for the GPU to finish all work queued before it).
 
@@ -32,11 +32,12 @@ class LossCurve(OptimizerStepCallback):
     def __init__(self, path: Union[str, Path], read_every: int = 100) -> None:
         if read_every < 1:
             raise ValueError(f"LossCurve: read_every={read_every} must be >= 1")
-        self.path = Path(path).with_suffix("") if Path(path).suffix in (".png", ".csv") else Path(path)
+        self.path = Path(path).with_suffix("") if Path(path).suffix in (".png", ".svg", ".csv") else Path(path)
         self.read_every = read_every
         self.train: List[Tuple[int, float]] = []
         self.val: List[Tuple[int, float]] = []
-        self.png: Optional[Path] = None
+        #: the picture written at the end of training (``.png`` or ``.svg``), None before
+        self.picture: Optional[Path] = None
         self._unread: List[Tuple[int, torch.Tensor]] = []
 
     def on_optimizer_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
@@ -70,29 +71,28 @@ class LossCurve(OptimizerStepCallback):
             val = dict(self.val)
             for step, loss in self.train:
                 writer.writerow([step, f"{loss:.6f}", f"{val[step]:.6f}" if step in val else ""])
-        self.png = plot_loss_curve(self.train, self.val, self.path.with_suffix(".png"))
-        how = "" if MATPLOTLIB else " (built-in renderer; `pip install matplotlib` for matplotlib's plot)"
-        print(f"loss curve: {self.png}{how}", flush=True)
+        self.picture = plot_loss_curve(self.train, self.val, self.path)
+        how = "" if MATPLOTLIB else " (`pip install matplotlib` for a PNG)"
+        print(f"loss curve: {self.picture}{how}", flush=True)
 
 
 def plot_loss_curve(train: List[Tuple[int, float]], val: List[Tuple[int, float]], path: Union[str, Path],
                     title: str = "loss") -> Path:
-    """Draw the ``(step, loss)`` series ``train`` (a line) and ``val`` (a line with markers) into the PNG ``path``
-    and return ``path``.
-
-    With matplotlib installed (:data:`lightning_megatron.utils.optional.MATPLOTLIB`): a 660 x 396 figure drawn with
-    matplotlib's object API (no global backend) with axis labels, grid and legend. Without it: a 660 x 396 RGB
-    image from :func:`lightning_megatron.callbacks.png_plot.write_line_chart_png` (standard library only) with
-    the same colours, axis labels, title and legend, tick labels in a built-in bitmap font, no anti-aliasing.
-    Non-finite losses are left out of the picture in both cases; ``val`` may be empty.
+    """Draw the ``(step, loss)`` series ``train`` (a line) and ``val`` (a line with markers) with axis labels, grid
+    and legend; returns the file written: ``path`` with the suffix ``.png`` when matplotlib is installed
+    (:data:`lightning_megatron.utils.optional.MATPLOTLIB`; a 660 x 396 figure drawn with matplotlib's object API, no
+    global backend), else ``.svg`` (:func:`lightning_megatron.callbacks.svg_plot.write_line_chart_svg`, the same
+    size and colours). Non-finite losses are left out of the picture; ``val`` may be empty.
     """
     if not MATPLOTLIB:
-        return write_line_chart_png(
-            path, [Series(train, TRAIN_COLOR, "train_loss"), Series(val, VAL_COLOR, "val_loss", markers=True)],
+        return write_line_chart_svg(
+            Path(path).with_suffix(".svg"),
+            [Series(train, TRAIN_COLOR, "train_loss"), Series(val, VAL_COLOR, "val_loss", markers=True)],
             title=title, xlabel="optimizer step", ylabel="loss (nats / token)", integer_x=True)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    path = Path(path).with_suffix(".png")
     fig = Figure(figsize=(6, 3.6), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -106,4 +106,4 @@ def plot_loss_curve(train: List[Tuple[int, float]], val: List[Tuple[int, float]]
     ax.legend()
     fig.tight_layout()
     fig.savefig(str(path))
-    return Path(path)
+    return path

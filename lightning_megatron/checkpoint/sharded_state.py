@@ -90,7 +90,7 @@ def _runs(line: Sequence[int]) -> List[Tuple[int, int, int]]:
 
 
 @dataclass
-class Layout:
+class ShardBlocks:
     """Where a local tensor's parts lie in the full tensor.
 
     Attributes:
@@ -105,8 +105,8 @@ class Layout:
     zero_pad: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
 
 
-def local_blocks(mod: nn.Module, pname: str, local_shape: Sequence[int]) -> Layout:
-    """The :class:`Layout` of the local tensor (shape ``local_shape``) of sharded parameter ``pname`` of ``mod``
+def local_blocks(mod: nn.Module, pname: str, local_shape: Sequence[int]) -> ShardBlocks:
+    """The :class:`ShardBlocks` of the local tensor (shape ``local_shape``) of sharded parameter ``pname`` of ``mod``
     (a TP layer or expert module): the blocks that are contiguous in the global tensor.
 
     Each dimension whose local size differs from the global one is probed on its own: an index grid ``1..n``
@@ -123,7 +123,7 @@ def local_blocks(mod: nn.Module, pname: str, local_shape: Sequence[int]) -> Layo
     return layout
 
 
-def _blocks(mod: nn.Module, pname: str, gshape: Tuple[int, ...], local_shape: Sequence[int]) -> Layout:
+def _blocks(mod: nn.Module, pname: str, gshape: Tuple[int, ...], local_shape: Sequence[int]) -> ShardBlocks:
     lshape = tuple(int(s) for s in local_shape)
     dims = [d for d in range(len(gshape)) if gshape[d] != lshape[d]]
     per_dim: Dict[int, List[Tuple[int, int, int]]] = {}
@@ -143,7 +143,7 @@ def _blocks(mod: nn.Module, pname: str, gshape: Tuple[int, ...], local_shape: Se
         for d, (lo, go, n) in zip(dims, combo):
             slices[d], offsets[d] = slice(lo, lo + n), go
         blocks.append((tuple(slices), tuple(offsets)))
-    return Layout(gshape, blocks)
+    return ShardBlocks(gshape, blocks)
 
 
 class ShardLayout:
@@ -152,10 +152,10 @@ class ShardLayout:
     def __init__(self, module: nn.Module) -> None:
         self.owners = tensor_parallel_owners(module)
         self.names = {id(p): name for name, p in module.named_parameters()}
-        self._cache: Dict[Tuple[str, Tuple[int, ...]], Layout] = {}
+        self._cache: Dict[Tuple[str, Tuple[int, ...]], ShardBlocks] = {}
 
-    def blocks(self, key: str, local_shape: Sequence[int]) -> Optional[Layout]:
-        """The :class:`Layout` of sharded key ``key``, or None for a replicated tensor."""
+    def blocks(self, key: str, local_shape: Sequence[int]) -> Optional[ShardBlocks]:
+        """The :class:`ShardBlocks` of sharded key ``key``, or None for a replicated tensor."""
         owner = self.owners.get(key)
         if owner is None:
             return None

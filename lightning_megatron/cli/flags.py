@@ -399,8 +399,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
              choices=(0, 1, 2), default=None,
              help="CUDA caching allocator: 1 empties it after each optimizer step, 2 also after validation")
     add_flag(g, "--loss-curve", "LossCurve.path", default=None,
-             help="(not a Megatron flag) the loss curve's path without suffix: .csv, and .png with matplotlib "
-                  "(default: <--tensorboard-dir, else lightning_logs>/loss_curve)")
+             help="(not a Megatron flag) the loss curve's path without suffix: .csv, and .png with matplotlib, "
+                  "else .svg (default: <--tensorboard-dir, else lightning_logs>/loss_curve)")
     add_accepted_flag(g, "--use-mcore-models", "the one model here is built as Megatron Core's GPTModel",
                       action="store_true")
     add_accepted_flag(g, "--transformer-impl", "the layers are torch modules either way; Transformer Engine is "

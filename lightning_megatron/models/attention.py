@@ -2,8 +2,8 @@
 ``GPTConfig.attention_backend``, Megatron's ``--attention-backend`` with its names.
 
 =========== ====================================================================================================
-``auto``    ``scaled_dot_product_attention`` as torch dispatches it (the default). On an H200 with torch 2.11 that is
-            cuDNN's fused attention for the benchmark model's bf16 grouped-query attention (``benchmarks/RESULTS.md``).
+``auto``    ``scaled_dot_product_attention`` as torch dispatches it (the default): torch picks the kernel by GPU,
+            dtype, shapes and version (which one it picks for the benchmark model: ``benchmarks/RESULTS.md``).
 ``fused``   cuDNN's fused attention (Megatron's ``fused``: cuDNN through Transformer Engine) for CUDA fp16 / bf16
             inputs, ValueError where cuDNN does not take those; CPU and fp32 inputs, which no fused GPU kernel
             takes, get torch's choice (as ``cp_attention_kernel`` does for the context-parallel blocks).

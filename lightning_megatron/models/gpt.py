@@ -43,10 +43,10 @@ from lightning_megatron.parallel.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from lightning_megatron.parallel.tensor_parallel.plan import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallelNorm,
-    VocabParallel,
+    ColumnParallelStyle,
+    RowParallelStyle,
+    SequenceParallelNormStyle,
+    VocabParallelStyle,
 )
 
 RngFork = Callable[[], ContextManager]
@@ -395,26 +395,27 @@ class GPTModel(nn.Module):
         learned_pos = c.position_embedding_type == "learned_absolute"
         mlps = [layer.mlp for layer in self.decoder.layers.values()]
         plan: Dict[str, object] = {
-            "embedding.word_embeddings": VocabParallel(c.vocab_size, padded, sequence_parallel and not learned_pos,
-                                                       canonical_size=self.padded_vocab_size),
-            "decoder.layers.*.self_attention.linear_qkv": ColwiseParallel(),
-            "decoder.layers.*.self_attention.linear_proj": RowwiseParallel(),
-            "output_layer": ColwiseParallel(vocab_size=c.vocab_size, padded_size=padded,
-                                            tied=not c.untie_embeddings_and_output_weights,
-                                            canonical_size=self.padded_vocab_size),
+            "embedding.word_embeddings": VocabParallelStyle(c.vocab_size, padded,
+                                                            sequence_parallel and not learned_pos,
+                                                            canonical_size=self.padded_vocab_size),
+            "decoder.layers.*.self_attention.linear_qkv": ColumnParallelStyle(),
+            "decoder.layers.*.self_attention.linear_proj": RowParallelStyle(),
+            "output_layer": ColumnParallelStyle(vocab_size=c.vocab_size, padded_size=padded,
+                                                tied=not c.untie_embeddings_and_output_weights,
+                                                canonical_size=self.padded_vocab_size),
         }
         if any(isinstance(m, MLP) for m in mlps):
-            plan["decoder.layers.*.mlp.linear_fc1"] = ColwiseParallel(stride=2 if c.swiglu else 1)
-            plan["decoder.layers.*.mlp.linear_fc2"] = RowwiseParallel()
+            plan["decoder.layers.*.mlp.linear_fc1"] = ColumnParallelStyle(stride=2 if c.swiglu else 1)
+            plan["decoder.layers.*.mlp.linear_fc2"] = RowParallelStyle()
         if any(isinstance(m, MoELayer) and m.shared_experts is not None for m in mlps):
             # shared experts are split like the dense MLP; routed experts follow expert tensor parallelism
-            plan["decoder.layers.*.mlp.shared_experts.linear_fc1"] = ColwiseParallel(stride=2 if c.swiglu else 1)
-            plan["decoder.layers.*.mlp.shared_experts.linear_fc2"] = RowwiseParallel()
+            plan["decoder.layers.*.mlp.shared_experts.linear_fc1"] = ColumnParallelStyle(stride=2 if c.swiglu else 1)
+            plan["decoder.layers.*.mlp.shared_experts.linear_fc2"] = RowParallelStyle()
         if sequence_parallel:
             plan.update({
-                "decoder.layers.*.input_layernorm": SequenceParallelNorm(),
-                "decoder.layers.*.pre_mlp_layernorm": SequenceParallelNorm(),
-                "decoder.final_layernorm": SequenceParallelNorm(),
+                "decoder.layers.*.input_layernorm": SequenceParallelNormStyle(),
+                "decoder.layers.*.pre_mlp_layernorm": SequenceParallelNormStyle(),
+                "decoder.final_layernorm": SequenceParallelNormStyle(),
             })
         return plan
 

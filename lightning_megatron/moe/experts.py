@@ -41,8 +41,8 @@ class GroupedMLPExperts(RoutedExperts):
     for any input (torch builds with a CPU kernel run it too); ``False`` always loops over experts. A failing
     grouped GEMM (old torch, unsupported dtype, or rows not 16-byte aligned, e.g. bf16 with ``f`` not a multiple
     of 8) falls back to the loop; ``last_used_grouped_mm`` says which path the last call took.
-    ``fp8_gemms``: set by :func:`lightning_megatron.precision.fp8.apply_fp8` (one ``(fc1, fc2)`` pair of FP8 GEMMs per local
-    expert): the experts then loop, each expert's two GEMMs in FP8 (own scales per expert and weight).
+    ``fp8_gemms``: set by :func:`lightning_megatron.precision.fp8.convert_to_fp8` (one ``(fc1, fc2)`` pair of FP8
+    GEMMs per local expert): the experts then loop, each expert's two GEMMs in FP8 (own scales per expert and weight).
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, swiglu: bool = True,

@@ -44,11 +44,10 @@ from lightning_megatron.utils.tensors import (adjacent_runs, flat_run, local_ten
 
 __all__ = ["PrecisionAwareAdamW", "OPTIMIZER_STATE_DTYPES", "optimizer_state_dtype", "optimizer_state_dtype_name"]
 
-#: Inductor options of the compiled update: each pointwise kernel takes Inductor's larger block (1,024 elements, 4
-#: warps) instead of the faster of two blocks timed at compile time. That timing picked the smaller block (512
-#: elements, 8 warps: 2 bf16 elements, 4 bytes, per thread and load) for some parameter shapes, whose kernels then
-#: moved about two thirds of the bytes per second of the others inside a training step (benchmarks/RESULTS.md); the
-#: arithmetic per element is the same either way
+#: Inductor options of the compiled update: each pointwise kernel takes Inductor's default block instead of the
+#: faster of the blocks timed at compile time. Timed alone, a kernel can pick a block that moves fewer bytes per
+#: second once it runs inside a training step beside the other kernels, and the update is bound by memory traffic
+#: (the choice was measured in benchmarks/RESULTS.md); the arithmetic per element is the same either way
 UPDATE_COMPILE_OPTIONS: Dict[str, Any] = {"triton.autotune_pointwise": False}
 
 #: Megatron's names for the moment dtypes this optimizer stores (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``)

@@ -10,8 +10,8 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 #: the comm types whose attention exchanges all-to-all and can run delayed weight-gradient GEMMs meanwhile
 A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 #: per-block kernels of the ring (p2p, and the attention inside a2a / a2a+p2p) on CUDA half types: ``auto`` (cuDNN,
-#: flash where cuDNN refuses; the fastest measured on H200, benchmarks/RESULTS.md), ``cudnn``, ``flash``, or
-#: ``math`` (explicit softmax in float32, the path CPU and float32 inputs always take)
+#: the faster; flash where cuDNN refuses), ``cudnn``, ``flash``, or ``math`` (explicit softmax in float32, the path
+#: CPU and float32 inputs always take)
 CP_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "math")
 #: Megatron's ``--data-parallel-sharding-strategy`` levels: what is sharded over dp x cp (experts: over edp)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Dict, Optional, Sequence
 
 from lightning_megatron.models.config import GPTConfig
@@ -33,15 +34,73 @@ MODELS = ("llama3_8b", "llama3_70b", "gpt3_175b", "mixtral_8x7b", "llama_1b_benc
           "tiny_moe")
 
 
+#: ``--help`` is plain text for a terminal: paragraphs and table rows wrapped to this width
+HELP_WIDTH = 79
+
+#: what each ``--sharding`` level splits over the data-parallel (x context-parallel) ranks
+SHARDING_HELP = {
+    "no_shard": "nothing: every rank holds all parameters, gradients and optimizer states (DDP)",
+    "optim": "the optimizer states (the distributed optimizer)",
+    "optim_grads": "the optimizer states and gradients (FSDP2, ZeRO-2)",
+    "optim_grads_params": "the optimizer states, gradients and parameters (FSDP2, ZeRO-3)",
+}
+
+
+def paragraph(text: str, indent: int = 0) -> str:
+    """``text`` wrapped to :data:`HELP_WIDTH` columns, every line indented by ``indent`` spaces."""
+    return textwrap.fill(text, HELP_WIDTH, initial_indent=" " * indent, subsequent_indent=" " * indent)
+
+
+def rows(entries: Dict[str, str]) -> str:
+    """``entries`` as a two-column table indented by 2: the keys, then the values in one column after the longest
+    key, wrapped to :data:`HELP_WIDTH` columns with their continuation lines in the value column."""
+    column = 2 + max(map(len, entries)) + 2
+    lines = []
+    for key, value in entries.items():
+        wrapped = textwrap.wrap(value, HELP_WIDTH - column)
+        lines.append(f"  {key:<{column - 4}}  {wrapped[0]}")
+        lines.extend(" " * column + line for line in wrapped[1:])
+    return "\n".join(lines)
+
+
+def description() -> str:
+    """``--help``'s text above the flags: what the planner does and an example."""
+    return "\n".join([
+        paragraph("Rank the parallel layouts of a model on a GPU job (every tp, pp, vp, cp, ep, dp, sharding level, "
+                  "recompute preset and micro-batch size the library accepts) by predicted peak memory per GPU and "
+                  "tokens/s per GPU. Prints the ranked table, rejected layouts with the reason, then the best "
+                  "layout as MegatronStrategy keywords and as Megatron flags."),
+        "",
+        "example:",
+        "  python -m lightning_megatron.planner --model llama3_70b --gpus 64 \\",
+        "      --gpu-memory 80 --seq-length 8192 --global-batch-size 512 \\",
+        "      --hardware h100 --show tp=4,pp=4,cp=2",
+    ])
+
+
+def epilog() -> str:
+    """``--help``'s text below the flags: the models, the sharding levels and the ``verify`` sub-command."""
+    return "\n".join([
+        "models (--model: the GPTConfig presets):",
+        paragraph(" ".join(MODELS), indent=2),
+        "",
+        "sharding levels (--sharding: Megatron's --data-parallel-sharding-strategy),",
+        "what each splits over the data-parallel ranks:",
+        rows(SHARDING_HELP),
+        "",
+        "sub-command:",
+        rows({"verify": "run chosen ranks of a LightningCLI configuration in dry runs (fake collectives) beside "
+                        "the planner's prediction (python -m lightning_megatron.planner verify --help)"}),
+    ])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The planner's flags."""
-    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=__doc__.split("\n\n")[0],
-                                epilog="python -m lightning_megatron.planner verify --config CONFIG.yaml: run chosen "
-                                       "ranks of a configuration in dry runs (fake collectives) beside the planner's "
-                                       "prediction (verify --help)")
-    p.add_argument("--model", required=True, choices=MODELS, help="a GPTConfig preset")
+    """The planner's flags; ``--help`` prints :func:`description`, the flags and :func:`epilog`."""
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner", description=description(),
+                                epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=MODELS, metavar="NAME", help="a GPTConfig preset (below)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (8 per node)")
-    p.add_argument("--gpu-memory", type=float, default=None,
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="memory of one GPU in GiB as torch reports it (default: the hardware profile's)")
     p.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
@@ -59,16 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with bf16 parameters: fp32 main parameters held as 16-bit remainders next to the bf16 "
                         "parameters (2 bytes per parameter less; on by default with bf16 parameters, as "
                         "MegatronPrecision's and Megatron's)")
-    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"],
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"], metavar="PRESET",
                    help=f"recompute presets to consider: {', '.join(RECOMPUTE_PRESETS)} or full_block:N")
     p.add_argument("--sharding", nargs="+", default=list(SUPPORTED_SHARDING), choices=SHARDING_LEVELS,
-                   help="sharding levels to consider (data_parallel_sharding_strategy): no_shard, optim (distributed "
-                        "optimizer), optim_grads / optim_grads_params (FSDP2)")
+                   metavar="LEVEL", help="sharding levels to consider (below; default: all four)")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h200")
-    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                   help="micro-batch sizes to consider (default: 1 2 4)")
     p.add_argument("--top", type=int, default=10, help="feasible rows printed")
     p.add_argument("--rejected", type=int, default=5, help="rejected rows printed")
-    p.add_argument("--show", action="append", default=[],
+    p.add_argument("--show", action="append", default=[], metavar="SIZES",
                    help="also print the best row with these sizes, e.g. tp=4,pp=4,cp=2 (repeatable)")
     return p
 

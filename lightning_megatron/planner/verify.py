@@ -20,6 +20,7 @@ import argparse
 import json
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -234,11 +235,14 @@ def format_rank(job: VerifyJob, got: Dict[str, Any], want: Dict[str, Any]) -> st
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``verify`` subcommand's flags."""
-    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner verify",
-                                description="Run chosen ranks of a LightningCLI configuration, one at a time, "
-                                            "each alone in a dry run (fake collectives, mock data, the Trainer's "
-                                            "real steps), and print what each holds and does beside the planner's "
-                                            "prediction. Numbers are per rank, without communication.")
+    about = textwrap.fill("Run chosen ranks of a LightningCLI configuration, one at a time, each alone in a dry run "
+                          "(fake collectives, mock data, the Trainer's real steps), and print what each holds and "
+                          "does beside the planner's prediction. Numbers are per rank, without communication.", 79)
+    example = ("example (mixtral_8x7b.yaml's layout with a tiny model: CPU, seconds):\n"
+               "  python -m lightning_megatron.planner verify \\\n"
+               "      --config examples/configs/mixtral_8x7b.yaml --tiny")
+    p = argparse.ArgumentParser(prog="python -m lightning_megatron.planner verify", description=about,
+                                epilog=example, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a LightningCLI YAML (examples/configs/*.yaml)")
     p.add_argument("--ranks", default="first,last",
                    help="ranks to run: first (rank 0), last (the highest), middle, or rank numbers (default "

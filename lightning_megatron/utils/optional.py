@@ -14,7 +14,7 @@ constant                  package              used for
 ``TENSORBOARD``           tensorboard          ``--tensorboard-dir`` (else CSV files there)
 ``SENTENCEPIECE``         sentencepiece        SentencePiece tokenizers (a core dependency)
 ``TOKENIZERS``            tokenizers           ``HuggingFaceTokenizer`` on a ``tokenizer.json``
-``MATPLOTLIB``            matplotlib           the loss-curve PNG and ``benchmarks/plot_results.py``
+``MATPLOTLIB``            matplotlib           the loss-curve PNG (else an SVG) and ``benchmarks/plot_results.py``
 ``JSONARGPARSE``          jsonargparse         ``python -m lightning_megatron fit --config ...``
 ========================  ===================  ===========================================================
 """

@@ -65,7 +65,7 @@ def use_fused_attention(q: torch.Tensor, mask_kind: str, sq: int, sk: int, kerne
 def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the fused kernels take it: any strides (the model's ``[s, b, n, d]`` activations viewed as
     ``[b, n, s, d]`` are fine) as long as the head dim is contiguous. Both kernels take GQA K/V (fewer heads than
-    ``q``) natively (measured in benchmarks/RESULTS.md), so nothing is repeated or copied."""
+    ``q``) as they are, so nothing is repeated or copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -114,7 +114,8 @@ _CUDNN_FAILED: List[bool] = []
 
 def _run_fused(which: int, kernel: str, requested: str, *args):
     """Forward (``which=0``) or backward (1) through ``kernel``; when ``requested`` is ``"auto"`` a cuDNN failure
-    falls back to flash (cuDNN is 1.8x faster on H200 at the benchmark model's shapes: benchmarks/RESULTS.md)."""
+    falls back to flash. ``auto`` tries cuDNN first because it is the faster of the two at the benchmark model's
+    shapes (benchmarks/RESULTS.md)."""
     if kernel == "cudnn" and requested == "auto":
         try:
             return _FUSED["cudnn"][which](*args)

@@ -15,11 +15,12 @@ from lightning_megatron.parallel.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from lightning_megatron.parallel.tensor_parallel import plan
 from lightning_megatron.parallel.tensor_parallel.plan import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallelNorm,
-    VocabParallel,
+    ColumnParallelStyle,
+    RowParallelStyle,
+    SequenceParallelNormStyle,
+    VocabParallelStyle,
     apply_tp,
 )
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, tensor_parallel_seed
@@ -29,6 +30,13 @@ __all__ = [
     "pad_vocab_size", "vocab_parallel_cross_entropy", "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "ColwiseParallel", "RowwiseParallel", "SequenceParallelNorm",
-    "VocabParallel", "apply_tp", "TensorParallelRNG", "tensor_parallel_seed",
+    "scatter_to_sequence_parallel_region", "ColumnParallelStyle", "RowParallelStyle", "SequenceParallelNormStyle",
+    "VocabParallelStyle", "apply_tp", "TensorParallelRNG", "tensor_parallel_seed",
 ]
+
+
+def __getattr__(name: str) -> type:
+    """The plan styles' earlier names (``plan.RENAMED``), deprecated."""
+    if name in plan.RENAMED:
+        return plan.deprecated_style(name, stacklevel=2)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -223,7 +223,8 @@ class ColumnParallelLinear(TensorParallelModule):
     """
 
     recompute_input_gather: bool = False
-    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.apply_fp8``), else None
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.convert_to_fp8``),
+    #: else None
     fp8_gemm = None
     #: under SP: the gather and GEMM as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
     tp_comm_overlap: bool = False
@@ -324,7 +325,8 @@ class RowParallelLinear(TensorParallelModule):
     """
 
     reduce_bias_grad: bool = True
-    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.apply_fp8``), else None
+    #: the local GEMM ``(x, weight, bias) -> y`` in FP8 (set by ``lightning_megatron.precision.fp8.convert_to_fp8``),
+    #: else None
     fp8_gemm = None
     #: under SP: the GEMM and reduce-scatter as a ring of chunks (``tp_comm_overlap``; tensor_parallel/comm_overlap.py)
     tp_comm_overlap: bool = False

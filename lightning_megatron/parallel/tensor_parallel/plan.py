@@ -1,7 +1,17 @@
-"""Tensor-parallel plans: module-name patterns mapped to styles, and ``apply_tp`` which swaps the layers."""
+"""Tensor-parallel plans: module-name patterns mapped to styles, and ``apply_tp`` which swaps the layers.
+
+A style says what one module becomes: :class:`ColumnParallelStyle` (a :class:`ColumnParallelLinear`),
+:class:`RowParallelStyle` (a :class:`RowParallelLinear`), :class:`VocabParallelStyle` (a
+:class:`VocabParallelEmbedding`), :class:`SequenceParallelNormStyle` (the norm kept, its weights marked
+sequence-parallel). They are not torch's DTensor styles (``torch.distributed.tensor.parallel.ColwiseParallel``):
+the layers they make hold plain local tensors and communicate with the tensor-parallel mappings. Their earlier
+names ``ColwiseParallel``, ``RowwiseParallel``, ``VocabParallel`` and ``SequenceParallelNorm`` still import, with a
+``DeprecationWarning`` naming the new one.
+"""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Dict, Optional
 
@@ -10,13 +20,20 @@ from torch import nn
 from lightning_megatron.contract import TensorParallelAware, TensorParallelModel
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
 
+__all__ = ["ColumnParallelStyle", "RowParallelStyle", "VocabParallelStyle", "SequenceParallelNormStyle", "apply_tp"]
+
+#: the styles' earlier names -> their names now (the earlier ones import with a DeprecationWarning)
+RENAMED = {"ColwiseParallel": "ColumnParallelStyle", "RowwiseParallel": "RowParallelStyle",
+           "VocabParallel": "VocabParallelStyle", "SequenceParallelNorm": "SequenceParallelNormStyle"}
+
 
 @dataclass
-class ColwiseParallel:
+class ColumnParallelStyle:
     """Swap an ``nn.Linear``-like module for :class:`ColumnParallelLinear` (output rows split).
 
     ``stride``: 2 for fused ``[gate; up]``. ``vocab_size``/``padded_size``: output rows are a vocabulary
-    padded to ``padded_size`` for this tp (``canonical_size``: its padding at tp=1, used in checkpoints). ``tied``: the layer holds no weight (uses the embedding's).
+    padded to ``padded_size`` for this tp (``canonical_size``: its padding at tp=1, used in checkpoints).
+    ``tied``: the layer holds no weight (uses the embedding's).
     """
 
     stride: int = 1
@@ -35,7 +52,7 @@ class ColwiseParallel:
 
 
 @dataclass
-class RowwiseParallel:
+class RowParallelStyle:
     """Swap an ``nn.Linear`` for :class:`RowParallelLinear` (input columns split)."""
 
     def apply(self, module: nn.Module, group: Group, sequence_parallel: bool) -> nn.Module:
@@ -45,7 +62,7 @@ class RowwiseParallel:
 
 
 @dataclass
-class VocabParallel:
+class VocabParallelStyle:
     """Swap an ``nn.Embedding`` for :class:`VocabParallelEmbedding` (vocabulary rows split).
 
     ``reduce_scatter``: reduce-scatter the output over the sequence (sequence parallel).
@@ -66,7 +83,7 @@ class VocabParallel:
 
 
 @dataclass
-class SequenceParallelNorm:
+class SequenceParallelNormStyle:
     """Keep the norm; mark its weights SP-replicated (their grads are all-reduced over TP in backward)."""
 
     def apply(self, module: nn.Module, group: Group, sequence_parallel: bool) -> nn.Module:
@@ -120,3 +137,19 @@ def apply_tp(
     if isinstance(model, TensorParallelAware):
         model.set_tensor_parallel(group, sequence_parallel, tp_fork)
     return model
+
+
+def deprecated_style(name: str, stacklevel: int = 2) -> type:
+    """The style an earlier name (a key of :data:`RENAMED`) stands for, with a ``DeprecationWarning`` naming the new
+    name; ``stacklevel`` as :func:`warnings.warn`'s, counted from the caller."""
+    warnings.warn(f"lightning_megatron.parallel.tensor_parallel.{name} is deprecated: use {RENAMED[name]}, the same "
+                  "class under a name that is not one of torch's DTensor styles", DeprecationWarning,
+                  stacklevel=stacklevel + 1)
+    return globals()[RENAMED[name]]
+
+
+def __getattr__(name: str) -> type:
+    """The styles' earlier names (:data:`RENAMED`), deprecated."""
+    if name in RENAMED:
+        return deprecated_style(name, stacklevel=2)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

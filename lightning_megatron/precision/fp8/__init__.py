@@ -1,6 +1,6 @@
 """FP8 GEMMs for the linear layers: the torch-native backend (``torch._scaled_mm``) and the Transformer Engine one.
 
-:func:`apply_fp8` (the ``apply_fp8`` step of :func:`lightning_megatron.parallelize`) gives every converted layer
+:func:`convert_to_fp8` (the ``apply_fp8`` step of :func:`lightning_megatron.parallelize`) gives every converted layer
 an FP8 local GEMM (``layer.fp8_gemm``): the local GEMMs of :class:`ColumnParallelLinear` /
 :class:`RowParallelLinear` and plain ``nn.Linear`` layers (swapped for :class:`Float8Linear`, same parameters).
 The tensor-parallel communication around the GEMM is unchanged; parameters stay in their dtype (fp32 master
@@ -38,11 +38,11 @@ not multiples of 16 (cuBLAS FP8 needs them). Which modules were converted is in 
 from lightning_megatron.precision.fp8.config import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FP8_BACKENDS, FP8_FORMATS, FP8_MAX,
                                                      FP8_RECIPES, GEMM_ALIGNMENT, Float8Config)
 from lightning_megatron.precision.fp8.gemm import Float8Gemm, compute_dtype, quantize, scale_from_amax
-from lightning_megatron.precision.fp8.layers import Float8Layers, Float8Linear, apply_fp8, fp8_forward_context
+from lightning_megatron.precision.fp8.layers import Float8Layers, Float8Linear, convert_to_fp8, fp8_forward_context
 from lightning_megatron.precision.fp8.te import (TransformerEngineGemm, import_transformer_engine,
                                                  transformer_engine_available, transformer_engine_recipe)
 
-__all__ = ["Float8Config", "Float8Gemm", "Float8Layers", "Float8Linear", "TransformerEngineGemm", "apply_fp8",
+__all__ = ["Float8Config", "Float8Gemm", "Float8Layers", "Float8Linear", "TransformerEngineGemm", "convert_to_fp8",
            "fp8_forward_context", "scale_from_amax", "quantize", "compute_dtype", "import_transformer_engine",
            "transformer_engine_available", "transformer_engine_recipe", "FP8_MAX", "E4M3", "E5M2", "FP8_FORMATS",
            "FP8_RECIPES", "FP8_BACKENDS", "AMAX_COMPUTE_ALGOS", "GEMM_ALIGNMENT"]

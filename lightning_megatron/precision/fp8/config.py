@@ -29,7 +29,7 @@ def _check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "")
 
 @dataclass(frozen=True)
 class Float8Config:
-    """What :func:`apply_fp8` converts and how (Megatron's names; every field validated here).
+    """What :func:`convert_to_fp8` converts and how (Megatron's names; every field validated here).
 
     Attributes:
         fp8_format: ``"e4m3"`` (every GEMM operand in e4m3) or ``"hybrid"`` (e4m3 forward, e5m2 gradients).

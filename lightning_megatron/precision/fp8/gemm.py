@@ -109,7 +109,7 @@ class Float8Gemm:
         #: forward calls that all-gathered the sequence-parallel input in FP8 (:meth:`sequence_parallel`)
         self.fp8_gathers = 0
         #: the op that produces this GEMM's output gradient hands its amax to :meth:`record_grad_amax` (SwiGLU before
-        #: ``linear_fc1``: :func:`apply_fp8` sets it), so the backward does not read that gradient for it again
+        #: ``linear_fc1``: :func:`convert_to_fp8` sets it), so the backward does not read that gradient for it again
         self.grad_amax_from_producer = False
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -1,4 +1,4 @@
-"""Converting a model's linear layers to FP8 GEMMs (:func:`apply_fp8`) and the record of what was converted
+"""Converting a model's linear layers to FP8 GEMMs (:func:`convert_to_fp8`) and the record of what was converted
 (:class:`Float8Layers`: the GEMMs, the delayed recipe's per-step update, its checkpointed histories)."""
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class Float8Linear(nn.Linear):
 
 @dataclass
 class Float8Layers:
-    """What :func:`apply_fp8` converted. ``converted`` / ``kept``: module names (relative to the module given to
-    :func:`apply_fp8`) of the layers whose GEMMs run in FP8 / the linear layers left as they were, with why."""
+    """What :func:`convert_to_fp8` converted. ``converted`` / ``kept``: module names (relative to the module given to
+    :func:`convert_to_fp8`) of the layers whose GEMMs run in FP8 / the linear layers left as they were, with why."""
 
     config: Float8Config
     converted: List[str] = field(default_factory=list)
@@ -207,7 +207,7 @@ def _convert_experts(name: str, experts: nn.Module, config: Float8Config, result
     return None
 
 
-def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = (),
+def convert_to_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any] = (),
               expert_amax_groups: Sequence[Any] = ()) -> Float8Layers:
     """Give the linear layers of ``module`` FP8 local GEMMs, and its routed experts (torch backend) FP8 GEMMs per
     expert (in place; on the meta device or materialised).
@@ -219,7 +219,7 @@ def apply_fp8(module: nn.Module, config: Float8Config, amax_groups: Sequence[Any
     step.
     """
     if config.backend == "auto":
-        raise ValueError("apply_fp8 needs a resolved backend: call Float8Config.resolve_backend(device) first")
+        raise ValueError("convert_to_fp8 needs a resolved backend: call Float8Config.resolve_backend(device) first")
     result = Float8Layers(config=config, amax_groups=[g for g in amax_groups if group_size(g) > 1],
                           expert_amax_groups=[g for g in expert_amax_groups if group_size(g) > 1])
     targets, result.kept = _candidate_layers(module, config)
