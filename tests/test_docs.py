@@ -3,7 +3,7 @@
 - README.md is at most 300 lines and gives the test command exactly as CI (``.ci/run``) runs it;
 - every relative link in README.md, docs/*.md and benchmarks/RESULTS.md points to an existing file, and a
   ``#anchor`` to a heading of that file (GitHub's heading ids);
-- the bench entry points (``benchmarks/run_*.sh``) call only scripts that exist, with only the flags and arms
+- the bench entry points (``benchmarks/*/run_*.sh``) call only scripts that exist, with only the flags and arms
   that ``bench_tp.py``'s argument parser defines;
 - project text (README, docs, benchmarks, examples, the library; not the shipped corpus) does not narrate its own
   making: no "session".
@@ -178,19 +178,19 @@ def _expanded_commands(script: Path) -> List[str]:
     return lines
 
 
-RUN_SCRIPTS = sorted((ROOT / "benchmarks").glob("run_*.sh"))
+RUN_SCRIPTS = sorted((ROOT / "benchmarks").rglob("run_*.sh"))
 
 
 @pytest.mark.parametrize("script", RUN_SCRIPTS, ids=lambda p: p.name)
 def test_bench_scripts_call_existing_scripts_and_flags(script: Path):
-    bench_flags, bench_arms = _argparse_flags(ROOT / "benchmarks" / "bench_tp.py")
+    bench_flags, bench_arms = _argparse_flags(ROOT / "benchmarks" / "end_to_end" / "bench_tp.py")
     assert bench_flags and bench_arms, "could not read bench_tp.py's argument parser"
     problems = []
     for line in _expanded_commands(script):
         for called in re.findall(r"benchmarks/[\w./-]+\.(?:py|sh)", line):
             if not (ROOT / called).exists():
                 problems.append(f"{called} does not exist: {line.strip()}")
-        m = re.search(r"benchmarks/bench_tp\.py\s+(\S+)(.*)", line)
+        m = re.search(r"benchmarks/end_to_end/bench_tp\.py\s+(\S+)(.*)", line)
         if m:
             arm, rest = m.group(1), m.group(2)
             if arm not in bench_arms:

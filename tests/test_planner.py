@@ -56,14 +56,14 @@ def test_predictions_match_the_measurements():
 
 
 def test_fitted_constants_are_the_fit_of_their_rows():
-    """calibration.json's fitted constants are what benchmarks/fit_planner.py derives from the measured rows."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """calibration.json's fitted constants are what benchmarks/planner/fit_planner.py derives from the measured rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "planner"))
     try:
         import fit_planner
         with contextlib.redirect_stdout(io.StringIO()):
-            fitted = fit_planner.fit(write=False)
+            fitted = fit_planner.fit()
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "planner"))
     hw = load_hardware("h200")
     for name, value in fitted.items():
         assert getattr(hw, name) == pytest.approx(value, rel=1e-3), name
