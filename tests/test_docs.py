@@ -1,8 +1,8 @@
 """The project's documentation and benchmark scripts stay true to the tree.
 
 - README.md is at most 300 lines and gives the test command exactly as CI (``.ci/run``) runs it;
-- every relative link in README.md, docs/*.md and benchmarks/RESULTS.md points to an existing file, and a
-  ``#anchor`` to a heading of that file (GitHub's heading ids);
+- every relative link in README.md, docs/ (reports included) and benchmarks/ (RESULTS.md, README.md, reports/)
+  points to an existing file, and a ``#anchor`` to a heading of that file (GitHub's heading ids);
 - the bench entry points (``benchmarks/*/run_*.sh``) call only scripts that exist, with only the flags and arms
   that ``bench_tp.py``'s argument parser defines;
 - project text (README, docs, benchmarks, examples, the library; not the shipped corpus) does not narrate its own
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-LINKED_DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "RESULTS.md"]
+LINKED_DOCS = [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "RESULTS.md",
+               ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks" / "reports").glob("*.md"))]
 PROJECT_TEXT = [README, ROOT / "docs", ROOT / "benchmarks", ROOT / "examples", ROOT / "lightning_megatron"]
 NOT_PROJECT_TEXT = [ROOT / "lightning_megatron" / "data" / "corpus"]
 

@@ -1,6 +1,6 @@
 """The layout planner (lightning_megatron.planner): its predictions against the measurements recorded in
-benchmarks/RESULTS.md (peak memory within 10%, step time within 15%), the data file's rows against RESULTS.md,
-the enumeration deciding validity by the library's own rules, the CLI on the four reference rows, and
+benchmarks/RESULTS.md and its reports (peak memory within 10%, step time within 15%), the data file's rows against
+those files, the enumeration deciding validity by the library's own rules, the CLI on the four reference rows, and
 ``MegatronStrategy.from_plan``."""
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ def _number(text: str) -> str:
 
 
 def test_measured_rows_are_copied_from_results_md():
-    """Each row of the data file is a verbatim row of RESULTS.md and holds the numbers the file takes from it."""
-    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    """Each row of the data file is a verbatim row of RESULTS.md or its dated reports and holds the numbers the file
+    takes from it."""
+    results = "\n".join(f.read_text() for f in [ROOT / "benchmarks" / "RESULTS.md",
+                                                 *sorted((ROOT / "benchmarks" / "reports").glob("*.md"))])
     data = json.loads(MEASURED_FILE.read_text())
     assert len(data["rows"]) >= 15
     for row in data["rows"]:
