@@ -1,6 +1,6 @@
 """The project's documentation and benchmark scripts stay true to the tree.
 
-- README.md is at most 300 lines and gives the test command exactly as CI (``.ci/run``) runs it;
+- README.md is at most 200 lines and gives the test command exactly as CI (``.ci/run``) runs it;
 - every relative link in README.md, docs/ (reports included) and benchmarks/ (RESULTS.md, README.md, reports/)
   points to an existing file, and a ``#anchor`` to a heading of that file (GitHub's heading ids);
 - the bench entry points (``benchmarks/*/run_*.sh``) call only scripts that exist, with only the flags and arms
@@ -71,7 +71,7 @@ def test_github_anchor_rule():
 
 def test_readme_is_short():
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move reference material into docs/ (limit 300)"
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move reference material into docs/ (limit 200)"
 
 
 def test_readme_test_command_is_the_ci_command():
