@@ -1,6 +1,7 @@
-"""Draw the measured tables of benchmarks/RESULTS.md as PNGs under docs/img/ (the README shows them).
+"""Draw the measured tables of benchmarks/reports/*.md (the dated measurements behind benchmarks/RESULTS.md) as PNGs
+under docs/img/ (the README shows them).
 
-    python benchmarks/plot_results.py [--results benchmarks/RESULTS.md] [--out docs/img]
+    python benchmarks/plot_results.py [--results FILE ...] [--out docs/img]
 
 Reads the Markdown tables (nothing is re-measured) and draws, one panel per measured table:
 
@@ -8,7 +9,7 @@ Reads the Markdown tables (nothing is re-measured) and draws, one panel per meas
   PyTorch eager / ``torch.compile``, Lightning's DTensor tensor parallelism);
 * ``memory.png``: peak memory per GPU of the same runs, where the table records it.
 
-Each panel names its RESULTS.md section; the runs of one panel share a model and a machine, different panels may
+Each panel names its report's section; the runs of one panel share a model and a machine, different panels may
 not (the sections say which). Needs matplotlib (``pip install matplotlib``).
 """
 from __future__ import annotations
@@ -23,6 +24,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 Table = List[Dict[str, str]]
 PEER_WORDS = ("plain", "peer", "DTensor")
+
+
+def reports(root: Path = ROOT) -> List[Path]:
+    """The dated report files the panels are read from, in name (date) order."""
+    return sorted((root / "benchmarks" / "reports").glob("*.md"))
 
 
 def read_tables(text: str) -> Dict[str, List[Table]]:
@@ -58,7 +64,7 @@ Bar = Tuple[str, float]   # (label, value)
 
 def _rows(tables: Dict[str, List[Table]], heading: str, index: int = 0) -> Table:
     if heading not in tables or len(tables[heading]) <= index:
-        raise KeyError(f"RESULTS.md has no table {index} under the heading {heading!r}")
+        raise KeyError(f"the reports have no table {index} under the heading {heading!r}")
     return tables[heading][index]
 
 
@@ -77,7 +83,7 @@ def _by_row(rows: Table, key: str, value: str, labels: Sequence[Tuple[Callable[[
 
 
 def panels(tables: Dict[str, List[Table]]) -> Tuple[List[Tuple[str, List[Bar]]], List[Tuple[str, List[Bar]]]]:
-    """(throughput panels, memory panels): ``(title, bars)`` read from the tables of RESULTS.md."""
+    """(throughput panels, memory panels): ``(title, bars)`` read from the reports' tables."""
     has = lambda text: (lambda r: text in " ".join(r.values()))   # noqa: E731
     thr, mem = [], []
     one_gpu = _rows(tables, "1-GPU speed against the peers")[-1]
@@ -152,21 +158,23 @@ def draw(panel_list: List[Tuple[str, List[Bar]]], ylabel: str, title: str, path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--results", nargs="+", default=[str(f) for f in reports()],
+                   help="the markdown files to read (default: benchmarks/reports/*.md)")
     p.add_argument("--out", default=str(ROOT / "docs" / "img"))
     args = p.parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
     try:
-        thr, mem = panels(read_tables(Path(args.results).read_text(encoding="utf-8")))
+        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.results)
+        thr, mem = panels(read_tables(text))
     except (KeyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
-    for path in (draw(thr, "tokens/s per GPU", "Measured throughput (benchmarks/RESULTS.md; peers in grey)",
+    for path in (draw(thr, "tokens/s per GPU", "Measured throughput (benchmarks/reports; peers in grey)",
                       out / "throughput.png"),
-                 draw(mem, "peak memory per GPU (GiB)", "Measured peak memory (benchmarks/RESULTS.md; peers in grey)",
+                 draw(mem, "peak memory per GPU (GiB)", "Measured peak memory (benchmarks/reports; peers in grey)",
                       out / "memory.png")):
         print(f"wrote {path}")
     return 0

@@ -1,4 +1,4 @@
-"""``benchmarks/arm_turns.py``: benchmark arms started together take turns for their measured steps.
+"""``benchmarks/end_to_end/arm_turns.py``: benchmark arms started together take turns for their measured steps.
 
 Real processes (small Python arms) coordinate through the marker files: no arm's measured window starts before every
 arm is warmed up, the windows never overlap and come in the given order, an arm that crashes before it is ready does
@@ -41,17 +41,17 @@ print("RESULT " + json.dumps(dict(began=began, ready=ready, start=start, end=end
 
 @pytest.fixture()
 def run_together():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "end_to_end"))
     try:
         from arm_turns import run_together
         yield run_together
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "end_to_end"))
 
 
 def _arms(tmp_path: Path, specs):
     script = tmp_path / "arm.py"
-    script.write_text(ARM.format(benchmarks=str(ROOT / "benchmarks")))
+    script.write_text(ARM.format(benchmarks=str(ROOT / "benchmarks" / "end_to_end")))
     return [[sys.executable, str(script), *(str(v) for v in spec)] for spec in specs]
 
 
@@ -108,7 +108,7 @@ def test_stopping_the_driver_stops_every_arm(tmp_path):
     pids = tmp_path / "pids"
     commands = [cmd + [str(pids)] for cmd in _arms(tmp_path, [(0.0, 0.2, 0, 60), (0.0, 0.2, 0, 60)])]
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(benchmarks=str(ROOT / "benchmarks"), commands=commands,
+    driver.write_text(DRIVER.format(benchmarks=str(ROOT / "benchmarks" / "end_to_end"), commands=commands,
                                     folder=str(tmp_path / "turns")))
     proc = subprocess.Popen([sys.executable, str(driver)])
     deadline = time.time() + 30

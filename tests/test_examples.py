@@ -50,16 +50,17 @@ def test_pretrain_gpt_default_run_learns(tmp_path):
 
 
 def test_plot_results_draws_the_measured_tables(tmp_path):
-    """benchmarks/plot_results.py finds every table it draws in benchmarks/RESULTS.md, with the numbers there."""
+    """benchmarks/plot_results.py finds every table it draws in benchmarks/reports/*.md, with the numbers there."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import plot_results
     finally:
         sys.path.pop(0)
-    throughput, memory = plot_results.panels(plot_results.read_tables((ROOT / "benchmarks" / "RESULTS.md").read_text()))
+    text = "\n".join(f.read_text() for f in plot_results.reports())
+    throughput, memory = plot_results.panels(plot_results.read_tables(text))
     assert len(throughput) == 8 and len(memory) == 6 and all(len(bars) >= 2 for _, bars in throughput + memory)
     tp = dict(throughput[1][1])
-    assert tp["tp=2 + SP"] == 32124 and tp["Lightning DTensor\ntp=2 (peer)"] == 7735   # RESULTS.md, call 5
+    assert tp["tp=2 + SP"] == 32124 and tp["Lightning DTensor\ntp=2 (peer)"] == 7735   # the 2026-11-30 report, call 5
     assert plot_results.main(["--out", str(tmp_path)]) == 0
     assert (tmp_path / "throughput.png").is_file() and (tmp_path / "memory.png").is_file()
 

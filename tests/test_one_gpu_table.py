@@ -1,4 +1,4 @@
-"""``benchmarks/one_gpu_table.py``: the one-command table of the issue "One GPU: ahead of compiled PyTorch and
+"""``benchmarks/end_to_end/one_gpu_table.py``: the one-command table of the issue "One GPU: ahead of compiled PyTorch and
 torchao", on CPU with fabricated results: its rows are exactly the issue's, the waves hold each row once, ratios use
 the mean of a peer's runs, the target compares reserved memory for the CUDA-graph arms, a missing or failed arm is
 an error row, the markdown has one line per row, and the waves keep to the budget and write after each wave. Also
@@ -35,7 +35,7 @@ ISSUE_ROWS = {
 @pytest.fixture(scope="module")
 def mods():
     before = list(sys.path)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "end_to_end"))
     try:
         import arm_turns
         import one_gpu_table
@@ -90,7 +90,7 @@ def test_waves_missing_or_adding_an_arm_are_refused(mods):
         t.parse_waves(default + ",ours-fp8-compile-nocheck")
     with pytest.raises(ValueError, match="more than once: peer-eager"):
         t.parse_waves(default + ";peer-eager")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "one_gpu_table.py"), "--waves",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "end_to_end" / "one_gpu_table.py"), "--waves",
                           default.replace("peer-compile#2", "peer-compile#3")], capture_output=True, text=True)
     assert out.returncode == 2 and "not in the table: peer-compile#3" in out.stderr
     assert t.parse_timeouts("150,240", 3) == [150.0, 240.0, 240.0]
@@ -205,7 +205,7 @@ def test_main_writes_the_json_after_each_wave_and_prints_the_table(mods, tmp_pat
     assert seen[0] is None and len(seen[1]) == 3 and len(seen[2]) == 7   # a run cut short keeps what finished
     data = json.loads(out.read_text())
     assert [r["arm"] for r in data["table"]] == list(ISSUE_ROWS) and len(data["results"]) == 11
-    assert data["meta"]["command"].startswith(("python3 benchmarks/one_gpu_table.py --out", "PYTHONPATH="))
+    assert data["meta"]["command"].startswith(("python3 benchmarks/end_to_end/one_gpu_table.py --out", "PYTHONPATH="))
     printed = capsys.readouterr().out
     table = [line for line in printed.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(ISSUE_ROWS)
@@ -245,7 +245,7 @@ def test_the_code_fingerprint_follows_the_measured_files_only(mods, tmp_path, ca
 
 def test_profile_step_help_and_arm_names(mods):
     _, ps, _ = mods
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--help"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "end_to_end" / "profile_step.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--no-profile" in out.stdout and "--together" in out.stdout
     assert ps.base_arm("peer-compile#2") == "peer-compile" and ps.base_arm("ours-fp8-compile") == "ours-fp8-compile"
@@ -263,7 +263,7 @@ def test_profile_step_help_and_arm_names(mods):
     assert ps.ours_arm("ours-bf16-eager") == ps.OursArm("ours-bf16-eager", cudagraph=False, manual_gc=False,
                                                         split=None)
     assert ps.ours_arm("peer-compile") is None
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--arms", "peer-compile,bogus"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "end_to_end" / "profile_step.py"), "--arms", "peer-compile,bogus"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown arms: bogus" in out.stderr
 
@@ -334,7 +334,7 @@ print("RESULT " + json.dumps(dict(t=time.time())), flush=True)
 def test_run_together_kills_arms_not_warmed_up_by_ready_by_s(mods, tmp_path):
     _, ps, arm_turns = mods
     script = tmp_path / "arm.py"
-    script.write_text(ARM.format(benchmarks=str(ROOT / "benchmarks")))
+    script.write_text(ARM.format(benchmarks=str(ROOT / "benchmarks" / "end_to_end")))
     start = time.time()
     runs = arm_turns.run_together([[sys.executable, str(script), w] for w in ("0.2", "60", "0.3")],
                                   tmp_path / "turns", timeout_s=40, ready_by_s=5)

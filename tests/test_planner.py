@@ -1,6 +1,6 @@
 """The layout planner (lightning_megatron.planner): its predictions against the measurements recorded in
-benchmarks/RESULTS.md (peak memory within 10%, step time within 15%), the data file's rows against RESULTS.md,
-the enumeration deciding validity by the library's own rules, the CLI on the four reference rows, and
+benchmarks/RESULTS.md and its reports (peak memory within 10%, step time within 15%), the data file's rows against
+those files, the enumeration deciding validity by the library's own rules, the CLI on the four reference rows, and
 ``MegatronStrategy.from_plan``."""
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ def _number(text: str) -> str:
 
 
 def test_measured_rows_are_copied_from_results_md():
-    """Each row of the data file is a verbatim row of RESULTS.md and holds the numbers the file takes from it."""
-    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    """Each row of the data file is a verbatim row of RESULTS.md or its dated reports and holds the numbers the file
+    takes from it."""
+    results = "\n".join(f.read_text() for f in [ROOT / "benchmarks" / "RESULTS.md",
+                                                 *sorted((ROOT / "benchmarks" / "reports").glob("*.md"))])
     data = json.loads(MEASURED_FILE.read_text())
     assert len(data["rows"]) >= 15
     for row in data["rows"]:
@@ -56,14 +58,14 @@ def test_predictions_match_the_measurements():
 
 
 def test_fitted_constants_are_the_fit_of_their_rows():
-    """calibration.json's fitted constants are what benchmarks/fit_planner.py derives from the measured rows."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """calibration.json's fitted constants are what benchmarks/planner/fit_planner.py derives from the measured rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "planner"))
     try:
         import fit_planner
         with contextlib.redirect_stdout(io.StringIO()):
-            fitted = fit_planner.fit(write=False)
+            fitted = fit_planner.fit()
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "planner"))
     hw = load_hardware("h200")
     for name, value in fitted.items():
         assert getattr(hw, name) == pytest.approx(value, rel=1e-3), name

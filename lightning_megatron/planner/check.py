@@ -1,4 +1,4 @@
-"""The planner against the measurements: the layouts of ``benchmarks/planner_measured.json`` (rows copied from
+"""The planner against the measurements: the layouts of ``benchmarks/planner/planner_measured.json`` (rows copied from
 ``benchmarks/RESULTS.md``) as planner cases, and their predicted-vs-measured errors."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lightning_megatron.planner.model import Prediction, Workload, predict
 
 __all__ = ["MEASURED_FILE", "row_case", "compare"]
 
-MEASURED_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_measured.json"
+MEASURED_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "planner" / "planner_measured.json"
 
 
 def row_case(row: Dict[str, Any]) -> Tuple[Layout, Workload, GPTConfig]:

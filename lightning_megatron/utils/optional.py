@@ -8,7 +8,7 @@ a missing one is the pip command that installs it. :func:`require` turns a missi
 constant                  package              used for
 ========================  ===================  ===========================================================
 ``TRANSFORMER_ENGINE``    transformer-engine   FP8 GEMMs with ``fp8_backend="te"`` / ``"auto"`` on CUDA
-``TORCHAO``               torchao              the FP8 peer baseline in ``benchmarks/`` (the library calls
+``TORCHAO``               torchao              the FP8 peer in ``benchmarks/peers/`` (the library calls
                                                ``torch._scaled_mm`` itself)
 ``TRANSFORMERS``          transformers         Hugging Face checkpoints
 ``TENSORBOARD``           tensorboard          ``--tensorboard-dir`` (else CSV files there)

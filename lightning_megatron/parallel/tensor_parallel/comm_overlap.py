@@ -16,7 +16,7 @@ The math is that of the collectives (the same products; only the order of the su
 collective algorithms). Exchanges use ``torch.distributed`` point-to-point operations over the TP group, which run
 on every backend (gloo included) without symmetric memory or NVLink multicast. Chunk GEMMs run at ``1/t`` of the
 layer's sequence length; where the layer's GEMMs are small, the launch cost of ``t`` pieces can outweigh the
-communication hidden (measure: benchmarks/run_tp_bench.sh).
+communication hidden (measure: benchmarks/end_to_end/run_tp_bench.sh).
 """
 from __future__ import annotations
 

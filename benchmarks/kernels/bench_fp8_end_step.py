@@ -3,7 +3,7 @@
 one thread (the tensors are 3 and 3 x history elements: the time is the operations' dispatch, what the host spends
 launching them on a GPU too).
 
-    python benchmarks/bench_fp8_end_step.py [--gemms 96] [--steps 200] [--pipeline]
+    python benchmarks/kernels/bench_fp8_end_step.py [--gemms 96] [--steps 200] [--pipeline]
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ line, so an arm cut short while profiling keeps them), then one profiled step wh
 families (GEMM, attention, fused elementwise / Triton, optimizer, FP8 casts and amax, copies, NCCL) and device idle
 time.
 
-    python benchmarks/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json] [--together]
+    python benchmarks/end_to_end/profile_step.py [--arms peer-compile,ours-bf16-compile,...] [--out results.json] [--together]
                                       [--no-profile]
 
 With ``--no-profile`` each arm stops after its timed steps (no profiled step): tokens/s and memory only.
@@ -69,8 +69,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "end_to_end"))
+sys.path.insert(1, str(ROOT / "benchmarks" / "peers"))   # peer_baseline
 from arm_turns import Turns, run_together  # noqa: E402
 from bench_precision import BASE_ARMS, MODULE_KEYS  # noqa: E402
 
@@ -582,7 +583,7 @@ def main() -> None:
                    help="seconds per arm: compiling the 1.3B model on a fresh machine takes 120-175 s")
     p.add_argument("--together", action="store_true",
                    help="start every arm at once: they compile and warm up side by side, then take turns for the "
-                        "timed and profiled steps (benchmarks/arm_turns.py); --arm-timeout-s is then the limit for "
+                        "timed and profiled steps (benchmarks/end_to_end/arm_turns.py); --arm-timeout-s is then the limit for "
                         "all of them")
     p.add_argument("--no-profile", action="store_true",
                    help="stop each arm after its timed steps: no profiled step (tokens/s and memory only)")

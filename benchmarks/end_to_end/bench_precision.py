@@ -2,7 +2,7 @@
 the public Trainer API (``MegatronStrategy`` + ``MegatronPrecision``), seq 2048, micro-batch 4, 4 warm-up and 10
 timed steps, AdamW; plus the compiled plain-PyTorch peer in the same call. Prints a markdown table at the end.
 
-    python benchmarks/bench_precision.py [--arms a,b,...] [--budget-s 330] [--peer PATH]
+    python benchmarks/end_to_end/bench_precision.py [--arms a,b,...] [--budget-s 330] [--peer PATH]
 
 Each arm runs in a child process of its own (a crash, an out-of-memory or a missing Transformer Engine costs that
 arm only: its error is printed and the table says why); arms not started within ``--budget-s`` are reported as
@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PEAK = 989e12
 BASE_ARMS = {
     "bf16-autocast": dict(precision="bf16-mixed"),
@@ -67,7 +67,7 @@ def run_arm(name: str, warmup: int, timed: int, mbs: int, accelerator: str = "gp
     import torch
     from torch.utils.data import DataLoader
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "end_to_end"))
     from bench_tp import RandomTokens, StepTimer
 
     from lightning_megatron import GPTConfig, MegatronPrecision, MegatronStrategy, ParallelGPTModule
@@ -127,9 +127,9 @@ def run_peer(arm: str, peers: Dict[str, Path], timeout: float) -> dict:
 
 
 def find_peer(root: Path, name: str) -> Path:
-    """``shared/bench/<name>`` in or beside the repository, else ``benchmarks/<name>``."""
+    """``shared/bench/<name>`` in or beside the repository, else ``benchmarks/peers/<name>``."""
     candidates = [root / "shared" / "bench" / name, root.parent / "shared" / "bench" / name,
-                  root / "benchmarks" / name]
+                  root / "benchmarks" / "peers" / name]
     return next((c for c in candidates if c.exists()), candidates[-1])
 
 
@@ -171,7 +171,7 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--peer", default=None, help="the plain-PyTorch peer (default: shared/bench/peer_baseline.py "
-                   "in or beside the repository, else benchmarks/peer_baseline.py, the same file)")
+                   "in or beside the repository, else benchmarks/peers/peer_baseline.py, the same file)")
     p.add_argument("--peer-megatron", default=None, help="the Megatron-Core + TE peer (default: "
                    "shared/bench/peer_megatron_te.py in or beside the repository)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -6,8 +6,8 @@ without them (causal SDPA, cuDNN), and in the same run the peer: a plain PyTorch
 ``torch.compile``, attention by ``flex_attention`` with the block-causal mask of the same documents, against the same
 stack with a plain causal mask. Prints one line per case (ms per step, tokens/s) for benchmarks/RESULTS.md.
 
-    python benchmarks/bench_packed.py                      # H200: 1.3B-like model, seq 8192, documents of 1024
-    python benchmarks/bench_packed.py --device cpu --tiny  # a smoke run of our two cases (numbers mean nothing)
+    python benchmarks/end_to_end/bench_packed.py                      # H200: 1.3B-like model, seq 8192, documents of 1024
+    python benchmarks/end_to_end/bench_packed.py --device cpu --tiny  # a smoke run of our two cases (numbers mean nothing)
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 # 4 GPUs (nvidia-h200-x4), one device call: NCCL numerics of four layouts against 1 GPU (5 steps of a
 # 4-layer / hidden-512 model, bf16-mixed: "bf16 tolerance"), then tokens/s per GPU and MFU of tp=2 x pp=2 on
 # the 1.3B benchmark model against 1 GPU in the same call.
-#   bash benchmarks/run_x4.sh            # ARMS="check speed" by default
+#   bash benchmarks/end_to_end/run_x4.sh            # ARMS="check speed" by default
 # The 1-GPU reference of each check uses the same global batch and micro-batch grouping as the layout.
 LOG_NAME=x4
 source "$(dirname "$0")/_common.sh"
-B="benchmarks/bench_tp.py"
+B="benchmarks/end_to_end/bench_tp.py"
 T="torchrun --nproc_per_node=4 $B"
 P="--precision bf16-mixed --watchdog $WD"
 for arm in ${ARMS:-check speed}; do

@@ -1,7 +1,7 @@
 """GPU check of MFUMonitor: the benchmark model trained from preprocessed data through ``examples/pretrain_gpt.py``
 with ``MFUMonitor``, its logged tokens/s and MFU compared with an independent measurement in the same run.
 
-    python benchmarks/check_pretrain_mfu.py [--model bench|tiny] [--accelerator gpu|cpu] [--iters 60]
+    python benchmarks/checks/check_pretrain_mfu.py [--model bench|tiny] [--accelerator gpu|cpu] [--iters 60]
 
 Steps (all in a temporary directory):
 1. JSONL from the shipped corpus (one paragraph per line) -> ``python -m lightning_megatron.data.preprocess
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--group-query-attention",
          "--num-query-groups", "8", "--ffn-hidden-size", "5632", "--seq-length", "2048",
          "--max-position-embeddings", "2048", "--rotary-base", "500000"]

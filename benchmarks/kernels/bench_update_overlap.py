@@ -13,7 +13,7 @@ events on the compute stream, after warm-up steps so the GPU sits at its power l
 * ``overlap_hi``: the same with the second stream at high priority;
 * ``update_only``: the update alone, the same stream (its cost inside the serial step).
 
-    python benchmarks/bench_update_overlap.py [--steps 20] [--arms serial,overlap,overlap_hi,update_only]
+    python benchmarks/kernels/bench_update_overlap.py [--steps 20] [--arms serial,overlap,overlap_hi,update_only]
 
 An arm may be named more than once (each run is listed). Each arm's figure is printed as measured
 (``ARM <name> <ms>``), then all as one JSON line.

@@ -3,7 +3,7 @@ Trainer + MegatronStrategy + MegatronPrecision + ParallelGPTModule) trains the b
 the same seed, once with ``--bf16`` and once with ``--bf16 --fp8-format hybrid --fp8-recipe <recipe>``, and the
 two loss curves are compared: the mean train loss of the last 10 steps and the final validation loss.
 
-    python benchmarks/fp8_convergence.py [--train-iters 200] [--fp8-recipe tensorwise] [--out DIR]
+    python benchmarks/end_to_end/fp8_convergence.py [--train-iters 200] [--fp8-recipe tensorwise] [--out DIR]
 
 One GPU (``--accelerator gpu --devices 1``). Prints one table row per arm and the FP8 / bf16 ratios; writes the
 loss curves (``<out>/<arm>.csv``) and ``<out>/fp8_convergence.json``.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def model_flags() -> List[str]:

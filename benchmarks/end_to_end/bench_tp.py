@@ -1,11 +1,11 @@
 """Throughput of MegatronStrategy against the peers on the 1.3B LLaMA-style benchmark model, and an NCCL
 numerics check of tp=2 against tp=1.
 
-Arms (one per invocation; ``benchmarks/run_tp_bench.sh`` runs them all in one device call):
-  python benchmarks/bench_tp.py ours                     # MegatronStrategy(tp=1), 1 GPU, bf16-mixed
-  torchrun --nproc_per_node=2 benchmarks/bench_tp.py ours --tp 2 [--sp]
-  python benchmarks/bench_tp.py check                    # 5 fp32 steps, tiny-ish model, prints losses
-  torchrun --nproc_per_node=2 benchmarks/bench_tp.py check --tp 2 [--sp]
+Arms (one per invocation; ``benchmarks/end_to_end/run_tp_bench.sh`` runs them all in one device call):
+  python benchmarks/end_to_end/bench_tp.py ours                     # MegatronStrategy(tp=1), 1 GPU, bf16-mixed
+  torchrun --nproc_per_node=2 benchmarks/end_to_end/bench_tp.py ours --tp 2 [--sp]
+  python benchmarks/end_to_end/bench_tp.py check                    # 5 fp32 steps, tiny-ish model, prints losses
+  torchrun --nproc_per_node=2 benchmarks/end_to_end/bench_tp.py check --tp 2 [--sp]
 The plain-PyTorch and Lightning-strategy peers are ``peer_baseline.py`` / ``peer_x2.py`` (copied from the
 shared peer baselines, unchanged). Model, data (random tokens), optimizer (AdamW lr 1e-4), steps (4 warm-up,
 10 timed) and the FLOPs formula (attention counted non-causal, as PEERS.md) are the same in every arm.

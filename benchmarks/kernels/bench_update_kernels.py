@@ -17,7 +17,7 @@ Device ms per call (CUDA events, mean of 10 after 3 warm-up calls) of:
   gradients with those chunk and block sizes and warps per program (the library's: 16384, 2048 and 4);
 * ``maxabs_inductor``: the same values as one compiled function (``abs().amax()`` per gradient, stacked).
 
-    python benchmarks/bench_update_kernels.py [--arms compiled_rem,compiled_rem_one_config,maxabs] [--layers 24]
+    python benchmarks/kernels/bench_update_kernels.py [--arms compiled_rem,compiled_rem_one_config,maxabs] [--layers 24]
 
 (``maxabs`` selects every max-abs arm; ``--layers``: the model's layers whose parameters are stepped, fewer to
 compile faster: the same kernels, fewer launches of each.) Each arm's figure is printed as it is measured

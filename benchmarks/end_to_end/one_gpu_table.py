@@ -2,7 +2,7 @@
 process of its own, the peers and ours in the same run, ratios computed within the run; printed as a markdown table
 for benchmarks/RESULTS.md (the issue "One GPU: ahead of compiled PyTorch and torchao").
 
-    PYTHONPATH=/tmp/ao python3 benchmarks/one_gpu_table.py --out table.json
+    PYTHONPATH=/tmp/ao python3 benchmarks/end_to_end/one_gpu_table.py --out table.json
         [--waves "a,b,c;d,e,f,g;h,i,j,k"] [--wave-timeout-s 150,240,570] [--budget-s 570] [--turns-reserve-s 25]
 
 (``PYTHONPATH`` makes torchao importable for the ``peer-fp8`` rows.) The arms are ``profile_step.py``'s, run with
@@ -47,7 +47,7 @@ the rows so far (a run cut short keeps what finished): ``meta`` (command, torch,
 ``results`` (the arms' rows as ``profile_step.py`` reads them), ``table`` and ``markdown``. At the end the markdown
 table is printed with the command line, the versions, the GPU, ``git rev-parse --short HEAD`` and the content
 fingerprint of the measured code (:func:`source_fingerprint`: the library's and the benchmarks' Python files). A copy
-of a tree can carry older git metadata than its files; ``python3 benchmarks/one_gpu_table.py --fingerprint`` in a
+of a tree can carry older git metadata than its files; ``python3 benchmarks/end_to_end/one_gpu_table.py --fingerprint`` in a
 checkout prints the fingerprint of that checkout's files, to match a table to its commit.
 
 The GPU's clock. ``nvidia-smi`` samples the GPU's SM clock, power draw and clock-event reasons every 100 ms for the
@@ -72,8 +72,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "end_to_end"))
 from gpu_clock import GpuSampler, Sample, during  # noqa: E402
 from profile_step import CUDAGRAPH, base_arm, known_arm, run_arms  # noqa: E402
 

@@ -9,7 +9,7 @@ B. Recompute against none on the recompute test's model (``tests/gpu/test_recomp
    Frobenius difference and the number of differing gradient elements, with two runs without recompute first (the
    kernels' own run-to-run spread).
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_tier_diagnosis.py
+    PYTHONPATH=$PWD python3 benchmarks/checks/gpu_tier_diagnosis.py
 """
 import sys, time, traceback
 sys.path.insert(0, ".")

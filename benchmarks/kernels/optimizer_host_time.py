@@ -7,7 +7,7 @@ update kernels are replaced by a no-op, so what is timed is the host's own work 
 gradients, the flat update lists, the step counts and the switch back to the compute view. Prints one JSON line:
 the minimum and median ms per step.
 
-    python benchmarks/optimizer_host_time.py [--steps 50] [--warmup 10]
+    python benchmarks/kernels/optimizer_host_time.py [--steps 50] [--warmup 10]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPU numerics check of context-parallel attention (fused flash kernels, NCCL).
 
-    torchrun --nproc_per_node=2 benchmarks/check_cp.py      # prints one JSON line per check (rank 0)
+    torchrun --nproc_per_node=2 benchmarks/checks/check_cp.py      # prints one JSON line per check (rank 0)
 
 1. Fused (flash and cuDNN) vs math block kernels on one GPU (bf16, GQA): ``_attention_block`` output/lse and
    ``_attention_block_backward`` gradients, square causal and full blocks.

@@ -7,7 +7,7 @@ bucket, the bf16 copies written in the same pass) compiled three ways. Prints on
 device ms per step (CUDA events), host ms per step (the time ``step()`` takes to return, without waiting for the
 GPU) and the optimizer states' GiB.
 
-    python benchmarks/bench_optimizer.py [--steps 20] [--warmup 3] [--flat]
+    python benchmarks/kernels/bench_optimizer.py [--steps 20] [--warmup 3] [--flat]
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ Arms (``--arms``, comma-separated):
 Prints one JSON line per arm: ms per forward + backward (CUDA events, median of ``--iters`` after ``--warmup``) and
 the profiled iteration's largest kernels. Not part of the library: a measurement for ``benchmarks/RESULTS.md``.
 
-    python benchmarks/bench_layer_kernels.py [--arms default,concat] [--iters 20]
+    python benchmarks/kernels/bench_layer_kernels.py [--arms default,concat] [--iters 20]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Forward+backward time of one attention call on one GPU: SDPA per backend against the ring's block kernels.
 
-    python benchmarks/bench_attention.py      # one JSON line per case
+    python benchmarks/kernels/bench_attention.py      # one JSON line per case
 
 Shapes of the 1.3B benchmark model (16 query heads, 8 KV heads, head dim 128), bf16, batch 1:
 - ``sdpa-<backend>``: ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on the whole sequence
