@@ -334,6 +334,20 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)\n")),
         (recipe("bf16p", "pp2-1f1b-m4"), recipe("bf16p", "pp2-vp2-interleaved"))),
     Mutation(
+        "buffer-replicas-not-broadcast", "the data-parallel replicas are not made equal when fitting starts (torch "
+        "DDP's broadcast at wrap time, which the buffer replaced)",
+        (Edit("lightning_megatron/strategy/model_setup.py",
+              "        main.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))\n",
+              "        pass\n"),),
+        ("tests/test_param_buffer.py::test_replicas_start_equal_from_the_first_rank",)),
+    Mutation(
+        "fp32-gradients-not-views-of-the-buffer", "parameters in their own dtype keep the autograd gradient on p.grad "
+        "after their bucket's copy, apart from the buffer that is reduced",
+        (Edit("lightning_megatron/parallel/main_grad.py",
+              "                if p.grad is grad:\n                    p.grad = self._grads[id(p)]\n",
+              "                if False:\n                    p.grad = self._grads[id(p)]\n"),),
+        ("tests/test_param_buffer.py::test_fp32_gradients_are_views_of_the_buffer_and_every_parameter_lives_in_it",)),
+    Mutation(
         "weight-gradient-route-skipped", "the zero-bubble schedules' separate weight-gradient pass is not handed to "
         "the buffer's gradients",
         (Edit("lightning_megatron/parallel/pipeline.py",
@@ -384,16 +398,16 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "planner-main-params-whole", "the planner counts whole fp32 main parameters on every rank under the "
         "distributed optimizer with bf16 parameters",
         (Edit("lightning_megatron/planner/memory.py",
-              "        return StateBytes(BF16_BYTES * padded + main_bytes * length, grad_bytes * n,",
-              "        return StateBytes(BF16_BYTES * padded + main_bytes * n, grad_bytes * n,"),),
+              "        params = BF16_BYTES * padded + main_bytes * length\n",
+              "        params = BF16_BYTES * padded + main_bytes * n\n"),),
         ("tests/test_planner_memory.py::test_planner_bytes_equal_what_each_rank_allocates"
          "[tp2sp-dp2-distopt-bf16-params]",)),
     Mutation(
         "planner-experts-sharded-over-dp", "the planner's distributed-optimizer bytes split the routed experts' "
         "states over dp x cp instead of expert data parallelism",
         (Edit("lightning_megatron/planner/memory.py",
-              "    opt = shard(dense, dp_cp, dp_rank) + shard(expert, edp, edp_rank)\n",
-              "    opt = shard(dense, dp_cp, dp_rank) + shard(expert, dp_cp, edp_rank)\n"),),
+              "    runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]\n",
+              "    runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, dp_cp, edp_rank)]\n"),),
         ("tests/test_dry_run.py::test_reference_rows_every_rank_kind_trains_and_holds_what_the_planner_counts"
          "[mixtral_8x7b-64]",)),
     Mutation(

@@ -70,18 +70,23 @@ class StateBytesProbe(pl.Callback):
             return
         self._mark()
         params = list(pl_module.parameters())
+        # the states' owner: ZeRO's local optimizer, the distributed optimizer's (over this rank's runs), or itself
         local = [z.optim for z in zero_optimizers(trainer.optimizers)] or [
-            getattr(o, "_optimizer", o) for o in trainer.optimizers]
+            getattr(getattr(o, "_optimizer", o), "inner", getattr(o, "_optimizer", o)) for o in trainer.optimizers]
+        local = [o for o in local if o is not None]
         main = trainer.strategy.parallelized.main_params
         state = {"params": sum(_nbytes(p) for p in params),
                  "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
                  "optimizer": sum(_nbytes(v) for o in local for s in o.state.values() for v in s.values()
                                   if isinstance(v, torch.Tensor)),
                  "numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)}
-        if main is not None:
-            main_bytes = main.remainder if main.store_param_remainders else main.main_param
-            state["params"] += sum(_nbytes(main_bytes(p)) for p in params)
-            state["grads"] = self.main_grads or 0
+        if main is not None:   # the buffer's buckets (padded under the distributed optimizer) and main parameters
+            state["params"] = sum(_nbytes(b.compute) for b in main.buckets)
+            if not main.keeps_dtype:
+                state["params"] += sum(_nbytes(b.remainder if b.remainder is not None
+                                               else b.main_shard if b.shard is not None else b.main)
+                                       for b in main.buckets)
+            state["grads"] = self.main_grads or state["grads"]   # a direct step keeps them on p.grad
         self.state = state
 
 

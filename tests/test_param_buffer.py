@@ -1,0 +1,76 @@
+"""The parameter-and-gradient buffer (``MainParams``) as the one owner of the gradients outside the FSDP levels, for
+parameters in their own dtype (fp32, fp64) as for bf16 ones: the data-parallel replicas start equal (the buffer is
+broadcast once, as torch DDP does when it wraps a model); ``p.grad`` of an fp32 parameter is its view of the buffer,
+so a callback reading it after the backward sees the gradient; no parameter of any layout is held outside the
+buffer (its storage is the buffer's); every gradient route of a step reaches it once (plain SGD, final weights
+against one process, in ``tests/test_parity_tp_dp.py``, ``test_parity_pp.py``, ``test_overlap.py``)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronStrategy
+from tests._dist import run_distributed
+from tests.parity import SEED, ListDataset, make_samples, new_module, tiny_config, trainer_for
+
+
+class GradientsSeen(pl.Callback):
+    """After the first backward: how many parameters hold a gradient on ``p.grad`` and whether each of those is a view
+    of the buffer's gradient storage; and whether every parameter's storage lies in one of the buffer's buckets."""
+
+    def __init__(self) -> None:
+        self.seen: Dict[str, Any] = {}
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.seen:
+            return
+        buffer = trainer.strategy.parallelized.main_params
+        grads = [b.grad for b in buffer.buckets if b.grad is not None]
+
+        def inside(t: torch.Tensor, flats) -> bool:
+            start = t.untyped_storage().data_ptr()
+            return any(start == f.untyped_storage().data_ptr() for f in flats)
+
+        params = list(pl_module.parameters())
+        with_grad = [p for p in params if p.grad is not None]
+        self.seen = {
+            "params": len(params),
+            "with_grad": len(with_grad),
+            "grads_in_buffer": sum(inside(p.grad, grads) for p in with_grad),
+            "params_in_buffer": sum(inside(p, [b.compute for b in buffer.buckets]) for p in params),
+            "finite": all(bool(torch.isfinite(p.grad).all()) for p in with_grad),
+        }
+
+
+def _train(rank: int, world: int, kwargs: Dict[str, Any], samples, seed_by_rank: bool) -> Dict[str, Any]:
+    pl.seed_everything(SEED + (rank if seed_by_rank else 0), verbose=False)   # ranks may initialise apart
+    module, seen = new_module(tiny_config(), 2), GradientsSeen()
+    trainer = trainer_for(world, MegatronStrategy(**kwargs), 2, callbacks=[seen])
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    state = trainer.strategy.lightning_module_state_dict()
+    return {"state": {k: v.detach().cpu().clone() for k, v in state.items()}, "seen": seen.seen,
+            "local": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}}
+
+
+def test_replicas_start_equal_from_the_first_rank():
+    """Two data-parallel ranks that initialise differently (another seed each) train as one: the buffer is
+    broadcast from dp rank 0 before the first step, so both end with the same weights, bit for bit."""
+    samples = make_samples(tiny_config(), 8)
+    apart = run_distributed(_train, 2, {}, samples, True)
+    for name, value in apart[0]["local"].items():   # the same update from different starts would stay apart
+        assert torch.equal(value, apart[1]["local"][name]), name
+
+
+def test_fp32_gradients_are_views_of_the_buffer_and_every_parameter_lives_in_it():
+    """fp32 parameters under dp2, tp2 + SP and pp2: after the backward every parameter that has a gradient holds it
+    on ``p.grad``, a view of the buffer's gradient storage; every parameter is a view of a bucket."""
+    samples = make_samples(tiny_config(), 8)
+    for world, kwargs in ((2, {}), (2, dict(tp=2, sequence_parallel=True)), (2, dict(pp=2))):
+        for r in run_distributed(_train, world, kwargs, samples, False):
+            seen = r["seen"]
+            assert seen and seen["with_grad"] > 0 and seen["finite"], (kwargs, seen)
+            assert seen["grads_in_buffer"] == seen["with_grad"], (kwargs, seen)
+            assert seen["params_in_buffer"] == seen["params"], (kwargs, seen)
