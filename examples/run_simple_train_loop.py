@@ -5,8 +5,8 @@
 
 Builds the process grid (:class:`ParallelMesh`), a tiny GPT on the meta device, and calls the same functions the
 Lightning strategy calls: :func:`parallelize` (tensor + sequence parallelism, then materialisation and
-layout-independent initialisation), :func:`apply_dp` (torch DDP over the dp x cp group) and a
-:class:`GradientFinalizer` (the once-per-step reductions DDP does not do). Trains a few steps on mock data (the same
+layout-independent initialisation; ``param_buffer=True``: the parameters and gradients in the contiguous buffer
+that reduces them over the dp x cp group) and a :class:`GradientFinalizer` (the once-per-step reductions). Trains a few steps on mock data (the same
 batch on TP peers, different ones across data-parallel ranks) and prints the loss, the same on every rank.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron import GPTConfig, GPTModel, ParallelConfig, ParallelMesh, parallelize
-from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 
 
@@ -45,10 +44,11 @@ def main() -> None:
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = GPTModel(config)
-    parallelized = parallelize(model, mesh, mesh.config, device=device, seed=seed)  # the same weights at any layout
+    # the same weights at any layout, held in the buffer that averages the gradients over dp x cp
+    parallelized = parallelize(model, mesh, mesh.config, device=device, seed=seed, param_buffer=True)
     gradients = GradientFinalizer(parallelized, mesh)
-    model = apply_dp(model, mesh, mesh.config)  # DDP over dp x cp when it has more than one rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parallelized.main_params.attach(optimizer)  # after each step the buffer starts the next one afresh
 
     # Mock data: a fixed stream of batches, sharded by data-parallel rank (TP peers read the same one).
     gen = torch.Generator().manual_seed(0)
