@@ -197,16 +197,16 @@ def test_static_bytes_per_parameter_follow_megatrons_formula(remainders: bool, b
 @pytest.mark.parametrize("bf16_grads", [False, True], ids=["fp32-grads", "bf16-grads"])
 def test_fp32_parameters_shard_in_place_with_megatrons_bytes(bf16_grads: bool) -> None:
     """fp32 parameters are their own main parameters: 4 (parameter) + 4 (gradient) + 8 (Adam moments) / dp, the run
-    stepped in the buffer itself (no fp32 copy); with ``grad_reduce_in_bf16`` the sharded runs' gradient buffers are
-    bf16: 4 + 2 + 8 / dp. Counted from the tensors on rank 0 at dp = 1, 2, 4, and the planner's formula the same."""
+    stepped in the buffer itself (no fp32 copy). With ``grad_reduce_in_bf16`` the gradient buffers stay fp32
+    (``p.grad`` is a view of them) and bf16 copies are communicated. Counted from the tensors on rank 0 at
+    dp = 1, 2, 4, and the planner's formula the same."""
     from lightning_megatron.planner.memory import static_bytes_per_param
 
     for dp in (1, 2, 4):
         measured = _bytes_at(dp, dict(precision="bf16-mixed"), bf16_grads)
-        grads = 2 if bf16_grads and dp > 1 else 4
         formula = static_bytes_per_param(params_dtype="fp32", distributed_optimizer=True, dp=dp,
                                          grad_reduce_in_bf16=bf16_grads)
-        assert formula == pytest.approx(4 + grads + 8 / dp)
+        assert formula == pytest.approx(4 + 4 + 8 / dp)
         assert measured["main"] == 0.0 and measured["params"] == pytest.approx(4, rel=2e-3), (dp, measured)
         assert sum(measured.values()) == pytest.approx(formula, rel=2e-3), (dp, measured)
 

@@ -741,7 +741,7 @@ class MainParams:
                 self._compute[id(p)] = view
                 p.data = view
         self._main, self._remainder = {}, {}
-        if grad_dtype is not None or not self.keeps_dtype:
+        if not self.keeps_dtype:   # in their own dtype p.grad is the gradient's view: the parameters' dtype
             self.grad_dtype = grad_dtype or torch.float32
 
     def _in_shard(self, p: nn.Parameter) -> Optional[Tuple["_Bucket", int, int]]:

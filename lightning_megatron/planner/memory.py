@@ -59,8 +59,8 @@ def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bo
                            store_param_remainders: bool = False, moment_bytes: int = ADAM_BYTES,
                            grad_reduce_in_bf16: bool = False) -> float:
     """Megatron's static bytes per parameter of one rank (parameters, gradients during a step, optimizer states) at
-    data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]`` (the gradients' 4 bytes 2 with
-    ``grad_reduce_in_bf16`` under the distributed optimizer); bf16 parameters
+    data-parallel size ``dp`` (dp x cp): fp32 parameters ``4 + 4 + moment_bytes [/ dp]`` (fp32 gradient buffers also with
+    ``grad_reduce_in_bf16``, which then communicates bf16 copies); bf16 parameters
     ``2 + 4 + (4 + moment_bytes) [/ dp]`` (``2 + 4 + 12 / dp`` with the distributed optimizer and fp32 moments),
     the main parameter's 4 bytes 2 with remainders, and with ``grad_reduce_in_bf16`` under the distributed optimizer
     the gradients' 4 bytes 2 (``2 + 2 + 12 / dp``: Megatron's bf16 gradient buffers). What :func:`state_bytes`
@@ -70,10 +70,10 @@ def static_bytes_per_param(params_dtype: str = "bf16", distributed_optimizer: bo
     if dp < 1:
         raise ValueError(f"dp={dp!r} must be >= 1")
     shard = dp if distributed_optimizer else 1
-    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and distributed_optimizer and dp > 1 else GRAD_BYTES
-    if params_dtype == "fp32":   # the parameters are their own main parameters
-        return PARAM_BYTES + grad_bytes + moment_bytes / shard
+    if params_dtype == "fp32":   # the parameters are their own main parameters, p.grad their gradients' dtype
+        return PARAM_BYTES + GRAD_BYTES + moment_bytes / shard
     main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
+    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and distributed_optimizer and dp > 1 else GRAD_BYTES
     return BF16_BYTES + grad_bytes + (main_bytes + moment_bytes) / shard
 
 
@@ -318,7 +318,7 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     # the buffer's buckets cut into even runs: each holds the states (bf16 parameters: and the main parameters)
     runs = [bucket_runs(dense, dp_cp, dp_rank), bucket_runs(expert, edp, edp_rank)]
     padded, length, local, pieces = (sum(r[i] for r in runs) for i in range(4))
-    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and dp_cp > 1 else GRAD_BYTES   # bf16 gradient buffers
+    grad_bytes = BF16_BYTES if grad_reduce_in_bf16 and dp_cp > 1 and main else GRAD_BYTES   # bf16 gradient buffers
     if main:
         main_bytes = REMAINDER_BYTES if store_param_remainders else PARAM_BYTES
         params = BF16_BYTES * padded + main_bytes * length
