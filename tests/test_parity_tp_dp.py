@@ -44,13 +44,12 @@ def test_matches_single_process(world, kwargs, clip):
 
 
 @pytest.mark.parametrize("world,kwargs", [(2, dict()), (4, dict(tp=2, sequence_parallel=True)),
-                                          (2, dict(gradient_as_bucket_view=False))],
-                         ids=["dp2", "tp2xdp2-sp", "dp2-no-bucket-view"])
+                                          (2, dict(overlap_grad_reduce=False))],
+                         ids=["dp2", "tp2xdp2-sp", "dp2-reduced-after-backward"])
 def test_gradient_accumulation_matches_single_process(world, kwargs):
-    """``accumulate_grad_batches=2`` (DDP skips the reduction of the first micro-batch) against the reference:
-    the mean loss of every optimizer step and the final weights. ``gradient_as_bucket_view=False`` (a DDP
-    keyword passed through the strategy) keeps gradients out of DDP's buckets, which the strategy otherwise
-    turns on."""
+    """``accumulate_grad_batches=2`` against the reference: the mean loss of every optimizer step and the final
+    weights. The buffer's buckets are reduced once their second micro-batch's gradients have arrived (started inside
+    the backward), or with ``overlap_grad_reduce=False`` all after it."""
     check_layout_matches_single_process(world, kwargs, tiny_config(num_query_groups=4), accumulate=2, clip=0.05)
 
 

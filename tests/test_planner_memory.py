@@ -103,13 +103,13 @@ class Allocated(pl.Callback):
             "optimizer": sum(_bytes(v) for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
         }
         if main is not None and main.sharded:   # the distributed optimizer: padded buffers, shards of the mains
-            assert {p.dtype for p in params} == {torch.bfloat16}, {p.dtype for p in params}
-            self.result["params"] = sum(_bytes(b.compute) + _bytes(b.remainder if b.remainder is not None
-                                                                    else b.main_shard) for b in main.buckets)
+            assert {p.dtype for p in params} == {torch.float32 if main.keeps_dtype else torch.bfloat16}
+            self.result["params"] = sum(_bytes(b.compute) + (0 if main.keeps_dtype else _bytes(
+                b.remainder if b.remainder is not None else b.main_shard)) for b in main.buckets)
             inner = getattr(opt, "inner", None)
             self.result["optimizer"] = sum(_bytes(v) for s in (inner.state.values() if inner is not None else [])
                                            for v in s.values() if isinstance(v, torch.Tensor))
-        elif main is not None:
+        elif main is not None and not main.keeps_dtype:   # fp32 parameters are their own main parameters
             assert {p.dtype for p in params} == {torch.bfloat16}, {p.dtype for p in params}
             main_bytes = main.remainder if main.store_param_remainders else main.main_param
             self.result["params"] += sum(_bytes(main_bytes(p)) for p in params)
