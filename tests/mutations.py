@@ -250,7 +250,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "data parallel (the reduction would then run in bf16)",
         (Edit("lightning_megatron/parallel/finalize_grads.py",
               "        return (mesh.size(\"dp_cp\") > 1 or self.fsdp is not None or p.pipeline is not None\n",
-              "        return (self.fsdp is not None or p.pipeline is not None\n"),),
+              "        return (self.fsdp is not None or p.pipeline is not None\n"),
+         # the buffer refuses a direct step while it owns a data-parallel reduction, whatever the caller says
+         Edit("lightning_megatron/parallel/main_grad.py",
+              "        self.direct = direct and self._optimizer_steps_main and self._reduce is None\n",
+              "        self.direct = direct and self._optimizer_steps_main\n")),
         ("tests/test_main_grad.py::test_layouts_that_reduce_gradients_keep_fp32_main_gradients",)),
     Mutation(
         "fc1-grad-amax-handed-over-and-dropped", "linear_fc1's GEMM leaves its output gradient's amax to SwiGLU's "

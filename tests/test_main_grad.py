@@ -293,13 +293,14 @@ def _layout_direct_run(rank: int, world: int, cfg, samples, strategy_kwargs: Dic
 def test_layouts_that_reduce_gradients_keep_fp32_main_gradients():
     """Two ranks, one micro-batch, no clipping: a layout whose finaliser reduces gradients (dp2's average, tp2+SP's
     sum of the sequence-parallel norms) goes through fp32 main gradients; tp2 without SP reduces none and keeps the
-    bf16 gradients, bit for bit the run through fp32 main gradients."""
+    bf16 gradients, bit for bit the run through fp32 main gradients; dp2's losses equal the run forced through fp32
+    main gradients (a step on unreduced bf16 gradients would leave them)."""
     cfg = tiny_config(num_query_groups=4)
     samples = make_samples(cfg, STEPS * 4)
     cases = [(name, (cfg, samples, kwargs, force)) for name, kwargs, force in (
         ("dp2", dict(overlap_grad_reduce=False), False), ("dp2-overlap", {}, False),
         ("tp2-sp", dict(tp=2, sequence_parallel=True), False), ("tp2", dict(tp=2), False),
-        ("tp2-fp32-main-grads", dict(tp=2), True))]
+        ("tp2-fp32-main-grads", dict(tp=2), True), ("dp2-fp32-main-grads", dict(overlap_grad_reduce=False), True))]
     out = run_distributed(run_each, 2, _layout_direct_run, cases)[0]
     for name, result in out.items():
         assert not isinstance(result, str), result
@@ -307,6 +308,8 @@ def test_layouts_that_reduce_gradients_keep_fp32_main_gradients():
     assert out["dp2-overlap"]["direct"] == [False] * STEPS   # the buckets reduced in backward: fp32 main gradients
     assert out["tp2"]["direct"] == [True] * STEPS and out["tp2-fp32-main-grads"]["direct"] == [False] * STEPS
     assert out["tp2"]["losses"] == out["tp2-fp32-main-grads"]["losses"] and len(out["tp2"]["losses"]) == STEPS
+    # dp2 steps on the averaged gradients: the losses of the run forced through fp32 main gradients
+    assert out["dp2"]["losses"] == out["dp2-fp32-main-grads"]["losses"] and STEPS > 1
 
 
 def test_direct_step_falls_back_to_fp32_accumulation_on_a_second_gradient():
