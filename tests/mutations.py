@@ -341,8 +341,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "buffer-replicas-not-broadcast", "the data-parallel replicas are not made equal when fitting starts (torch "
         "DDP's broadcast at wrap time, which the buffer replaced)",
         (Edit("lightning_megatron/strategy/model_setup.py",
-              "        main.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))\n",
-              "        pass\n"),),
+              "    parallelized.main_params.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))\n",
+              "    pass\n"),),
         ("tests/test_param_buffer.py::test_replicas_start_equal_from_the_first_rank",)),
     Mutation(
         "fp32-gradients-not-views-of-the-buffer", "parameters in their own dtype keep the autograd gradient on p.grad "
@@ -388,7 +388,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "bf16-buffers-averaged-twice", "grad_reduce_in_bf16 under the distributed optimizer: a bf16 gradient bucket, "
         "averaged in place before its all-reduce, is divided by the group's size again after it",
-        (Edit("lightning_megatron/parallel/main_grad.py", "            elif not bucket.averaged:\n",
+        (Edit("lightning_megatron/parallel/main_grad.py", "            elif self._reduce.reduce_dtype is None:   # else averaged before the sum (_launch)\n",
               "            else:\n"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd-bf16-reduce]",)),
     Mutation(

@@ -111,7 +111,7 @@ class GradientFinalizer:
             p.main_params.finish_reduction()
         elif self.reducer is not None:
             self.reducer.finish()
-        elif (p.pipeline is not None or p.main_params is not None) and mesh.size("dp_cp") > 1 and self.fsdp is None:
+        elif p.pipeline is not None and mesh.size("dp_cp") > 1 and self.fsdp is None:   # stages without a buffer
             dense = [q for q in p.module.parameters() if id(q) not in self.experts]
             size = mesh.config.bucket_size   # elements; the buckets' default otherwise (64 MiB)
             kwargs = {"bucket_bytes": size * dense[0].element_size()} if size is not None and dense else {}

@@ -1,25 +1,24 @@
 """``overlap_grad_reduce``: data-parallel gradient reduction in buckets launched while backward still runs.
 
-Two paths reduce data-parallel gradients, and the option means for each:
+Under :class:`~lightning_megatron.MegatronStrategy` (and ``parallelize(..., param_buffer=True)``) the parameters'
+contiguous buffer reduces its own buckets (:meth:`~lightning_megatron.parallel.main_grad.MainParams.
+overlap_reduction`); :func:`overlaps_grad_reduce` resolves the option's default for it. What is here serves a loop
+that builds no buffer:
 
 * pp = 1: torch DDP (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`) reduces its buckets as they fill
-  during backward, and skips the reduction for all but the last micro-batch of a step (``no_sync``). That is the
-  overlapped path already: ``overlap_grad_reduce`` True (or None, the default) keeps DDP's buckets, sized by
-  ``bucket_size``; False gives DDP one bucket holding every gradient, so a single all-reduce starts when the last
-  gradient of the step's last backward is ready (:func:`ddp_bucket_kwargs`).
-* pp > 1: pipeline stages are not wrapped in DDP (a schedule runs one backward per micro-batch and chunk). Without
-  overlap their gradients are averaged in flattened buckets after the schedule
+  during backward, and skips the reduction for all but the last micro-batch of a step (``no_sync``):
+  ``overlap_grad_reduce`` True (or None, the default) keeps DDP's buckets, sized by ``bucket_size``; False gives
+  DDP one bucket holding every gradient (:func:`ddp_bucket_kwargs`).
+* pp > 1: without overlap the stages' gradients are averaged in flattened buckets after the schedule
   (:func:`~lightning_megatron.parallel.grad_sync.allreduce_data_parallel_grads`). With it, a
   :class:`GradBucketReducer` counts each parameter's gradient accumulations (post-accumulate-grad hooks); when a
   parameter has received every micro-batch's contribution (the last micro-batch of its chunk) it is ready, and a
   bucket whose parameters are all ready starts its asynchronous all-reduce, in bucket order on every rank.
   :meth:`GradBucketReducer.finish` (before clipping and the optimizer step) starts the buckets that did not fill in
-  backward (schedules that compute weight gradients outside autograd's accumulation, e.g. the zero-bubble ones,
-  leave them all to it), waits, and writes the averages into ``.grad``.
+  backward, waits, and writes the averages into ``.grad``.
 
-Gradients are reduced with all-reduce in both paths, also with the distributed optimizer: its states are sharded
-(ZeRO-1) but every rank keeps whole gradients. The arithmetic is that of the path without overlap (the same
-division by the micro-batch count, the same average, the same bf16 communication under ``grad_reduce_in_bf16``).
+The arithmetic is that of the path without overlap (the same average, the same bf16 communication under
+``grad_reduce_in_bf16``).
 """
 from __future__ import annotations
 
@@ -31,12 +30,10 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.main_grad import DEFAULT_BUCKET_ELEMENTS
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
 
-#: elements per bucket of the pipeline path when ``bucket_size`` is None (Megatron's default floor)
-DEFAULT_BUCKET_ELEMENTS = 40_000_000
-
-__all__ = ["GradBucketReducer", "ddp_bucket_kwargs", "overlaps_grad_reduce", "DEFAULT_BUCKET_ELEMENTS"]
+__all__ = ["GradBucketReducer", "ddp_bucket_kwargs", "overlaps_grad_reduce"]
 
 
 def overlaps_grad_reduce(config: ParallelConfig) -> bool:

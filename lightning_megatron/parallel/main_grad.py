@@ -110,8 +110,6 @@ class _Bucket:
     #: the bucket's reduction in flight: its work and the tensor reduced (the gradients or a bf16 copy)
     work: Any = None
     flat: Optional[Tensor] = None
-    #: the reduced tensor was divided by the group's size before the sum (``reduce_dtype``)
-    averaged: bool = False
     #: the distributed optimizer's shard of the bucket (:meth:`MainParams.shard`), else None
     shard: Optional["BucketShard"] = None
     #: with a shard: the fp32 main parameters of the shard's elements (``shard.length``; with remainders only while
@@ -282,7 +280,7 @@ class MainParams:
                         assert bucket.main is not None
                         view = _slot(bucket.main, offset, p)
                         view.copy_(p.data)
-                        if view.data_ptr() != compute.data_ptr():
+                        if not self.keeps_dtype:   # else the view is the compute copy itself
                             compute.copy_(view)
                         self._main[id(p)] = view
                 self._where[id(p)] = (index, offset)
@@ -394,17 +392,12 @@ class MainParams:
                 if id(p) not in held:
                     continue
                 new, old = p.grad, held[id(p)]
-                p.grad = old
-                if new is None:
-                    continue
-                if old is None:   # the step's first gradient of p: as the hook takes it
-                    p.grad = new
+                if new is not None and old is not None:
+                    with torch.no_grad():   # into the waiting gradient or the buffer's view, in place
+                        old.add_(new)
+                p.grad = new if old is None else old
+                if new is not None:   # as the hook takes a gradient (the first is copied in, each one counted)
                     self._accumulate_in_place(p)
-                    continue
-                with torch.no_grad():   # into the waiting gradient or the buffer's view, in place
-                    old.add_(new)
-                if not self.direct and self._expected is not None:
-                    self._arrived(p, self._where[id(p)][0])
 
     def take_weight_grads(self, params: List[nn.Parameter]) -> None:
         """The gradients a backward route wrote into ``p.grad`` without the post-accumulate hook (the zero-bubble
@@ -578,7 +571,6 @@ class MainParams:
         assert flat is not None
         if reduce.reduce_dtype is not None:   # a copy in that dtype, or the bf16 buffer itself, averaged first
             flat = (flat.to(reduce.reduce_dtype) if flat.dtype != reduce.reduce_dtype else flat).div_(reduce.size)
-            bucket.averaged = True
         bucket.flat = flat
         bucket.work = dist.all_reduce(flat, group=reduce.group, async_op=True)
 
@@ -604,9 +596,9 @@ class MainParams:
             bucket.work.wait()
             if bucket.flat is not bucket.grad:
                 bucket.grad.copy_(bucket.flat)
-            elif not bucket.averaged:
+            elif self._reduce.reduce_dtype is None:   # else averaged before the sum (_launch)
                 bucket.grad.div_(self._reduce.size)
-            bucket.work, bucket.flat, bucket.averaged = None, None, False
+            bucket.work, bucket.flat = None, None
 
     def _leave_direct(self) -> None:
         """End direct mode for this step: the gradients kept so far go the way of a step's first gradients
@@ -677,9 +669,12 @@ class MainParams:
         """Make the data-parallel replicas equal (what torch DDP does when it wraps a module): each bucket's
         parameters (the compute buffer; with bf16 parameters also the fp32 main parameters or the remainders) from the
         first rank of its group, ``group_of(bucket)`` giving ``(group, size, rank)`` (dp x cp; expert buckets: edp).
-        One broadcast per buffer; collective over those groups. In the compute view, before sharding."""
-        if self.sharded or self.in_main_view:
-            raise RuntimeError("MainParams.broadcast_replicas(): broadcast once, unsharded, in the compute view")
+        One broadcast per buffer; collective over those groups. In the compute view. Once sharded (a later fit) the
+        replicas are equal already: every step all-gathers the buffers from the shards."""
+        if self.in_main_view:
+            raise RuntimeError("MainParams.broadcast_replicas() in the main view: broadcast in the compute view")
+        if self.sharded:
+            return
         for bucket in self.buckets:
             group, size, _ = group_of(bucket)
             if size == 1:
@@ -792,7 +787,7 @@ class MainParams:
             high, low = split_fp32(bucket.main_shard)
             compute.copy_(high)
             bucket.remainder.copy_(low)
-        elif compute.data_ptr() != bucket.main_shard.data_ptr():   # parameters in their own dtype: stepped in place
+        elif not self.keeps_dtype:   # parameters in their own dtype: the shard was stepped in place
             compute.copy_(bucket.main_shard)
 
     @contextmanager

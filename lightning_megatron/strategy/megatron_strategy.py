@@ -51,7 +51,7 @@ from lightning_megatron.strategy.lightning_features import (attach_weight_averag
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
                                                   kill_launched, restart_safe_store)
 from lightning_megatron.strategy.model_setup import (check_pipeline_module, parallel_context, shard_fsdp,
-                                                     shard_optimizer_states, wrap_data_parallel)
+                                                     shard_optimizer_states, equalize_replicas)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
@@ -314,8 +314,7 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             self._grads = GradientFinalizer(parallelized, mesh, self.fsdp)
             self._grads.guard.grads = guard_grads
         elif fitting and not cfg.fsdp:   # the buffer reduces the gradients: the replicas start equal
-            self.model = wrap_data_parallel(self.model, parallelized, mesh, cfg, self.determine_ddp_device_ids(),
-                                            {}, True)
+            equalize_replicas(parallelized, mesh)
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers, self._param_gather = shard_optimizer_states(

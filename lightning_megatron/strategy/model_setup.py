@@ -13,7 +13,6 @@ from torch import nn
 
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule, TiedWeightsModel
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.data_parallel import apply_dp
 from lightning_megatron.parallel.distributed_optimizer import rebind_lr_scheduler, shard_optimizers
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
 from lightning_megatron.parallel.main_param_shards import (
@@ -26,7 +25,7 @@ from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.param_gather import OverlappedParamGather, zero_optimizers
 from lightning_megatron.parallelize import ParallelizedModel
 
-__all__ = ["check_pipeline_module", "parallel_context", "wrap_data_parallel", "shard_fsdp", "shard_optimizer_states",
+__all__ = ["check_pipeline_module", "parallel_context", "equalize_replicas", "shard_fsdp", "shard_optimizer_states",
            "tied_head_waits"]
 
 
@@ -49,21 +48,13 @@ def parallel_context(mesh: ParallelMesh, cfg: ParallelConfig) -> ParallelContext
                            pp_group=mesh.group("pp") if cfg.pp > 1 else None)
 
 
-def wrap_data_parallel(model: nn.Module, parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
-                       device_ids: Optional[List[int]], ddp_kwargs: Dict[str, Any], register_hook: bool) -> nn.Module:
-    """Data parallelism over dp x cp outside the FSDP levels: the parameters' contiguous buffers
-    (:class:`~lightning_megatron.parallel.main_grad.MainParams`) own the gradient reduction, so ``model`` is returned
-    as it is after the replicas are made equal (:meth:`MainParams.broadcast_replicas`: dense buckets from the first
-    rank of dp x cp, routed experts' from the first of edp). A model without buffers (``parallelize`` called without
-    ``param_buffer``) is wrapped in torch DDP (:func:`~lightning_megatron.parallel.data_parallel.apply_dp`)."""
-    main = parallelized.main_params
-    if main is not None:
-        main.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))
-        return model
-    if parallelized.pipeline is not None:
-        return model
-    return apply_dp(model, mesh, cfg, expert_params=parallelized.expert_params, device_ids=device_ids,
-                    ddp_kwargs=ddp_kwargs, register_hook=register_hook)
+def equalize_replicas(parallelized: ParallelizedModel, mesh: ParallelMesh) -> None:
+    """Data parallelism over dp x cp outside the FSDP levels: the parameters' contiguous buffer
+    (:class:`~lightning_megatron.parallel.main_grad.MainParams`) owns the gradient reduction, so nothing wraps the
+    model; the replicas are made equal (:meth:`MainParams.broadcast_replicas`: dense buckets from the first rank of
+    dp x cp, routed experts' from the first of edp), as torch DDP does when it wraps a model."""
+    assert parallelized.main_params is not None, "outside the FSDP levels the strategy holds the parameters in a buffer"
+    parallelized.main_params.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))
 
 
 def _bucket_group(mesh: ParallelMesh, bucket: Any) -> Tuple[Any, int, int]:
