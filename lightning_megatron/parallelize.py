@@ -93,8 +93,11 @@ class ParallelizedModel:
         replaces the parameters' storage (a precision plugin's ``convert_module``), before the optimizers are built.
         """
         if self.main_params is None:
+            stages = self.pipeline   # a tied embedding and its last-stage copy: a bucket each, so their shards match
+            tied = [stages.word_embeddings()] if stages is not None and stages.tied else []
             self.main_params = MainParams(self.module, params_dtype, bucket_size, store_param_remainders,
-                                          expert_params=self.expert_params)
+                                          expert_params=self.expert_params,
+                                          own_buckets=[w for w in tied if w is not None])
             if self.pipeline is not None:   # every schedule's weight gradients into the buffer
                 self.pipeline.weight_grad_sink = self.main_params.weight_grads
         return self.main_params

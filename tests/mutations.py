@@ -345,6 +345,27 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "    pass\n"),),
         ("tests/test_param_buffer.py::test_replicas_start_equal_from_the_first_rank",)),
     Mutation(
+        "scattered-runs-not-zeroed", "after the reduce-scatter each rank keeps its own sums outside its shard's run, "
+        "and the clip norm counts them",
+        (Edit("lightning_megatron/parallel/main_grad.py",
+              "                grad[:lo].zero_()\n                grad[hi:].zero_()\n",
+              "                pass\n"),),
+        ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",
+         sharp("dp2-distopt-clip"))),
+    Mutation(
+        "scattered-norm-not-summed-over-dp", "the clip norm of reduce-scattered gradients counts this rank's runs only",
+        (Edit("lightning_megatron/parallel/finalize_grads.py",
+              "        scattered = main is not None and main.scatters ",
+              "        scattered = False and main.scatters "),),
+        (sharp("dp2-distopt-clip"), sharp("ep2xdp2-distopt-clip"))),
+    Mutation(
+        "tied-embedding-shares-a-bucket", "the tied word embedding and its last-stage copy sit at other offsets of "
+        "other buckets, so their reduce-scattered runs do not line up when the stages sum them",
+        (Edit("lightning_megatron/parallelize.py",
+              "                                          own_buckets=[w for w in tied if w is not None])",
+              "                                          own_buckets=[])"),),
+        (sharp("pp2xdp2-distopt-tied-clip"),)),
+    Mutation(
         "fp32-gradients-not-views-of-the-buffer", "parameters in their own dtype keep the autograd gradient on p.grad "
         "after their bucket's copy, apart from the buffer that is reduced",
         (Edit("lightning_megatron/parallel/main_grad.py",
@@ -388,7 +409,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "bf16-buffers-averaged-twice", "grad_reduce_in_bf16 under the distributed optimizer: a bf16 gradient bucket, "
         "averaged in place before its all-reduce, is divided by the group's size again after it",
-        (Edit("lightning_megatron/parallel/main_grad.py", "            elif self._reduce.reduce_dtype is None:   # else averaged before the sum (_launch)\n",
+        (Edit("lightning_megatron/parallel/main_grad.py",
+              "            elif reduce.reduce_dtype is None:   # else divided before the sum (_launch)\n",
               "            else:\n"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd-bf16-reduce]",)),
     Mutation(

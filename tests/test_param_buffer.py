@@ -74,3 +74,46 @@ def test_fp32_gradients_are_views_of_the_buffer_and_every_parameter_lives_in_it(
             assert seen and seen["with_grad"] > 0 and seen["finite"], (kwargs, seen)
             assert seen["grads_in_buffer"] == seen["with_grad"], (kwargs, seen)
             assert seen["params_in_buffer"] == seen["params"], (kwargs, seen)
+
+
+class ReducedGradients(pl.Callback):
+    """Before the first optimizer step: each bucket's reduced gradients (the whole buffer, on CPU) and its shard's
+    run ``(start, length)`` (None without the distributed optimizer)."""
+
+    def __init__(self) -> None:
+        self.buckets: list = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.buckets:
+            return
+        buffer = trainer.strategy.parallelized.main_params
+        self.buckets = [(b.grad.detach().cpu().clone(), None if b.shard is None else (b.shard.start, b.shard.length))
+                        for b in buffer.buckets if b.grad is not None]
+
+
+def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> list:
+    pl.seed_everything(SEED, verbose=False)
+    module, seen = new_module(tiny_config(), 2), ReducedGradients()
+    trainer = trainer_for(world, MegatronStrategy(**kwargs), 1, callbacks=[seen])
+    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    return seen.buckets
+
+
+def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards():
+    """dp2 with the distributed optimizer: each rank's gradient buckets hold the data-parallel average in its shard's
+    run and zeros elsewhere (a reduce-scatter, half an all-reduce's traffic); the two runs together are the average
+    the all-reduce of the same step leaves on every rank (dp2 without the distributed optimizer)."""
+    samples = make_samples(tiny_config(), 8)
+    scattered = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples)
+    whole = run_distributed(_reduced, 2, dict(bucket_size=3000), samples)
+    assert len(scattered[0]) > 2 and len(scattered[0]) == len(whole[0])
+    for index, (average, run) in enumerate(whole[0]):
+        assert run is None and torch.equal(average, whole[1][index][0])
+        parts = [rank[index][0] for rank in scattered]
+        for rank, part in enumerate(parts):
+            start, length = scattered[rank][index][1]
+            outside = torch.cat([part[:start], part[start + length:]])
+            assert torch.count_nonzero(outside) == 0, (index, rank)
+            assert torch.count_nonzero(part[start:start + length]) > 0, (index, rank)
+        together = (parts[0] + parts[1])[:average.numel()]
+        torch.testing.assert_close(together, average, rtol=1e-6, atol=1e-9)

@@ -59,6 +59,8 @@ CASES: Dict[str, SharpCase] = {
     "cp2-a2a-no-delay": SharpCase(2, dict(cp=2, cp_comm_type="a2a", delay_wgrad_compute=False), DENSE),
     "cp2-per-layer-types": SharpCase(2, dict(cp=2, cp_comm_type=["p2p", "a2a"]), DENSE),
     "dp2-distopt": SharpCase(2, dict(use_distributed_optimizer=True), DENSE, accumulate=2),
+    # the buckets reduce-scattered into the shards: the clip norm sums the ranks' runs over dp
+    "dp2-distopt-clip": SharpCase(2, dict(use_distributed_optimizer=True, bucket_size=3000), DENSE, clip=CLIP),
     "ep2": SharpCase(2, dict(ep=2), MOE),
     "ep2-allgather-grouped": SharpCase(2, dict(ep=2), moe_config(moe_token_dispatcher_type="allgather",
                                                                  moe_grouped_gemm=True), accumulate=2),
@@ -78,6 +80,15 @@ CASES: Dict[str, SharpCase] = {
     "cp2xpp2": SharpCase(4, dict(cp=2, pp=2), DENSE, accumulate=2),
     # the stages' data-parallel buckets started inside the backward (the losses carry the 1/M)
     "pp2xdp2-overlap": SharpCase(4, dict(pp=2, overlap_grad_reduce=True, bucket_size=2000), DENSE, accumulate=2),
+    # reduce-scattered buckets started inside the backward; the tied embedding and its copy in equal buckets (the
+    # stages' other buckets differ: one layer on the first, two on the last; the embedding straddles two runs)
+    "pp2xdp2-distopt-tied-clip": SharpCase(4, dict(pp=2, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                   num_layers_in_first_pipeline_stage=1),
+                                           tiny_config(num_layers=3, vocab_size=1000,
+                                                       untie_embeddings_and_output_weights=False),
+                                           accumulate=2, clip=CLIP),
+    # routed experts' buckets reduce-scattered over edp, the dense ones over dp
+    "ep2xdp2-distopt-clip": SharpCase(4, dict(ep=2, use_distributed_optimizer=True), MOE, accumulate=2, clip=CLIP),
     "cp2xdp2-a2a": SharpCase(4, dict(cp=2, cp_comm_type="a2a"), DENSE, accumulate=2),
     "cp4-p2p": SharpCase(4, dict(cp=4), DENSE),
     "ep4": SharpCase(4, dict(ep=4), MOE),

@@ -72,9 +72,9 @@ class GradientFinalizer:
         overlap = reduce and overlaps_grad_reduce(config)
         #: the buffer's buckets start their reductions inside the backward (else all in :meth:`finalize`)
         self.overlaps_buffer = overlap and parallelized.main_params is not None
-        if reduce and parallelized.main_params is not None:   # the buffer's buckets reduce themselves
+        if reduce and parallelized.main_params is not None:   # the buffer's buckets reduce themselves, experts too
             parallelized.main_params.overlap_reduction(mesh.group("dp_cp"), mesh.size("dp_cp"), uses,
-                                                       self.reduce_dtype)
+                                                       self.reduce_dtype, mesh.group("edp"), mesh.size("edp"))
         elif overlap and stages is not None:
             dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
             self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
@@ -116,7 +116,9 @@ class GradientFinalizer:
             size = mesh.config.bucket_size   # elements; the buckets' default otherwise (64 MiB)
             kwargs = {"bucket_bytes": size * dense[0].element_size()} if size is not None and dense else {}
             allreduce_data_parallel_grads(dense, mesh.group("dp_cp"), reduce_dtype=self.reduce_dtype, **kwargs)
-        if p.expert_params and not (self.fsdp is not None and self.fsdp.experts_sharded):
+        reduced = (self.fsdp is not None and self.fsdp.experts_sharded
+                   or p.main_params is not None and p.main_params.reduces_experts)   # by FSDP or the buffer
+        if p.expert_params and not reduced:
             allreduce_expert_parallel_grads(p.expert_params, mesh.group("edp"), mesh.size("dp_cp"),
                                             reduce_dtype=self.reduce_dtype)
         if p.sequence_parallel_params:
@@ -143,11 +145,14 @@ class GradientFinalizer:
         counted = [p for p in params if id(p) not in self.excluded_from_norm]
         pp_groups = [mesh.group("pp")] if mesh.config.pp > 1 else []
         fsdp = self.fsdp is not None
+        main = self.parallelized.main_params
+        scattered = main is not None and main.scatters   # each rank holds its shard's run of every bucket
         norm = clip_grad_norm_(counted, float(max_norm), self.parallelized.sharded_params, mesh.group("tp"),
                                pp_groups, expert=self.experts, expert_group=mesh.group("ep_etp"),
                                check=self.guard.check_grad_norm, check_local_norms=self.guard.sends_grad_norms,
-                               shard_group=mesh.group("dp_cp") if fsdp else None,
-                               expert_shard_group=mesh.group("edp") if fsdp and self.fsdp.experts_sharded else None)
+                               shard_group=mesh.group("dp_cp") if fsdp or scattered else None,
+                               expert_shard_group=(mesh.group("edp") if scattered or fsdp and self.fsdp.experts_sharded
+                                                   else None))
         excluded = [p for p in params if id(p) in self.excluded_from_norm and p.grad is not None]
         if excluded:
             with torch.no_grad():

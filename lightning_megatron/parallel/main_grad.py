@@ -73,6 +73,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
+from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_into, reduce_scatter_into
 
 __all__ = ["MainParams", "BucketShard", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
@@ -135,21 +136,30 @@ class BucketShard:
 
 @dataclass
 class _Reduction:
-    """The data-parallel reduction of the dense buckets (:meth:`MainParams.overlap_reduction`)."""
+    """The data-parallel reduction of the buckets (:meth:`MainParams.overlap_reduction`): the dense buckets averaged
+    over ``group`` (``size`` ranks, dp x cp), the expert buckets summed over ``expert_group`` (``expert_size`` ranks,
+    edp) and divided by ``size`` as well (None: left to the caller)."""
 
     group: Any
     size: int
     uses: Dict[int, int]
     reduce_dtype: Optional[torch.dtype]
+    expert_group: Any = None
+    expert_size: int = 1
+    reduces_experts: bool = False
 
 
-def bucket_layout(params: List[nn.Parameter], bucket_size: int,
-                  apart: Optional[Set[int]] = None) -> List[List[nn.Parameter]]:
-    """``params`` cut into buckets: in their order, one device and dtype per bucket, a new bucket when the next parameter would
-    take it past ``bucket_size`` elements (a larger parameter gets one of its own); matrices only, the vectors
-    (``dim() < 2``) of a device in one bucket of their own after them. The parameters whose ``id`` is in ``apart``
-    (routed experts, reduced over another group) are laid out the same way in buckets of their own, after the
-    others."""
+def bucket_layout(params: List[nn.Parameter], bucket_size: int, apart: Optional[Set[int]] = None,
+                  alone: Optional[Set[int]] = None) -> List[List[nn.Parameter]]:
+    """``params`` cut into buckets: in their order, one device and dtype per bucket, a new bucket when the next
+    parameter would take it past ``bucket_size`` elements (a larger parameter gets one of its own); matrices only, the vectors
+    (``dim() < 2``) of a device in one bucket of their own after them. The parameters whose ``id`` is in ``alone``
+    (a tied word embedding, summed with its twin on another pipeline stage) get a bucket each, first: the twins then
+    sit at the same offsets of equal buckets, so that their gradients' shards line up. Those in ``apart`` (routed
+    experts, reduced over another group) are laid out the same way in buckets of their own, after the others."""
+    if alone:
+        return ([[p] for p in params if id(p) in alone]
+                + bucket_layout([p for p in params if id(p) not in alone], bucket_size, apart))
     if apart:
         return (bucket_layout([p for p in params if id(p) not in apart], bucket_size)
                 + bucket_layout([p for p in params if id(p) in apart], bucket_size))
@@ -190,13 +200,16 @@ class MainParams:
         bucket_size: elements per bucket of the buffers (None: :data:`DEFAULT_BUCKET_ELEMENTS`).
         store_param_remainders: hold each fp32 main parameter as its bf16 copy plus an int16 remainder (see the
             module docstring): 2 bytes per parameter less.
-        expert_params: routed-expert parameters: buckets of their own, which :meth:`overlap_reduction` leaves to
-            the caller's expert-data-parallel reduction.
+        expert_params: routed-expert parameters: buckets of their own, reduced over expert data parallel
+            (:meth:`overlap_reduction`).
+        own_buckets: parameters that get a bucket each (a tied word embedding and its copy on the last pipeline
+            stage: their gradients are summed across the stages, whose shards must line up).
     """
 
     def __init__(self, module: nn.Module, params_dtype: Optional[torch.dtype] = torch.bfloat16,
                  bucket_size: Optional[int] = None, store_param_remainders: bool = False,
-                 expert_params: Optional[List[nn.Parameter]] = None) -> None:
+                 expert_params: Optional[List[nn.Parameter]] = None,
+                 own_buckets: Optional[List[nn.Parameter]] = None) -> None:
         if params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype={params_dtype!r}: MainParams stores parameters in torch.bfloat16 (with "
                              "fp32 main parameters) or, with None, in their own dtype (the parameters are the main "
@@ -248,13 +261,15 @@ class MainParams:
         #: this step's backward passes per parameter (:meth:`arm_reduction`), None when not armed
         self._expected: Optional[int] = None
         self._arrivals: Dict[int, int] = {}
-        self._next_launch = -1
+        #: per kind of bucket (dense: False, expert: True), the next one to start, counting down
+        self._next_launch: Dict[bool, int] = {False: -1, True: -1}
         #: buckets whose reduction started inside a backward, over all steps (the rest in :meth:`finish_reduction`)
         self.started_in_backward = 0
         #: gradients found on parameters at the end of a backward, over all steps (:meth:`_fold_late_grads`)
         self.late_grads = 0
         self._warned_late = False
-        for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS, experts)):
+        for index, members in enumerate(bucket_layout(self.params, bucket_size or DEFAULT_BUCKET_ELEMENTS, experts,
+                                                         {id(p) for p in own_buckets or []})):
             numel = sum(p.numel() for p in members)
             device = members[0].device
             remainders = self.store_param_remainders
@@ -342,8 +357,10 @@ class MainParams:
         the step)."""
         index, offset = self._where[id(p)]
         bucket = self.buckets[index]
-        if bucket.grad is None:
-            bucket.grad = torch.empty(bucket.numel, dtype=self.grad_dtype or bucket.compute.dtype, device=bucket.device)
+        if bucket.grad is None:   # with shards padded to whole runs (the padding zero), to reduce-scatter in place
+            numel = bucket.shard.size * bucket.shard.length if bucket.shard is not None else bucket.numel
+            bucket.grad = torch.empty(numel, dtype=self.grad_dtype or bucket.compute.dtype, device=bucket.device)
+            bucket.grad[bucket.numel:].zero_()
         return _slot(bucket.grad, offset, p)
 
     @torch.no_grad()
@@ -503,20 +520,51 @@ class MainParams:
 
     # ------------------------------------------------------------------ data-parallel reduction
     def overlap_reduction(self, group: Any, size: int, uses: Optional[Dict[int, int]] = None,
-                          reduce_dtype: Optional[torch.dtype] = None) -> None:
-        """Average the dense buckets' main gradients over ``group`` (``size`` ranks: dp x cp) by this object, each
-        bucket's all-reduce started as soon as the step's last gradient of its every parameter has arrived
-        (Megatron's ``overlap_grad_reduce``), from the last bucket to the first (the order the backward completes
-        them, the same on every rank); :meth:`finish_reduction` starts the rest and waits. ``uses``: backward passes
-        per micro-batch of a parameter used by more than one pipeline stage on this rank (default 1);
-        ``reduce_dtype``: communicate in that dtype (``grad_reduce_in_bf16``: a bf16 copy, averaged before the
-        sum). Expert buckets are left to the caller (reduced over expert data parallel)."""
-        self._reduce = _Reduction(group, size, dict(uses or {}), reduce_dtype) if size > 1 else None
+                          reduce_dtype: Optional[torch.dtype] = None, expert_group: Any = None,
+                          expert_size: Optional[int] = None) -> None:
+        """Reduce the buckets' main gradients by this object: the dense buckets averaged over ``group`` (``size``
+        ranks: dp x cp), and with ``expert_size`` given the routed experts' buckets summed over ``expert_group``
+        (``expert_size`` ranks: expert data parallel) and divided by ``size`` (Megatron's expert gradient scaling;
+        otherwise they are left to the caller). Each bucket's collective starts as soon as the step's last gradient of
+        its every parameter has arrived (Megatron's ``overlap_grad_reduce``, once :meth:`arm_reduction` announced the
+        step), from the last bucket of a kind to the first (the order the backward completes them, the same on every
+        rank of the group); :meth:`finish_reduction` starts the rest and waits. A sharded bucket (:meth:`shard`: the
+        distributed optimizer) is reduce-scattered: each rank receives only its run of the average, the only part
+        its optimizer reads, for half an all-reduce's traffic; elsewhere its gradients are zero then. ``uses``:
+        backward passes per micro-batch of a parameter used by more than one pipeline stage on this rank (default
+        1); ``reduce_dtype``: communicate in that dtype (``grad_reduce_in_bf16``: a bf16 copy, divided before the
+        sum)."""
+        experts = expert_size is not None
+        if size > 1:
+            self._reduce = _Reduction(group, size, dict(uses or {}), reduce_dtype, expert_group,
+                                      int(expert_size or 1), experts)
+        else:
+            self._reduce = None
 
     @property
     def reduces_data_parallel(self) -> bool:
         """Whether :meth:`finish_reduction` owns the dense buckets' data-parallel average."""
         return self._reduce is not None
+
+    @property
+    def reduces_experts(self) -> bool:
+        """Whether :meth:`finish_reduction` owns the routed experts' reduction over expert data parallel."""
+        return self._reduce is not None and self._reduce.reduces_experts
+
+    @property
+    def scatters(self) -> bool:
+        """Whether the reduction leaves each rank only its shard's run of a bucket's average (zeros elsewhere): the
+        gradient norm then sums the ranks' squares over each bucket's group."""
+        return self._reduce is not None and self.sharded and any(b.shard.size > 1 for b in self.buckets)
+
+    def _reduces(self, bucket: "_Bucket") -> bool:
+        reduce = self._reduce
+        return reduce is not None and (not bucket.expert or reduce.reduces_experts)
+
+    def _restart_launches(self) -> None:
+        self._next_launch = {False: len(self.buckets) - 1, True: len(self.buckets) - 1}
+        for bucket in self.buckets:
+            bucket.ready, bucket.work, bucket.flat = 0, None, None
 
     def arm_reduction(self, microbatches: int) -> None:
         """Before a step's first backward: each parameter's gradient arrives ``microbatches`` times (times its
@@ -524,9 +572,7 @@ class MainParams:
         if self._reduce is None:
             return
         self._expected, self._arrivals = microbatches, {}
-        self._next_launch = len(self.buckets) - 1
-        for bucket in self.buckets:
-            bucket.ready, bucket.work, bucket.flat = 0, None, None
+        self._restart_launches()
 
     def _arrived(self, p: Tensor, index: int) -> None:
         assert self._reduce is not None and self._expected is not None
@@ -543,16 +589,19 @@ class MainParams:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Inside the backward: start the complete buckets from :attr:`_next_launch` down, in order (expert buckets
-        are passed over)."""
-        while self._next_launch >= 0:
-            bucket = self.buckets[self._next_launch]
-            if not bucket.expert:
-                if bucket.ready < bucket.expecting:
-                    return
-                self._launch(self._next_launch)
-                self.started_in_backward += 1
-            self._next_launch -= 1
+        """Inside the backward: per kind (dense, expert), start the complete buckets from the kind's next one down,
+        in order."""
+        for expert in (False, True):
+            index = self._next_launch[expert]
+            while index >= 0:
+                bucket = self.buckets[index]
+                if bucket.expert == expert and self._reduces(bucket):
+                    if bucket.ready < bucket.expecting:
+                        break
+                    self._launch(index)
+                    self.started_in_backward += 1
+                index -= 1
+            self._next_launch[expert] = index
 
     @torch.no_grad()
     def _launch(self, index: int) -> None:
@@ -569,35 +618,55 @@ class MainParams:
                     p.grad = self._grads[id(p)]
         flat = bucket.grad
         assert flat is not None
-        if reduce.reduce_dtype is not None:   # a copy in that dtype, or the bf16 buffer itself, averaged first
+        if reduce.reduce_dtype is not None:   # a copy in that dtype, or the bf16 buffer itself, divided first
             flat = (flat.to(reduce.reduce_dtype) if flat.dtype != reduce.reduce_dtype else flat).div_(reduce.size)
         bucket.flat = flat
-        bucket.work = dist.all_reduce(flat, group=reduce.group, async_op=True)
+        group, size = (reduce.expert_group, reduce.expert_size) if bucket.expert else (reduce.group, reduce.size)
+        shard = bucket.shard
+        if size == 1:   # expert data parallel of one: the scaling only (finish_reduction)
+            return
+        if shard is not None and shard.size > 1:
+            if shard.size != size:
+                raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each "
+                                   "bucket over the group that reduces it (dp x cp; routed experts: edp)")
+            run = flat[shard.start:shard.start + shard.length]
+            bucket.work = reduce_scatter_into(run, flat, group=group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
     @torch.no_grad()
     def finish_reduction(self) -> None:
-        """Start the dense buckets the backward did not (same order), wait for every one and leave the averages in
-        the main gradients. Collective over the reduction's group; disarms until the next :meth:`arm_reduction`.
-        In the main view (after :meth:`finish_backward`)."""
-        if self._reduce is None:
+        """Start the buckets the backward did not (same order), wait for every one and leave the averages in the
+        main gradients (sharded buckets: this rank's run of them, zeros elsewhere). Collective over the reduction's
+        groups; disarms until the next :meth:`arm_reduction`. In the main view (after :meth:`finish_backward`)."""
+        reduce = self._reduce
+        if reduce is None:
             return
         if self._expected is None:   # not armed (a loop that does not announce its micro-batches): all at once
-            self._next_launch = len(self.buckets) - 1
-            for bucket in self.buckets:
-                bucket.ready, bucket.work, bucket.flat = 0, None, None
+            self._restart_launches()
         self._expected = None
-        while self._next_launch >= 0:
-            if not self.buckets[self._next_launch].expert:
-                self._launch(self._next_launch)
-            self._next_launch -= 1
+        for expert in (False, True):
+            for index in range(self._next_launch[expert], -1, -1):
+                bucket = self.buckets[index]
+                if bucket.expert == expert and self._reduces(bucket):
+                    self._launch(index)
+            self._next_launch[expert] = -1
         for bucket in self.buckets:
-            if bucket.work is None:
+            if bucket.flat is None:
                 continue
-            bucket.work.wait()
-            if bucket.flat is not bucket.grad:
-                bucket.grad.copy_(bucket.flat)
-            elif self._reduce.reduce_dtype is None:   # else averaged before the sum (_launch)
-                bucket.grad.div_(self._reduce.size)
+            if bucket.work is not None:
+                bucket.work.wait()
+            grad, flat, shard = bucket.grad, bucket.flat, bucket.shard
+            assert grad is not None
+            scattered = shard is not None and shard.size > 1
+            lo, hi = (shard.start, shard.start + shard.length) if scattered else (0, grad.numel())
+            if flat is not grad:
+                grad[lo:hi].copy_(flat[lo:hi])
+            elif reduce.reduce_dtype is None:   # else divided before the sum (_launch)
+                grad[lo:hi].div_(reduce.size)
+            if scattered:   # the other runs hold this rank's own sums: none of this rank's business
+                grad[:lo].zero_()
+                grad[hi:].zero_()
             bucket.work, bucket.flat = None, None
 
     def _leave_direct(self) -> None:
@@ -806,7 +875,7 @@ class MainParams:
                     whole = mine.clone()
                 else:
                     whole = torch.empty(shard.size * shard.length, dtype=mine.dtype, device=bucket.device)
-                    dist.all_gather_into_tensor(whole, mine, group=shard.group)
+                    all_gather_into(whole, mine, group=shard.group)
                 wholes.append(whole)
         for p in self.params:
             index, offset = self._where[id(p)]

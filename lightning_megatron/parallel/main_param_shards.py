@@ -9,15 +9,18 @@ keeps, on each rank, only its run of the fp32 main parameters (:meth:`MainParams
 rebuilt over *fragments*: for every parameter, the part of it that lies in this rank's run, a 1-D view of the
 bucket's main-parameter shard, in the parameter's group. A step:
 
-1. the gradients are the whole, data-parallel-averaged fp32 main gradients (as without this optimizer; clipping and
-   the non-finite checks see them whole); each fragment's gradient is the matching view of them;
+1. each bucket's main gradients were reduce-scattered over its group (:meth:`MainParams.overlap_reduction`, inside
+   the backward with ``overlap_grad_reduce``): this rank holds the average of its run, zeros elsewhere, so the
+   clipping norm and the non-finite checks sum the ranks' parts over the group; each fragment's gradient is the
+   matching view of the run;
 2. the rebuilt optimizer steps the fragments (this rank's run: ``1 / size`` of the elements);
 3. each bucket's run of bf16 copies (with remainders: and of remainders) is written from the stepped run;
 4. each bucket's bf16 buffer is all-gathered over its group, in place, blocking or (``overlap_param_gather``)
    asynchronously, a forward pre-hook of each module waiting for its parameters' buckets
    (:class:`BucketParamGather`).
 
-Static memory per parameter: 2 bytes (bf16 parameter) + 4 (fp32 main gradient, during a step) + 4 / size (fp32 main
+Communication per step and bucket: one reduce-scatter of the gradients and one all-gather of the bf16 parameters
+(together an all-reduce's traffic). Static memory per parameter: 2 bytes (bf16 parameter) + 4 (fp32 main gradient, during a step) + 4 / size (fp32 main
 parameter; with remainders 2 / size) + the optimizer states / size (Adam: 8, bf16 moments 4): Megatron's
 ``2 + 4 + 12 / dp``.
 
@@ -39,6 +42,7 @@ from torch.optim import Optimizer
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_groups import constructor_kwargs, indexed_param_groups
 from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_into
 
 __all__ = ["DistributedOptimizer", "BucketParamGather", "WholeStateView", "ELEMENTWISE_OPTIMIZERS", "elementwise"]
 
@@ -177,7 +181,7 @@ class DistributedOptimizer(Optimizer):
                 continue
             mine = bucket.compute[shard.start:shard.start + shard.length]
             async_op = self.param_gather is not None
-            work = dist.all_gather_into_tensor(bucket.compute, mine, group=shard.group, async_op=async_op)
+            work = all_gather_into(bucket.compute, mine, group=shard.group, async_op=async_op)
             if async_op:
                 works.append((index, work))
         if self.param_gather is not None:
@@ -232,7 +236,7 @@ class DistributedOptimizer(Optimizer):
                             run[frag.lo - shard.start:frag.hi - shard.start] = value
                     if shard.size > 1:
                         whole = torch.empty(shard.size * shard.length, dtype=dtype, device=bucket.device)
-                        dist.all_gather_into_tensor(whole, run, group=shard.group)
+                        all_gather_into(whole, run, group=shard.group)
                     else:
                         whole = run
                     wholes[k] = whole.cpu()

@@ -22,7 +22,8 @@ attention at a measured sequence-dependent efficiency, memory-bound work as pass
 bytes at HBM bandwidth, recompute's extra forward, tensor-parallel collectives, the context-parallel ring
 (hidden behind attention where it fits) and its merge work, expert all-to-alls; then the pipeline
 ``(m + (pp-1)/vp)`` micro-batch times of the slowest rank plus its point-to-point transfers, the data-parallel
-gradient all-reduce (partly hidden behind backward with DDP), the distributed optimizer's parameter all-gather
+gradient all-reduce (a reduce-scatter under the distributed optimizer; partly hidden behind the backward without a
+pipeline), the distributed optimizer's parameter all-gather
 or FSDP's per-layer all-gathers and reduce-scatter (hidden behind compute as FSDP2 prefetches, :func:`_fsdp_time`),
 the optimizer step and a fixed step overhead. Constants: :mod:`lightning_megatron.planner.calibration`.
 """
@@ -372,12 +373,14 @@ def predict(layout: Any, work: Workload, hw: Hardware, cache: Optional[Dict[Any,
     bucket = 25 * 2 ** 20   # DDP's default bucket
     for ranks, n, span in ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),
                            (layout.edp, expert_numel, layout.world // layout.edp > intra or layout.edp > intra)):
-        if ranks > 1 and n:
-            t_ar += 2.0 * (ranks - 1) / ranks * 4.0 * n / _nccl_bw(hw, bucket, span)
+        if ranks > 1 and n:   # an all-reduce moves twice a reduce-scatter's bytes (the distributed optimizer's)
+            passes = 1.0 if layout.sharding == "optim" else 2.0
+            t_ar += passes * (ranks - 1) / ranks * 4.0 * n / _nccl_bw(hw, bucket, span)
             if layout.sharding != "no_shard":
                 t_gather += (ranks - 1) / ranks * PARAM_BYTES * n / _nccl_bw(hw, PARAM_BYTES * n / ranks, span)
-    # the pipeline reduces after its last backward, and so does the gradient finaliser with bf16 parameters (no DDP)
-    t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 and not bf16_params else t_ar
+    # without a pipeline the buffer's buckets start inside the backward (overlap_grad_reduce, on by default there);
+    # a pipeline reduces after its last backward
+    t_dp = t_ar * (1.0 - hw.dp_overlap) if pp == 1 else t_ar
     if fsdp:
         t_dp, t_gather = _fsdp_time(layout, hw, t_mb, max(len(l) for l in layers_of),
                                     ((layout.dp * cp, dense_numel, tp * layout.dp * cp > intra),
