@@ -13,16 +13,18 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_compile    torch.compile of each transformer layer      parallel/compile.py
                      (compile=True; + CUDA graphs: enable_cuda_graph)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
+    SP gradients     replicated weights' TP sum left to the       parallel/grad_sync.py
+                     finaliser (sequence_parallel)
     materialize      allocate this rank's shards                  parallel/materialize.py
                      (initialised layout-independently)
-    main params      bf16 parameters with fp32 main copies (params_dtype)  parallel/main_grad.py
-    apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
-                                                                  parallel/data_parallel.py
-                     or FSDP2 (data_parallel_sharding_strategy optim_grads / optim_grads_params)
-                                                                  parallel/fsdp.py
+    the buffer       parameters and gradients in contiguous       parallel/main_grad.py
+                     buckets (params_dtype / param_buffer; bf16:
+                     fp32 main copies): ParallelizedModel.hold_in_buffer
 
 Everything up to ``split_pipeline`` runs on the meta device, so no rank ever holds more than its shard.
-``apply_dp`` is left to the caller (the strategy wraps only when fitting; pipeline stages are not wrapped).
+Data parallelism is left to the caller: the buffer reduces the gradients over dp x cp itself
+(:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`); FSDP2 at the FSDP sharding levels
+(parallel/fsdp.py); torch DDP for a loop without the buffer (parallel/data_parallel.py).
 """
 from __future__ import annotations
 
