@@ -10,39 +10,44 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute                         parallel/recompute.py
     apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  fp8.py
-    apply_compile    torch.compile of each transformer layer (compile=True)
+    apply_compile    torch.compile of each transformer layer      parallel/compile.py
+                     (compile=True; + CUDA graphs: enable_cuda_graph)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
-    materialize      allocate this rank's shards, initialise them layout-independently
-    main params      bf16 parameters with fp32 main copies (params_dtype)  parallel/main_grad.py
-    apply_dp         DDP over dp x cp (after the optimizer-independent steps; the caller wraps)
-                                                                  parallel/data_parallel.py
-                     or FSDP2 (data_parallel_sharding_strategy optim_grads / optim_grads_params)
-                                                                  parallel/fsdp.py
+    SP gradients     replicated weights' TP sum left to the       parallel/grad_sync.py
+                     finaliser (sequence_parallel)
+    materialize      allocate this rank's shards                  parallel/materialize.py
+                     (initialised layout-independently)
+    the buffer       parameters and gradients in contiguous       parallel/main_grad.py
+                     buckets (params_dtype / param_buffer; bf16:
+                     fp32 main copies): ParallelizedModel.hold_in_buffer
 
 Everything up to ``split_pipeline`` runs on the meta device, so no rank ever holds more than its shard.
-``apply_dp`` is left to the caller (the strategy wraps only when fitting; pipeline stages are not wrapped).
+Data parallelism is left to the caller: the buffer reduces the gradients over dp x cp itself
+(:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`); FSDP2 at the FSDP sharding levels
+(parallel/fsdp.py); torch DDP for a loop without the buffer (parallel/data_parallel.py).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set
+from typing import Callable, ContextManager, List, Optional, Set
 
 import torch
 from torch import nn
 
-from lightning_megatron.contract import (InitialisableModel, PipelineModel, TensorParallelModel,
-                                         keep_parallelized_record, parallelized_record)
+from lightning_megatron.contract import TensorParallelModel, keep_parallelized_record, parallelized_record
 from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, convert_to_fp8
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.compile import apply_compile
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
 from lightning_megatron.parallel.grad_sync import defer_sequence_parallel_grad_reduce, owned_parameters
 from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.materialize import materialize
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
 from lightning_megatron.parallel.recompute import apply_recompute
-from lightning_megatron.parallel.tensor_parallel.layers import TensorParallelModule, apply_tp_comm_overlap
+from lightning_megatron.parallel.tensor_parallel.layers import apply_tp_comm_overlap, tensor_parallel_sharded
 from lightning_megatron.parallel.tensor_parallel.plan import apply_tp
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 
@@ -120,86 +125,6 @@ def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Con
     groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
     expert_groups = [mesh.group("etp"), mesh.group("edp")] if mesh is not None else []
     return convert_to_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
-
-
-#: Inductor options of every compiled transformer layer. ``triton.mix_order_reduction_split_size``: a norm's backward
-#: computes its input gradient row by row and its weight gradient (a sum over the rows) in one kernel, each program
-#: adding ``split`` rows into one partial row of the weight gradient; the partial rows are then summed by one
-#: (eager) column sum, which reads them with few blocks. Inductor's own split for a layer's 8,192 rows is 16 (512
-#: partial rows); 32 leaves 256, which the column sum reads in less than half the time while the norm kernels keep
-#: theirs (benchmarks/RESULTS.md). Only the summation order of the norm weights' gradients depends on it. Options the
-#: installed Inductor does not know are left out (:func:`known_inductor_options`: torch < 2.10 has no mix-order
-#: reduction, and ``torch.compile`` refuses an unknown option).
-LAYER_COMPILE_OPTIONS: Dict[str, Any] = {"triton.mix_order_reduction_split_size": 32}
-
-
-def known_inductor_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` without the keys the installed Inductor's config lacks (``torch.compile(options=...)`` raises on
-    them), e.g. an option of a newer torch than the one installed."""
-    from torch._inductor import config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    return {key: value for key, value in options.items() if key.replace("-", "_") in known}
-
-
-def apply_compile(models: List[nn.Module], config: ParallelConfig) -> int:
-    """With ``config.compile``: ``torch.compile`` every transformer layer of the GPT-layout models in place
-    (``nn.Module.compile``: parameter names and state dicts unchanged), and their ``head`` (final norm + LM head) and
-    ``per_token_loss`` (the cross-entropy, fused with its fp32 upcast), all compiled at their first call, after
-    materialisation; the layers with :data:`LAYER_COMPILE_OPTIONS` (those the installed Inductor knows). With
-    ``config.enable_cuda_graph`` the layers are also compiled with ``triton.cudagraphs``, the option
-    ``mode="reduce-overhead"`` sets (each layer's forward and backward replayed as CUDA graphs; the step path marks each
-    micro-batch); the head and the loss, whose outputs the step keeps beyond the next replay, are not. Collectives
-    inside (TP, CP, EP) split a graph where dynamo cannot trace them. Returns the number of layers compiled."""
-    if not config.compile:
-        return 0
-    gpt = [m for m in models if isinstance(m, PipelineModel)]
-    layers = [layer for m in gpt for layer in m.decoder.layers.values()]
-    if not layers:
-        raise ValueError("compile=True compiles the transformer layers of GPT-layout models "
-                         "(lightning_megatron.contract.PipelineModel); none was found")
-    options = known_inductor_options(LAYER_COMPILE_OPTIONS)
-    if config.enable_cuda_graph:   # Inductor's CUDA graph trees; torch.compile takes options or a mode, not both
-        options["triton.cudagraphs"] = True
-    for layer in layers:
-        layer.compile(options=options)
-    for model in gpt:
-        # instance attributes shadow the methods; the pipeline stages call them through the model too
-        model.head = torch.compile(model.head)
-        if callable(getattr(type(model), "per_token_loss", None)):
-            model.per_token_loss = torch.compile(model.per_token_loss)
-    return len(layers)
-
-
-def materialize(module: nn.Module, models: List[nn.Module], device: torch.device, seed: int) -> None:
-    """Allocate meta-device parameters of ``module`` on ``device`` and initialise them: models implementing
-    :class:`~lightning_megatron.contract.InitialisableModel` with ``init_weights(seed)`` (the same global
-    weights under every layout), every other submodule with its ``reset_parameters()``. No-op without meta
-    parameters."""
-    if not any(p.is_meta for p in module.parameters()):
-        return
-    module.to_empty(device=device)
-    initialised: Set[int] = set()
-    for model in models:
-        if isinstance(model, InitialisableModel):
-            model.init_weights(seed)
-            initialised.update(id(m) for m in model.modules())
-    with torch.no_grad():
-        for m in module.modules():
-            reset = getattr(m, "reset_parameters", None)
-            if id(m) not in initialised and callable(reset):
-                reset()
-
-
-def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
-    """``id()`` of the parameters of ``module`` that are shards over the TP group."""
-    return {
-        id(p)
-        for m in module.modules()
-        if isinstance(m, TensorParallelModule)
-        for name, p in m.named_parameters(recurse=False)
-        if m.is_sharded(name)
-    }
 
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,

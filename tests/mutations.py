@@ -308,7 +308,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "layers-compiled-without-their-cuda-graphs", "enable_cuda_graph=True compiles the layers with the library's "
         "options but without triton.cudagraphs (what mode=\"reduce-overhead\" set before the options replaced it)",
-        (Edit("lightning_megatron/parallelize.py",
+        (Edit("lightning_megatron/parallel/compile.py",
               "        options[\"triton.cudagraphs\"] = True\n",
               "        options[\"triton.cudagraphs\"] = False\n"),),
         ("tests/test_compile.py::test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode",)),

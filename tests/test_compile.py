@@ -28,7 +28,7 @@ def test_compile_needs_a_gpt_layout_model():
     from torch import nn
 
     from lightning_megatron import ParallelConfig
-    from lightning_megatron.parallelize import apply_compile
+    from lightning_megatron.parallel.compile import apply_compile
 
     with pytest.raises(ValueError, match="compile=True compiles the transformer layers of GPT-layout models"):
         apply_compile([nn.Linear(2, 2)], ParallelConfig(compile=True))
@@ -81,7 +81,7 @@ def test_enable_cuda_graph_refuses_runs_the_graphs_cannot_serve():
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
+    from lightning_megatron.parallel.compile import check_cuda_graph_run
     from tests.parity import ListDataset, make_samples, new_module
 
     cfg = tiny_config(num_layers=2)
@@ -115,7 +115,7 @@ def test_enable_cuda_graph_compiles_the_layers_in_reduce_overhead_mode(graphs, m
 
     from lightning_megatron import ParallelConfig
     from lightning_megatron.models.gpt import GPTModel
-    from lightning_megatron.parallelize import LAYER_COMPILE_OPTIONS, apply_compile
+    from lightning_megatron.parallel.compile import LAYER_COMPILE_OPTIONS, apply_compile
 
     assert torch._inductor.list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
     assert LAYER_COMPILE_OPTIONS == {"triton.mix_order_reduction_split_size": 32}
@@ -140,20 +140,21 @@ def test_layer_options_unknown_to_the_installed_inductor_are_left_out(monkeypatc
     the layers' options, so ``compile=True`` still compiles and trains; known ones are kept."""
     import torch
 
-    from lightning_megatron import ParallelConfig, parallelize
+    from lightning_megatron import ParallelConfig
     from lightning_megatron.models.gpt import GPTModel
-    from lightning_megatron.parallelize import known_inductor_options
+    from lightning_megatron.parallel import compile as layer_compile
+    from lightning_megatron.parallel.compile import known_inductor_options
 
     assert known_inductor_options({"triton.cudagraphs": True, "triton.mix_order_reduction_split_size": 32}) == {
         "triton.cudagraphs": True, "triton.mix_order_reduction_split_size": 32}
     assert known_inductor_options({"triton.not_an_option_of_any_torch": 1, "triton.cudagraphs": False}) == {
         "triton.cudagraphs": False}
-    monkeypatch.setitem(parallelize.LAYER_COMPILE_OPTIONS, "triton.not_an_option_of_any_torch", 1)
+    monkeypatch.setitem(layer_compile.LAYER_COMPILE_OPTIONS, "triton.not_an_option_of_any_torch", 1)
     with pytest.raises(RuntimeError, match="not_an_option_of_any_torch"):   # what torch.compile does with it
-        torch.compile(lambda x: x + 1, options=dict(parallelize.LAYER_COMPILE_OPTIONS))(torch.ones(2))
+        torch.compile(lambda x: x + 1, options=dict(layer_compile.LAYER_COMPILE_OPTIONS))(torch.ones(2))
     torch.manual_seed(0)
     model = GPTModel(tiny_config(num_layers=2))
-    assert parallelize.apply_compile([model], ParallelConfig(compile=True)) == 2
+    assert layer_compile.apply_compile([model], ParallelConfig(compile=True)) == 2
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     model(ids, labels=ids).float().mean().backward()
     assert all(p.grad is not None for p in model.decoder.layers["0"].parameters())

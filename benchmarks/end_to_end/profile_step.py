@@ -50,7 +50,7 @@ Arms (each in a child process of its own):
                              off while training (Megatron's ``--manual-gc``), so no collection pauses a timed step
   <ours arm>-split<N>        (last) the layers compiled with a norm backward's weight-gradient split N
                              (``triton.mix_order_reduction_split_size``) instead of the library's
-                             (``parallelize.LAYER_COMPILE_OPTIONS``); ``-splitauto``: Inductor's own choice
+                             (``parallel/compile.py``: ``LAYER_COMPILE_OPTIONS``); ``-splitauto``: Inductor's own choice
 
 Every arm lists, in ``host_lead_ms``, its timed steps' GPU times (``gpu_steps_ms``) and the garbage collections that
 ran during them (``gc_pauses``: step, generation, ms).
@@ -433,9 +433,8 @@ def run_ours(name: str, turns: Optional[Turns] = None, profiled: bool = True, pr
     if arm is None:
         raise ValueError(f"{name!r} is not one of our arms")
     if arm.split is not None:
-        from lightning_megatron import parallelize
+        from lightning_megatron.parallel.compile import LAYER_COMPILE_OPTIONS as options
 
-        options = parallelize.LAYER_COMPILE_OPTIONS
         options.pop("triton.mix_order_reduction_split_size", None)
         if arm.split != "auto":
             options["triton.mix_order_reduction_split_size"] = int(arm.split)

@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 from lightning_megatron.checkpoint.atomic_io import AtomicCheckpointIO
 from lightning_megatron.contract import ConfiguredModule, ParallelLightningModule
 from lightning_megatron.parallel.context_parallel.layout import split_batch
-from lightning_megatron.parallel.cuda_graph import check_cuda_graph_run
+from lightning_megatron.parallel.compile import check_cuda_graph_run
 from lightning_megatron.parallel.dry_run import DryRun, init_fake_process_group
 from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel

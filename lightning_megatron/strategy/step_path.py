@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.parallel import forward_backward as step
-from lightning_megatron.parallel.cuda_graph import mark_step
+from lightning_megatron.parallel.compile import mark_step
 from lightning_megatron.parallel.pipeline import PipelineRunner
 
 
@@ -96,7 +96,7 @@ class StepPath:
         cuda_graphs = strategy.parallel_config.enable_cuda_graph
 
         def forward(batch: Dict[str, Tensor]) -> Tensor:
-            if cuda_graphs:   # one graph generation per micro-batch (lightning_megatron.parallel.cuda_graph)
+            if cuda_graphs:   # one graph generation per micro-batch (lightning_megatron.parallel.compile)
                 mark_step()
             with context():
                 return lm.forward_step(batch)

@@ -6,6 +6,7 @@ from lightning_megatron.parallel.tensor_parallel.layers import (
     TensorParallelModule,
     VocabParallelEmbedding,
     pad_vocab_size,
+    tensor_parallel_sharded,
 )
 from lightning_megatron.parallel.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -27,7 +28,7 @@ from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TensorParallelModule",
-    "pad_vocab_size", "vocab_parallel_cross_entropy", "copy_to_tensor_model_parallel_region",
+    "pad_vocab_size", "tensor_parallel_sharded", "vocab_parallel_cross_entropy", "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "ColumnParallelStyle", "RowParallelStyle", "SequenceParallelNormStyle",

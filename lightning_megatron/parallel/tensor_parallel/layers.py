@@ -8,7 +8,7 @@ convert it later, and knows how its local shard relates to the global tensor (``
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,18 @@ class TensorParallelModule(nn.Module):
             if self._canonical_rows is not None:
                 full = pad_rows(full, self._canonical_rows)
         return full
+
+
+def tensor_parallel_sharded(module: nn.Module) -> Set[int]:
+    """``id()`` of the parameters of ``module`` that are shards over the TP group (their squared norms are summed over
+    TP; every other parameter is replicated over it). No communication."""
+    return {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, TensorParallelModule)
+        for name, p in m.named_parameters(recurse=False)
+        if m.is_sharded(name)
+    }
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
