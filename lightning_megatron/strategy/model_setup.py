@@ -1,8 +1,8 @@
 """What :meth:`MegatronStrategy.setup <lightning_megatron.strategy.MegatronStrategy.setup>` does to a parallelised
 model after :func:`~lightning_megatron.parallelize.parallelize` when fitting, one function per concern: the data
-parallel wrapper (DDP over dp x cp, or FSDP2 at the sharding level asked for), the distributed optimizer's sharded
-states with their overlapped parameter gathers, and bf16 parameters' hook that copies the stepped fp32 main
-parameters back."""
+parallel replicas made equal (the parameter-and-gradient buffer broadcast over dp x cp, or FSDP2 at the sharding
+level asked for), the distributed optimizer's sharded states with their overlapped parameter gathers, and bf16
+parameters' hook that copies the stepped fp32 main parameters back."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple

@@ -8,8 +8,9 @@ module's :class:`StepPath` (the module's :class:`~lightning_megatron.contract.St
 
 * **pp = 1**: Lightning's own loop runs the step. :meth:`StepPath.train` runs one micro-batch's forward and loss inside
   the module's ``training_step`` and returns a loss whose gradient is the library's global token-mean; Lightning's
-  ``zero_grad``, backward (with its ``on_before_backward`` / ``on_after_backward`` hooks and DDP's ``no_sync`` for
-  the accumulated micro-batches) and optimizer step follow, as under Lightning's DDP. Manual optimization works the
+  ``zero_grad``, backward (with its ``on_before_backward`` / ``on_after_backward`` hooks; the buffer's buckets start
+  their data-parallel reduction only at the step's last micro-batch) and optimizer step follow, as under Lightning's
+  DDP. Manual optimization works the
   same way (the user calls ``manual_backward`` and ``optimizer.step()``).
 * **pp > 1**: the schedule needs every micro-batch of a step at once. :meth:`StepPath.pipeline_training_step`
   collects them; at the step's last one it runs
