@@ -17,7 +17,7 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
                      finaliser (sequence_parallel)
     materialize      allocate this rank's shards                  parallel/materialize.py
                      (initialised layout-independently)
-    the buffer       parameters and gradients in contiguous       parallel/main_grad.py
+    the buffer       parameters and gradients in contiguous       parallel/param_buffer/buffer.py
                      buckets (params_dtype / param_buffer; bf16:
                      fp32 main copies): ParallelizedModel.hold_in_buffer
 
@@ -42,7 +42,7 @@ from lightning_megatron.parallel.compile import apply_compile
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
 from lightning_megatron.parallel.expert_parallel import apply_ep, expert_parameters
 from lightning_megatron.parallel.grad_sync import defer_sequence_parallel_grad_reduce, owned_parameters
-from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.param_buffer.buffer import MainParams
 from lightning_megatron.parallel.materialize import materialize
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.pipeline import PipelineStages, split_pipeline
@@ -91,7 +91,7 @@ class ParallelizedModel:
 
     def hold_in_buffer(self, params_dtype: Optional[torch.dtype] = None, bucket_size: Optional[int] = None,
                        store_param_remainders: bool = False) -> MainParams:
-        """Hold the module's parameters and their gradients in :class:`~lightning_megatron.parallel.main_grad.
+        """Hold the module's parameters and their gradients in :class:`~lightning_megatron.parallel.param_buffer.buffer.
         MainParams`' contiguous buckets (``params_dtype=torch.bfloat16``: bf16 copies of fp32 main parameters; None:
         the parameters in their own dtype), which then own the data-parallel reduction, and route every pipeline
         schedule's weight gradients into them. Once: a record holding a buffer returns it. Call after anything that
@@ -150,11 +150,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
         fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.precision.fp8.Float8Config`, backend resolved;
             :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
         params_dtype: ``torch.bfloat16``: after materialisation store the parameters in bf16 with fp32 main
-            parameters and gradients (:class:`~lightning_megatron.parallel.main_grad.MainParams`); None keeps fp32.
+            parameters and gradients (:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`); None keeps fp32.
         store_param_remainders: with bf16 parameters, hold the fp32 main parameters as bf16 copy plus int16
             remainder (``MainParams(store_param_remainders=True)``).
         param_buffer: also without ``params_dtype``, hold the parameters (in their own dtype) and their gradients
-            in :class:`~lightning_megatron.parallel.main_grad.MainParams`' contiguous buckets, which then own the
+            in :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`' contiguous buckets, which then own the
             data-parallel reduction (:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`) in place
             of torch DDP (:meth:`ParallelizedModel.hold_in_buffer`; :class:`~lightning_megatron.MegatronStrategy`
             calls that itself, after its precision plugin converted the module).

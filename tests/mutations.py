@@ -193,7 +193,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "main-grads-copied-per-parameter", "MainParams copies each first bf16 gradient into its main gradient on its own "
         "(a copy kernel per parameter) instead of one multi-tensor copy per bucket",
-        (Edit("lightning_megatron/parallel/main_grad.py", "                if len(bucket.pending) >= bucket.expecting:\n",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py", "                if len(bucket.pending) >= bucket.expecting:\n",
               "                if True:\n"),),
         (FLAT + "test_first_gradients_are_copied_per_bucket_and_accumulate_in_fp32",)),
     Mutation(
@@ -252,7 +252,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        return (mesh.size(\"dp_cp\") > 1 or self.fsdp is not None or p.pipeline is not None\n",
               "        return (self.fsdp is not None or p.pipeline is not None\n"),
          # the buffer refuses a direct step while it owns a data-parallel reduction, whatever the caller says
-         Edit("lightning_megatron/parallel/main_grad.py",
+         Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "        self.direct = direct and self._optimizer_steps_main and self._reduce is None\n",
               "        self.direct = direct and self._optimizer_steps_main\n")),
         ("tests/test_main_grad.py::test_layouts_that_reduce_gradients_keep_fp32_main_gradients",)),
@@ -292,7 +292,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "main-view-writes-not-split-back", "with remainders, what the main view wrote (a loaded checkpoint, another "
         "optimizer) is dropped instead of split into the two halves",
-        (Edit("lightning_megatron/parallel/main_grad.py",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "                if copy:\n                    high, low = split_fp32(bucket.main)\n",
               "                if False:\n                    high, low = split_fp32(bucket.main)\n"),),
         ("tests/test_param_remainders.py::test_main_view_writes_are_split_back",
@@ -347,7 +347,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "scattered-runs-not-zeroed", "after the reduce-scatter each rank keeps its own sums outside its shard's run, "
         "and the clip norm counts them",
-        (Edit("lightning_megatron/parallel/main_grad.py",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "                grad[:lo].zero_()\n                grad[hi:].zero_()\n",
               "                pass\n"),),
         ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",
@@ -368,7 +368,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "fp32-gradients-not-views-of-the-buffer", "parameters in their own dtype keep the autograd gradient on p.grad "
         "after their bucket's copy, apart from the buffer that is reduced",
-        (Edit("lightning_megatron/parallel/main_grad.py",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "                if p.grad is grad:\n                    p.grad = self._grads[id(p)]\n",
               "                if False:\n                    p.grad = self._grads[id(p)]\n"),),
         ("tests/test_param_buffer.py::test_fp32_gradients_are_views_of_the_buffer_and_every_parameter_lives_in_it",)),
@@ -388,7 +388,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ("tests/test_hf.py::test_import_with_bf16_parameters_survives_the_optimizer_steps",)),
     Mutation(
         "loaded-bf16-copies-not-adopted", "load_state_dict in the compute view writes only the bf16 copies",
-        (Edit("lightning_megatron/parallel/main_grad.py",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "        if not self.in_main_view and not self.keeps_dtype:\n            self.adopt_compute_copies(",
               "        if False:\n            self.adopt_compute_copies("),),
         ("tests/test_hf.py::test_load_state_dict_with_bf16_parameters_survives_the_optimizer_steps",)),
@@ -401,7 +401,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "bf16-buffers-not-gathered", "the distributed optimizer over the bf16 parameters' buffers steps its shard but "
         "never all-gathers the bf16 buffers: the other ranks' shards stay stale",
-        (Edit("lightning_megatron/parallel/main_param_shards.py",
+        (Edit("lightning_megatron/parallel/param_buffer/optimizer.py",
               "            if shard.size == 1:\n                continue\n            mine = bucket.compute",
               "            if shard.size >= 1:\n                continue\n            mine = bucket.compute"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd]",
@@ -409,14 +409,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "bf16-buffers-averaged-twice", "grad_reduce_in_bf16 under the distributed optimizer: a bf16 gradient bucket, "
         "averaged in place before its all-reduce, is divided by the group's size again after it",
-        (Edit("lightning_megatron/parallel/main_grad.py",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
               "            elif reduce.reduce_dtype is None:   # else divided before the sum (_launch)\n",
               "            else:\n"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[sgd-bf16-reduce]",)),
     Mutation(
         "shard-main-not-written-to-bf16", "the stepped fp32 main-parameter shard is not written into the bf16 copies "
         "(the next forward runs on the old weights)",
-        (Edit("lightning_megatron/parallel/main_param_shards.py",
+        (Edit("lightning_megatron/parallel/param_buffer/optimizer.py",
               "            if bucket.main_shard is not None:\n                self.main_params.write_shard(bucket)",
               "            if bucket.main_shard is None:\n                self.main_params.write_shard(bucket)"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[adamw]",)),

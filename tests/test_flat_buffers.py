@@ -20,7 +20,7 @@ from lightning_megatron import PrecisionAwareAdamW
 from lightning_megatron.optimizer import precision_aware_adamw as paa
 from lightning_megatron.parallel import grad_sync
 from lightning_megatron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
-from lightning_megatron.parallel.main_grad import MainParams, bucket_layout
+from lightning_megatron.parallel.param_buffer.buffer import MainParams, bucket_layout
 from lightning_megatron.parallel.nonfinite import local_max_abs
 from lightning_megatron.utils.tensors import adjacent_runs, coalesce, contiguous_spans, flat_run, storage_order
 from tests._dist import init_gloo, run_distributed

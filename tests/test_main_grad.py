@@ -1,5 +1,5 @@
 """Megatron's bf16 (``MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)``): bf16 parameters, fp32 main
-parameters in the optimizer, fp32 gradient accumulation (:mod:`lightning_megatron.parallel.main_grad`).
+parameters in the optimizer, fp32 gradient accumulation (:mod:`lightning_megatron.parallel.param_buffer.buffer`).
 
 Units: the main gradient accumulates in fp32 (where bf16 accumulation stalls), the views switch as documented.
 Training (one spawn of 1 process, one of 2): bf16 parameters follow the autocast bf16 run and the fp32 run within
@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronPrecision, MegatronStrategy
-from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.param_buffer.buffer import MainParams
 from tests._dist import run_distributed, run_each
 from tests.test_fp8 import learnable_samples
 from tests.parity import (

@@ -1,4 +1,4 @@
-"""The distributed optimizer over the buffers of bf16 parameters (:mod:`lightning_megatron.parallel.main_param_shards`):
+"""The distributed optimizer over the buffers of bf16 parameters (:mod:`lightning_megatron.parallel.param_buffer.optimizer`):
 the fp32 main parameters and the optimizer states sharded over data parallel, the bf16 parameters all-gathered.
 
 * The sharded step is the unsharded step, bit for bit: final weights and optimizer states of dp2 with
@@ -70,7 +70,7 @@ class StaticBytes(pl.Callback):
 
 class RMSpropModule(ParallelGPTModule):
     """:class:`ParallelGPTModule` trained by ``torch.optim.RMSprop``: not one of the optimizers the buffers' shards
-    take (:data:`~lightning_megatron.parallel.main_param_shards.ELEMENTWISE_OPTIMIZERS`), so the distributed
+    take (:data:`~lightning_megatron.parallel.param_buffer.optimizer.ELEMENTWISE_OPTIMIZERS`), so the distributed
     optimizer falls back to ``ZeroRedundancyOptimizer`` over whole fp32 main parameters."""
 
     def configure_optimizers(self) -> Any:

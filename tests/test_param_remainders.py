@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_megatron import MegatronPrecision, PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
-from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.param_buffer.buffer import MainParams
 
 
 def _values() -> torch.Tensor:

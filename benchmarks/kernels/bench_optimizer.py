@@ -2,7 +2,7 @@
 optimizer sees them: the main parameters): torch's fused AdamW (fp32 moments) against
 :class:`~lightning_megatron.PrecisionAwareAdamW` with bf16 and with fp32 moments (and, as an experiment, with bf16
 moments compiled for the parameter group's fixed shapes), and with ``--flat`` the bf16-moment update over
-:class:`~lightning_megatron.parallel.main_grad.MainParams`' contiguous buffers (bf16 parameters: one flat tensor per
+:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`' contiguous buffers (bf16 parameters: one flat tensor per
 bucket, the bf16 copies written in the same pass) compiled three ways. Prints one JSON line per optimizer:
 device ms per step (CUDA events), host ms per step (the time ``step()`` takes to return, without waiting for the
 GPU) and the optimizer states' GiB.
@@ -70,7 +70,7 @@ def flat_parameters(device: str):
     """The benchmark model's parameters as bf16 parameters in MainParams' buffers, in the main view (the fp32 main
     parameters, as the optimizer sees them), with their main gradients as views of the gradient buckets."""
     from lightning_megatron import GPTConfig, GPTModel
-    from lightning_megatron.parallel.main_grad import MainParams
+    from lightning_megatron.parallel.param_buffer.buffer import MainParams
 
     with torch.device("meta"):
         model = GPTModel(GPTConfig.llama_1b_bench())

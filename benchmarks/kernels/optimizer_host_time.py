@@ -1,7 +1,7 @@
 """The host time of :class:`~lightning_megatron.PrecisionAwareAdamW`'s step outside its update kernels, on the CPU.
 
 The benchmark model's structure (``GPTConfig.llama_1b_bench()``: 24 layers, 147 parameters) at hidden size 64, its
-parameters in :class:`~lightning_megatron.parallel.main_grad.MainParams`' bf16 buckets, two parameter groups (matrices
+parameters in :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`' bf16 buckets, two parameter groups (matrices
 with weight decay, vectors without) and bf16 moments, as ``ParallelGPTModule`` builds them for bf16 parameters. The
 update kernels are replaced by a no-op, so what is timed is the host's own work per step: finding the parameters with
 gradients, the flat update lists, the step counts and the switch back to the compute view. Prints one JSON line:
@@ -20,7 +20,7 @@ import torch
 
 def main() -> None:
     from lightning_megatron import GPTConfig, GPTModel, PrecisionAwareAdamW
-    from lightning_megatron.parallel.main_grad import MainParams
+    from lightning_megatron.parallel.param_buffer.buffer import MainParams
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)

@@ -235,7 +235,7 @@ def inner_optimizers(optimizer: Any) -> List[Optimizer]:
 
     from lightning_megatron.parallel.distributed_optimizer import ExpertShardedOptimizer
 
-    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer, WholeStateView
+    from lightning_megatron.parallel.param_buffer.optimizer import DistributedOptimizer, WholeStateView
 
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(optimizer, DistributedOptimizer):   # the whole states, gathered (every rank writes the same)

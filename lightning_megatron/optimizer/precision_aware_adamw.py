@@ -10,7 +10,7 @@ instead of 8 (1.26B parameters: 4.71 GiB less). The parameters (the fp32 main pa
 
 Flat buffers: the update runs over runs of adjacent views (:func:`~lightning_megatron.utils.tensors.adjacent_runs`).
 Where the parameters (and their gradients) are views laid end to end in one buffer, as
-:class:`~lightning_megatron.parallel.main_grad.MainParams`' bucketed main parameters and gradients are, the moments
+:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`' bucketed main parameters and gradients are, the moments
 are allocated the same way (one buffer per run of adjacent parameters, each parameter's moments a view into it), and
 the update sees one flat tensor per run: a handful of tensors for a 1.3B model instead of one per parameter, so a
 handful of kernels. The lists are built once (an update plan per parameter group and device) and kept while what
@@ -269,7 +269,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def write_param_copies(self, param_copy: Optional[Callable[[Tensor], Tensor]]) -> None:
         """From the next step on, also write each stepped parameter, rounded, into ``param_copy(p)`` (a tensor of
-        its shape: the bf16 compute copy of an fp32 main parameter, :class:`~lightning_megatron.parallel.main_grad.
+        its shape: the bf16 compute copy of an fp32 main parameter, :class:`~lightning_megatron.parallel.param_buffer.buffer.
         MainParams`) in the same pass as the update, instead of a copy over all parameters after the step. None:
         stop. Parameters without a gradient in a step are not written (they did not change)."""
         self._param_copy = param_copy
@@ -277,7 +277,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def step_main_params(self, main_param: Optional[Callable[[Tensor], Tensor]]) -> None:
         """From the next step on, update ``main_param(p)`` (a tensor of ``p``'s shape: the fp32 main parameter of a
-        bf16 parameter, :class:`~lightning_megatron.parallel.main_grad.MainParams`) instead of the tensor ``p``
+        bf16 parameter, :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`) instead of the tensor ``p``
         holds, with ``p.grad`` as the gradient: the step is then the same whether ``p`` holds its main parameter
         (and ``p.grad`` the fp32 main gradient) or its bf16 compute copy (and ``p.grad`` the bf16 gradient as the
         backward left it). None: update what ``p`` holds."""

@@ -149,7 +149,7 @@ class ParallelConfig:
         bucket_size: elements per gradient bucket (``--ddp-bucket-size``); None: torch DDP's 25 MiB (pp = 1),
             40M elements (pp > 1, overlapped) or 64 MiB (pp > 1, after the schedule). With bf16 parameters it also
             sizes the buckets of the contiguous parameter and gradient buffers (None: 40M elements;
-            :class:`~lightning_megatron.parallel.main_grad.MainParams`).
+            :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`).
         overlap_param_gather: with the distributed optimizer, the parameter broadcast after the optimizer step is
             launched without waiting and each module waits for its own parameters in the next forward
             (``--overlap-param-gather``; :mod:`lightning_megatron.parallel.param_gather`).

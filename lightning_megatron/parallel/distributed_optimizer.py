@@ -158,7 +158,7 @@ def rebind_lr_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
 def is_sharded_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) shards its states."""
-    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer
+    from lightning_megatron.parallel.param_buffer.optimizer import DistributedOptimizer
 
     return isinstance(getattr(optimizer, "_optimizer", optimizer),
                       (ZeroRedundancyOptimizer, ExpertShardedOptimizer, DistributedOptimizer))
@@ -178,7 +178,7 @@ def gathered_state_dict(optimizer: Any) -> Dict[str, Any]:
     CPU), on every rank of the optimizer's group(s). Collective over them: gathered on each group's first rank,
     then broadcast (checkpoints are layout-independent and the gathering of tensor-parallel shards that follows
     needs every rank)."""
-    from lightning_megatron.parallel.main_param_shards import DistributedOptimizer
+    from lightning_megatron.parallel.param_buffer.optimizer import DistributedOptimizer
 
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.gathered_state_dict()

@@ -1,7 +1,7 @@
 """``overlap_grad_reduce``: data-parallel gradient reduction in buckets launched while backward still runs.
 
 Under :class:`~lightning_megatron.MegatronStrategy` (and ``parallelize(..., param_buffer=True)``) the parameters'
-contiguous buffer reduces its own buckets (:meth:`~lightning_megatron.parallel.main_grad.MainParams.
+contiguous buffer reduces its own buckets (:meth:`~lightning_megatron.parallel.param_buffer.buffer.MainParams.
 overlap_reduction`); :func:`overlaps_grad_reduce` resolves the option's default for it. What is here serves a loop
 that builds no buffer:
 
@@ -30,7 +30,7 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.main_grad import DEFAULT_BUCKET_ELEMENTS
+from lightning_megatron.parallel.param_buffer.buffer import DEFAULT_BUCKET_ELEMENTS
 from lightning_megatron.parallel.tensor_parallel.mappings import Group, group_size
 
 __all__ = ["GradBucketReducer", "ddp_bucket_kwargs", "overlaps_grad_reduce"]

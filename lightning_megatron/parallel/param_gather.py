@@ -46,7 +46,7 @@ class OverlappedParamGather:
         also_waits: extra parameters a module reads besides its own, e.g. ``{output_layer: [word embedding
             weight]}`` for a tied LM head on a pipeline stage whose embedding does not run.
         after_wait: called with ``(parameter, the tensor broadcast into)`` once a broadcast is complete: bf16
-            parameters (:meth:`~lightning_megatron.parallel.main_grad.MainParams.adopt_broadcast`) take their bf16
+            parameters (:meth:`~lightning_megatron.parallel.param_buffer.buffer.MainParams.adopt_broadcast`) take their bf16
             copies (and remainders) from the fp32 main values the optimizer's owner rank sent.
     """
 

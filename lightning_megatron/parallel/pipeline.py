@@ -228,7 +228,7 @@ class PipelineRunner:
         weight_grad_sink: called with a stage's parameters, a context entered around each of its separate
             weight-gradient passes (the zero-bubble schedules' ``backward_weight_one_chunk``, which writes
             ``weight.grad`` without the parameters' post-accumulate hooks); e.g. :meth:`~lightning_megatron.parallel.
-            main_grad.MainParams.weight_grads`, so that every schedule's gradients reach the buffer per micro-batch.
+            param_buffer.buffer.MainParams.weight_grads`, so that every schedule's gradients reach the buffer per micro-batch.
     """
 
     def __init__(self, stage_modules: List[PipelineStageModule],

@@ -8,7 +8,7 @@ rank and each expert's ffn over etp, a pipeline rank keeps only its stages' laye
 stage, the final norm and output layer on the last, a word-embedding copy there too when tied). Precision is
 the library's bf16-mixed: fp32 parameters and gradients (or, with bf16 parameters, ``MegatronPrecision(
 params_dtype=torch.bfloat16)``, a bf16 compute copy and an fp32 main parameter per element and fp32 main
-gradients: :mod:`lightning_megatron.parallel.main_grad`), Adam's two fp32 moments (or bf16 ones: the
+gradients: :mod:`lightning_megatron.parallel.param_buffer.buffer`), Adam's two fp32 moments (or bf16 ones: the
 precision-aware optimizer) and a 4-byte step per parameter tensor. With the distributed optimizer
 (``sharding="optim"``) the states are split as torch's ``ZeroRedundancyOptimizer`` splits them (largest tensor
 first onto the least-loaded rank, per parameter group: weights with weight decay, then norms and biases); under
@@ -170,8 +170,8 @@ def rank_parameters(model: Any, layout: Any, pp_rank: int = 0) -> List[ParamTens
 
 def bucket_runs(tensors: Sequence[ParamTensor], ranks: int, rank: Optional[int] = 0,
                 bucket_size: int = 40_000_000) -> Tuple[int, int, int, int]:
-    """The distributed optimizer's cut of bf16 parameters' buffers (:meth:`~lightning_megatron.parallel.main_grad.
-    MainParams.shard`) for one rank of ``ranks``: the buckets as :func:`~lightning_megatron.parallel.main_grad.
+    """The distributed optimizer's cut of bf16 parameters' buffers (:meth:`~lightning_megatron.parallel.param_buffer.buffer.
+    MainParams.shard`) for one rank of ``ranks``: the buckets as :func:`~lightning_megatron.parallel.param_buffer.buffer.
     bucket_layout` lays ``tensors`` out (matrices in order, a new bucket past ``bucket_size`` elements, the vectors in
     one bucket after them), each padded to a multiple of ``ranks`` and cut into equal runs. Returns ``(padded
     elements of all buckets, this rank's run lengths, the elements of tensors in its runs, the tensors' pieces in
@@ -287,7 +287,7 @@ def state_bytes(model: Any, layout: Any, pp_rank: int = 0, dp_rank: Optional[int
     leaves them out of FSDP). Both FSDP levels hold the same bytes between steps; the whole bf16 weights they
     gather during forward and backward are counted by the planner's peak (:mod:`lightning_megatron.planner.model`).
     With bf16 parameters the distributed optimizer shards the fp32 main parameters (or remainders) with the Adam
-    states, each bucket cut into equal runs (:class:`~lightning_megatron.parallel.main_param_shards.
+    states, each bucket cut into equal runs (:class:`~lightning_megatron.parallel.param_buffer.optimizer.
     DistributedOptimizer`, Megatron's): per parameter 2 bytes (bf16 copy) + 4 (fp32 main gradient) + (4 main or 2
     remainder + ``moment_bytes``) / dp (:func:`static_bytes_per_param`), the gradients 2 bytes with
     ``grad_reduce_in_bf16`` (bf16 buffers); fp32 parameters are their own main parameters (4 + 4 +

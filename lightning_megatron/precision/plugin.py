@@ -71,7 +71,7 @@ class MegatronPrecision(MixedPrecision):
         params_dtype: None (default: fp32 parameters, autocast casts them for every GEMM) or ``torch.bfloat16``
             (Megatron's bf16: parameters stored in bf16, fp32 main parameters stepped by the optimizer, gradients
             accumulated, reduced and clipped in fp32; ``--accumulate-allreduce-grads-in-fp32``;
-            :mod:`lightning_megatron.parallel.main_grad`). Only with ``"bf16-mixed"`` under
+            :mod:`lightning_megatron.parallel.param_buffer.buffer`). Only with ``"bf16-mixed"`` under
             :class:`~lightning_megatron.MegatronStrategy`. Checkpoints hold the fp32 main parameters.
         store_param_remainders: with ``params_dtype=torch.bfloat16``, hold each fp32 main parameter as its bf16 copy
             plus a 16-bit remainder (Megatron's ``--store-param-remainders``): the same fp32 values for 2 bytes per
@@ -175,7 +175,7 @@ class MegatronPrecision(MixedPrecision):
         self.fp8 = fp8
         #: the dtype parameters are stored in during forward / backward (None: fp32)
         self.params_dtype: Optional[torch.dtype] = params_dtype if params_dtype == torch.bfloat16 else None
-        #: fp32 main parameters held as bf16 copy plus int16 remainder (:mod:`lightning_megatron.parallel.main_grad`):
+        #: fp32 main parameters held as bf16 copy plus int16 remainder (:mod:`lightning_megatron.parallel.param_buffer.buffer`):
         #: the argument resolved (None: with bf16 parameters)
         self.store_param_remainders: bool = (self.params_dtype is not None if store_param_remainders is None
                                              else store_param_remainders)

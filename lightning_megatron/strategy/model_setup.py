@@ -15,7 +15,7 @@ from lightning_megatron.contract import ParallelContext, ParallelLightningModule
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.distributed_optimizer import rebind_lr_scheduler, shard_optimizers
 from lightning_megatron.parallel.fsdp import FSDPModel, apply_fsdp, mixed_precision_policy
-from lightning_megatron.parallel.main_param_shards import (
+from lightning_megatron.parallel.param_buffer.optimizer import (
     ELEMENTWISE_OPTIMIZERS,
     BucketParamGather,
     DistributedOptimizer,
@@ -50,7 +50,7 @@ def parallel_context(mesh: ParallelMesh, cfg: ParallelConfig) -> ParallelContext
 
 def equalize_replicas(parallelized: ParallelizedModel, mesh: ParallelMesh) -> None:
     """Data parallelism over dp x cp outside the FSDP levels: the parameters' contiguous buffer
-    (:class:`~lightning_megatron.parallel.main_grad.MainParams`) owns the gradient reduction, so nothing wraps the
+    (:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`) owns the gradient reduction, so nothing wraps the
     model; the replicas are made equal (:meth:`MainParams.broadcast_replicas`: dense buckets from the first rank of
     dp x cp, routed experts' from the first of edp), as torch DDP does when it wraps a model."""
     assert parallelized.main_params is not None, "outside the FSDP levels the strategy holds the parameters in a buffer"
@@ -110,7 +110,7 @@ def shard_main_params(optimizers: List[Any], lr_scheduler_configs: List[Any], mo
                       parallelized: ParallelizedModel, mesh: ParallelMesh, cfg: ParallelConfig,
                       previous_gather: Optional[Any]) -> Tuple[List[Any], Optional[BucketParamGather]]:
     """bf16 parameters under the distributed optimizer: each optimizer a
-    :class:`~lightning_megatron.parallel.main_param_shards.DistributedOptimizer` over this rank's shard of the
+    :class:`~lightning_megatron.parallel.param_buffer.optimizer.DistributedOptimizer` over this rank's shard of the
     main-parameter buffers (dense buckets over dp x cp, routed experts' over edp), the LR schedulers rebound, and with
     ``overlap_param_gather`` the bucket gathers overlapped with the next forward."""
     main = parallelized.main_params

@@ -1,6 +1,6 @@
 """Tensor helpers every layer uses: this rank's part of a ``DTensor``, and the flat spans that a list of tensors forms
 when they are views laid end to end in one storage (the contiguous parameter, gradient and optimizer-state buffers of
-:class:`~lightning_megatron.parallel.main_grad.MainParams` and :class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`).
+:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams` and :class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`).
 
 Work over many tensors (an optimizer update, a norm, a clip, a non-finite check, a data-parallel reduction) runs over
 :func:`contiguous_spans` of them: a few flat tensors instead of one tensor per parameter, so a handful of kernels and a

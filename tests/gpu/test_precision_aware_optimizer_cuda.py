@@ -110,7 +110,7 @@ def _flat_run(device: str, steps: int, remainders: bool = False):
     """bf16 parameters in MainParams' bucketed buffers, two groups, the update writing the bf16 copies; ``steps``
     steps of fixed gradients. Returns the fp32 main parameters, the bf16 copies and the optimizer. ``remainders``: the
     main parameters held as bf16 copy plus int16 remainder (``store_param_remainders``)."""
-    from lightning_megatron.parallel.main_grad import MainParams
+    from lightning_megatron.parallel.param_buffer.buffer import MainParams
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))

@@ -2,7 +2,7 @@
 --use-distributed-optimizer``): the fp32 main parameters and the optimizer states sharded over data parallel, the bf16
 parameters all-gathered after each step.
 
-:class:`~lightning_megatron.parallel.main_grad.MainParams` keeps bf16 parameters, their fp32 main parameters and their
+:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams` keeps bf16 parameters, their fp32 main parameters and their
 fp32 main gradients as views into buckets of flat buffers. :class:`DistributedOptimizer` cuts every bucket into
 ``size`` equal runs (the bucket's data-parallel group: dp x cp, routed experts' buckets expert data parallel) and
 keeps, on each rank, only its run of the fp32 main parameters (:meth:`MainParams.shard`). The user's optimizer is
@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_groups import constructor_kwargs, indexed_param_groups
-from lightning_megatron.parallel.main_grad import MainParams
+from lightning_megatron.parallel.param_buffer.buffer import MainParams
 from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_into
 
 __all__ = ["DistributedOptimizer", "BucketParamGather", "WholeStateView", "ELEMENTWISE_OPTIMIZERS", "elementwise"]
@@ -78,7 +78,7 @@ class DistributedOptimizer(Optimizer):
         optimizer: the user's optimizer over the model's parameters; its class, defaults and parameter groups are
             kept (``param_groups`` are its group dicts: an LR scheduler's writes reach the rebuilt optimizer, whose
             hyper-parameters follow before every step).
-        main_params: the model's :class:`~lightning_megatron.parallel.main_grad.MainParams`, sharded here
+        main_params: the model's :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`, sharded here
             (:meth:`MainParams.shard`).
         group_of: a bucket's data-parallel ``(group, size, rank)`` (dp x cp; expert buckets: expert data parallel).
         grad_dtype: the main gradients' dtype (``torch.bfloat16`` with ``grad_reduce_in_bf16``: Megatron's bf16
