@@ -159,6 +159,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        parallelized.add_end_step_hook(self.end_step)\n", "        pass\n"),),
         ("tests/test_fp8.py::test_the_finaliser_runs_end_step_hooks_and_fp8_scales_move_through_its_hook",)),
     Mutation(
+        "fp8-handle-lost-by-a-later-plugin", "a later run on an already parallelised module (validate after fit, a new "
+        "MegatronPrecision) does not take the first conversion's FP8 handle: its checkpoints lose the amax histories",
+        (Edit("lightning_megatron/parallelize.py", "            fp8.adopt(done.fp8)\n", "            pass\n"),),
+        ("tests/test_fp8.py::test_the_plugin_reads_its_handle_from_its_step_also_in_a_later_run",)),
+    Mutation(
         "cuda-graph-no-generation", "with enable_cuda_graph the step path no longer starts a graph generation before "
         "each forward (a replay could overwrite the previous micro-batch's memory)",
         (Edit("lightning_megatron/strategy/step_path.py", "            if cuda_graphs:   # one graph generation",

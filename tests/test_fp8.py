@@ -480,6 +480,29 @@ def test_fp8_trains_like_bf16():
         assert worst < 5e-3, (fp8, worst, losses, bf16)
 
 
+def test_the_plugin_reads_its_handle_from_its_step_also_in_a_later_run():
+    """``MegatronPrecision.parallelize_step`` is the strategy's one visit: the step it hands ``parallelize`` keeps the
+    conversion's handle for the plugin (no one hands it back). A later run with a new plugin on the already
+    parallelised module (``validate`` after ``fit``) reads the first conversion's handle: the histories the fit
+    left, as checkpoint state."""
+    cfg = tiny_config(hidden_size=64, ffn_hidden_size=128, seq_length=32)
+    data = DataLoader(ListDataset(learnable_samples(cfg, 16)), batch_size=8, collate_fn=collate)
+    pl.seed_everything(SEED, verbose=False)
+    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=1, weight_decay=0.0)
+    first = MegatronPrecision("bf16-mixed", fp8="hybrid", fp8_backend="torch")
+    trainer = trainer_for(1, MegatronStrategy(), 2, plugins=[first])
+    trainer.fit(module, data)
+    handle = trainer.strategy.parallelized.fp8
+    assert handle is not None and first.fp8_layers is handle and handle.steps == 2
+    histories = handle.state_dict()
+    assert histories and first.state_dict()[Float8Layers.CHECKPOINT_KEY].keys() == histories.keys()
+    second = MegatronPrecision("bf16-mixed", fp8="hybrid", fp8_backend="torch")
+    trainer_for(1, MegatronStrategy(), 2, plugins=[second]).validate(module, data, verbose=False)
+    assert second.fp8_layers is handle and handle.steps == 2   # evaluation takes no step
+    for name, history in second.state_dict()[Float8Layers.CHECKPOINT_KEY].items():
+        assert torch.equal(history, histories[name]), name
+
+
 def test_delayed_recipe_compiles_each_layer_once(monkeypatch):
     """``compile=True`` with the delayed recipe: its first step (no amax history yet: scales from the current amaxes)
     runs the layers eagerly, so each compiled function is compiled once, with histories, and the run compiles as many
