@@ -255,3 +255,16 @@ def test_param_precision_is_read_in_one_typed_place():
     assert param_precision_for(bf16, ParallelConfig()) == bf16.param_precision(ParallelConfig())
     with pytest.raises(dataclasses.FrozenInstanceError):
         bf16.param_precision().params_dtype = None
+
+
+def test_attach_fp8_layers_is_a_deprecated_alias_of_the_step_handing_its_handle_over():
+    """``attach_fp8_layers`` (the strategy used to hand the FP8 layers back) still makes them the plugin's handle,
+    with a DeprecationWarning naming what replaces it."""
+    from lightning_megatron.precision.fp8 import Float8Config, Float8Layers
+
+    plugin = MegatronPrecision(fp8="hybrid")
+    layers = Float8Layers(config=Float8Config(backend="torch"))
+    with pytest.warns(DeprecationWarning, match="parallelize_step"):
+        plugin.attach_fp8_layers(layers)
+    assert plugin.fp8_layers is layers
+    assert plugin.parallelize_step(torch.device("cpu")).layers is None   # a new step: nothing converted yet
