@@ -45,6 +45,7 @@ _EXPORTS: Dict[str, str] = {
     "MegatronStrategy": "lightning_megatron.strategy",
     "REQUEUE_EXIT_CODE": "lightning_megatron.strategy.resilience",
     "MegatronPrecision": "lightning_megatron.precision",
+    "ParamPrecision": "lightning_megatron.precision",
     "PrecisionAwareAdamW": "lightning_megatron.optimizer",
     "MFUMonitor": "lightning_megatron.callbacks",
     "LossCurve": "lightning_megatron.callbacks",

@@ -9,7 +9,8 @@ contract (:mod:`lightning_megatron.contract`) and applies, in this order, each s
     apply_cp         context-parallel attention                   parallel/context_parallel/apply.py
     apply_ep         experts sharded over ep / etp                parallel/expert_parallel.py
     apply_recompute  activation recompute                         parallel/recompute.py
-    apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  fp8.py
+    apply_fp8        FP8 local GEMMs (MegatronPrecision fp8=...)  precision/fp8/apply.py
+                     (its handle installed after materialize: records, end-of-step hook)
     apply_compile    torch.compile of each transformer layer      parallel/compile.py
                      (compile=True; + CUDA graphs: enable_cuda_graph)
     split_pipeline   keep this rank's pipeline stages             parallel/pipeline.py
@@ -30,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, List, Optional, Set
+from typing import Callable, ContextManager, List, Optional, Set, Union
 
 import torch
 from torch import nn
 
 from lightning_megatron.contract import TensorParallelModel, keep_parallelized_record, parallelized_record
-from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, convert_to_fp8
+from lightning_megatron.precision.fp8 import Float8Config, Float8Layers, Float8Step, apply_fp8
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.compile import apply_compile
 from lightning_megatron.parallel.context_parallel.apply import apply_cp
@@ -65,11 +66,16 @@ class ParallelizedModel:
         pipeline: this rank's pipeline stages (pp > 1), else None.
         delay_wgrad: whether the a2a CP layers delay their weight gradients.
         layout: the layout it was split under (a second call with another layout is refused).
-        fp8: the layers given FP8 GEMMs (None without FP8); its ``end_step`` runs once per optimizer step.
+        fp8: the FP8 conversion's handle (:class:`~lightning_megatron.precision.fp8.Float8Layers`: the layers given
+            FP8 GEMMs, their checkpoint state), None without FP8; its ``end_step`` is one of ``end_step_hooks``.
         main_params: the contiguous parameter-and-gradient buffer (:meth:`hold_in_buffer`; bf16 parameters: with fp32
             main parameters and gradients), else None (FSDP levels, or a loop that reduces otherwise).
         sequence_parallel_owners: ``(module, name)`` of the SP-replicated parameters (to find them again after
             FSDP replaced the parameter objects: :meth:`refresh`).
+        end_step_hooks: work each optimizer step ends with, ``hook(num_microbatches)``, in the order added
+            (:meth:`add_end_step_hook`; FP8's amax update registers itself); a
+            :class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer` built on this record runs them
+            after the gradient reductions.
     """
 
     module: nn.Module
@@ -83,6 +89,14 @@ class ParallelizedModel:
     fp8: Optional[Float8Layers] = None
     main_params: Optional[MainParams] = None
     sequence_parallel_owners: List[tuple] = field(default_factory=list)
+    end_step_hooks: List[Callable[[Optional[int]], None]] = field(default_factory=list)
+
+    def add_end_step_hook(self, hook: Callable[[Optional[int]], None]) -> None:
+        """Run ``hook(num_microbatches)`` at the end of every optimizer step, after the gradient reductions
+        (:meth:`GradientFinalizer.finalize <lightning_megatron.parallel.finalize_grads.GradientFinalizer.finalize>`
+        of a finaliser built on this record afterwards; ``num_microbatches``: the step's micro-batches under pipeline
+        parallelism, else None). Collective if the hook is (then on every rank)."""
+        self.end_step_hooks.append(hook)
 
     def main_view(self) -> ContextManager:
         """The context in which bf16 parameters hold their fp32 main values (:meth:`MainParams.main_view`: what
@@ -115,23 +129,13 @@ class ParallelizedModel:
         self.expert_params = expert_parameters(self.module)
 
 
-def apply_fp8(module: nn.Module, config: ParallelConfig, fp8: Optional[Float8Config] = None,
-              mesh: Optional[ParallelMesh] = None) -> Optional[Float8Layers]:
-    """FP8 local GEMMs for the linear layers and routed experts (:func:`lightning_megatron.precision.fp8.apply_fp8`) when
-    ``fp8`` is given (its backend resolved); the delayed recipe reduces amaxes over this stage's tp and dp x cp groups
-    of ``mesh`` (experts: etp and edp)."""
-    if fp8 is None:
-        return None
-    groups = [mesh.group("tp"), mesh.group("dp_cp")] if mesh is not None else []
-    expert_groups = [mesh.group("etp"), mesh.group("edp")] if mesh is not None else []
-    return convert_to_fp8(module, fp8, amax_groups=groups, expert_amax_groups=expert_groups)
 
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *, device: torch.device, seed: int,
                 tp_fork: Optional[Callable[[], ContextManager]] = None,
                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
                 tp_rng: Optional[TensorParallelRNG] = None,
-                fp8: Optional[Float8Config] = None,
+                fp8: Union[Float8Config, Float8Step, None] = None,
                 params_dtype: Optional[torch.dtype] = None,
                 store_param_remainders: bool = False,
                 param_buffer: bool = False) -> ParallelizedModel:
@@ -147,8 +151,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             each pipeline stage's forward (the precision plugin's autocast).
         tp_rng: the per-TP-rank stream itself (its ``fork`` is the default ``tp_fork``); activation recompute
             replays it in recomputed forwards.
-        fp8: FP8 GEMMs for the linear layers (:class:`~lightning_megatron.precision.fp8.Float8Config`, backend resolved;
-            :meth:`lightning_megatron.MegatronPrecision.bind` gives it), or None.
+        fp8: FP8 GEMMs for the linear layers (:func:`~lightning_megatron.precision.fp8.apply_fp8`): a
+            :class:`~lightning_megatron.precision.fp8.Float8Config` (backend resolved), or the
+            :class:`~lightning_megatron.precision.fp8.Float8Step` of
+            :meth:`lightning_megatron.MegatronPrecision.parallelize_step` (which keeps the handle for its plugin), or
+            None.
         params_dtype: ``torch.bfloat16``: after materialisation store the parameters in bf16 with fp32 main
             parameters and gradients (:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`); None keeps fp32.
         store_param_remainders: with bf16 parameters, hold the fp32 main parameters as bf16 copy plus int16
@@ -173,6 +180,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
             raise ValueError(
                 f"{type(module).__name__} is already parallelised as {done.layout} and cannot be re-split as "
                 f"{_layout(config)}: save a checkpoint (full and layout-independent) and load it into a fresh module")
+        if isinstance(fp8, Float8Step):   # the plugin of a later run reads the first conversion's handle
+            fp8.adopt(done.fp8)
         return done
     if tp_fork is None and tp_rng is not None:
         tp_fork = tp_rng.fork
@@ -195,32 +204,24 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *
     delay_wgrad = apply_cp(models, mesh, config)
     apply_ep(models, mesh, config)
     apply_recompute(module, config, tp_rng)
-    fp8_applied = apply_fp8(module, config, fp8, mesh)
-    if fp8_applied is not None and fp8_applied.gemms and config.tp_comm_overlap and config.sequence_parallel \
-            and config.tp > 1:
-        raise ValueError(
-            f"tp_comm_overlap=True with FP8 layers (tp={config.tp}, sequence_parallel=True): the overlapped rings of "
-            "chunked GEMMs are built for bf16 GEMMs only, so the FP8 layers would run without the overlap; drop "
-            "tp_comm_overlap, or FP8 (MegatronPrecision(fp8=None))")
+    fp8_layers = apply_fp8(module, mesh, config, fp8)
     apply_compile(models, config)
     pipeline = None
     if config.pp > 1:
         if len(models) != 1:
             raise ValueError(f"pp={config.pp} needs exactly one model with the GPT layout, found {len(models)}")
         pipeline = split_pipeline(models[0], mesh.rank("pp"), config, forward_context)
-        if fp8_applied is not None:
-            fp8_applied.retain(module)
     sp_owners = defer_sequence_parallel_grad_reduce(module) if config.sequence_parallel else []
     materialize(module, models, device, seed)
-    if fp8_applied is not None:   # the delayed recipe's amax records live on the device, changed in place
-        fp8_applied.allocate(device, ring=pipeline is not None, static=config.enable_cuda_graph)
     # after materialisation: to_empty() replaced the meta Parameter objects
     record = ParallelizedModel(
         module=module, models=models, sharded_params=tensor_parallel_sharded(module),
         sequence_parallel_params=owned_parameters(sp_owners), expert_params=expert_parameters(module),
-        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_applied,
+        pipeline=pipeline, delay_wgrad=delay_wgrad, layout=_layout(config), fp8=fp8_layers,
         sequence_parallel_owners=list(sp_owners),
     )
+    if fp8_layers is not None:   # this stage's GEMMs, their records on the device, the amax update as end-step hook
+        fp8_layers.install(record, device, static=config.enable_cuda_graph)
     if params_dtype is not None or param_buffer:
         record.hold_in_buffer(params_dtype, config.bucket_size, store_param_remainders)
     keep_parallelized_record(module, record)

@@ -147,6 +147,23 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ("tests/test_fp8.py::test_delayed_end_of_step_costs_the_same_few_ops_for_any_number_of_gemms",
          "tests/test_fp8.py::test_delayed_scaling_uses_the_amax_history")),
     Mutation(
+        "end-step-hooks-not-run", "the gradient finaliser no longer runs the end-of-step hooks (FP8's delayed-scaling "
+        "amax update among them: the histories never start)",
+        (Edit("lightning_megatron/parallel/finalize_grads.py",
+              "            hook(num_microbatches if p.pipeline is not None else None)\n", "            pass\n"),),
+        ("tests/test_fp8.py::test_the_finaliser_runs_end_step_hooks_and_fp8_scales_move_through_its_hook",)),
+    Mutation(
+        "fp8-end-step-hook-not-registered", "the FP8 handle installs its records but does not register its amax update "
+        "as an end-of-step hook (the delayed recipe scales from the first step's current amaxes forever)",
+        (Edit("lightning_megatron/precision/fp8/layers.py",
+              "        parallelized.add_end_step_hook(self.end_step)\n", "        pass\n"),),
+        ("tests/test_fp8.py::test_the_finaliser_runs_end_step_hooks_and_fp8_scales_move_through_its_hook",)),
+    Mutation(
+        "fp8-handle-lost-by-a-later-plugin", "a later run on an already parallelised module (validate after fit, a new "
+        "MegatronPrecision) does not take the first conversion's FP8 handle: its checkpoints lose the amax histories",
+        (Edit("lightning_megatron/parallelize.py", "            fp8.adopt(done.fp8)\n", "            pass\n"),),
+        ("tests/test_fp8.py::test_the_plugin_reads_its_handle_from_its_step_also_in_a_later_run",)),
+    Mutation(
         "cuda-graph-no-generation", "with enable_cuda_graph the step path no longer starts a graph generation before "
         "each forward (a replay could overwrite the previous micro-batch's memory)",
         (Edit("lightning_megatron/strategy/step_path.py", "            if cuda_graphs:   # one graph generation",

@@ -480,6 +480,29 @@ def test_fp8_trains_like_bf16():
         assert worst < 5e-3, (fp8, worst, losses, bf16)
 
 
+def test_the_plugin_reads_its_handle_from_its_step_also_in_a_later_run():
+    """``MegatronPrecision.parallelize_step`` is the strategy's one visit: the step it hands ``parallelize`` keeps the
+    conversion's handle for the plugin (no one hands it back). A later run with a new plugin on the already
+    parallelised module (``validate`` after ``fit``) reads the first conversion's handle: the histories the fit
+    left, as checkpoint state."""
+    cfg = tiny_config(hidden_size=64, ffn_hidden_size=128, seq_length=32)
+    data = DataLoader(ListDataset(learnable_samples(cfg, 16)), batch_size=8, collate_fn=collate)
+    pl.seed_everything(SEED, verbose=False)
+    module = ParallelGPTModule(cfg, lr=3e-3, min_lr=3e-4, lr_warmup_iters=1, weight_decay=0.0)
+    first = MegatronPrecision("bf16-mixed", fp8="hybrid", fp8_backend="torch")
+    trainer = trainer_for(1, MegatronStrategy(), 2, plugins=[first])
+    trainer.fit(module, data)
+    handle = trainer.strategy.parallelized.fp8
+    assert handle is not None and first.fp8_layers is handle and handle.steps == 2
+    histories = handle.state_dict()
+    assert histories and first.state_dict()[Float8Layers.CHECKPOINT_KEY].keys() == histories.keys()
+    second = MegatronPrecision("bf16-mixed", fp8="hybrid", fp8_backend="torch")
+    trainer_for(1, MegatronStrategy(), 2, plugins=[second]).validate(module, data, verbose=False)
+    assert second.fp8_layers is handle and handle.steps == 2   # evaluation takes no step
+    for name, history in second.state_dict()[Float8Layers.CHECKPOINT_KEY].items():
+        assert torch.equal(history, histories[name]), name
+
+
 def test_delayed_recipe_compiles_each_layer_once(monkeypatch):
     """``compile=True`` with the delayed recipe: its first step (no amax history yet: scales from the current amaxes)
     runs the layers eagerly, so each compiled function is compiled once, with histories, and the run compiles as many
@@ -675,6 +698,86 @@ def test_delayed_recipe_records_inside_one_compiled_graph(ring):
     assert torch.equal(runs["compiled"][0], runs["eager"][0])
     assert (runs["eager"][0] > 0).all()                       # every kind of every GEMM recorded
     torch.testing.assert_close(runs["compiled"][1], runs["eager"][1], rtol=1e-5, atol=1e-6)
+
+
+def _end_step_hooks_run(rank: int, world: int, steps: int) -> Dict[str, Any]:
+    """The plain loop (``parallelize`` + ``GradientFinalizer``) over dp=``world``, each rank its own data, with the
+    FP8 delayed recipe and a probe hook added to the finaliser after the record's hooks; the last step runs with
+    FP8's hook taken out of the finaliser."""
+    from lightning_megatron import ParallelConfig, ParallelMesh
+    from lightning_megatron.parallelize import parallelize
+    from lightning_megatron.parallel.finalize_grads import GradientFinalizer
+    from tests._dist import init_gloo
+
+    init_gloo(rank, world)
+    mesh = ParallelMesh(ParallelConfig(), "cpu")
+    cfg = tiny_config()
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    record = parallelize(model, mesh, mesh.config, device=torch.device("cpu"), seed=SEED, param_buffer=True,
+                         fp8=Float8Config(recipe="delayed", backend="torch", amax_history_len=2))
+    layers = record.fp8
+    finalizer = GradientFinalizer(record, mesh)
+    weight = model.decoder.layers["0"].mlp.linear_fc1.weight
+    probes: List[Dict[str, Any]] = []
+    finalizer.add_end_step_hook(lambda num_microbatches: probes.append(dict(
+        num_microbatches=num_microbatches, grad=weight.grad.detach().clone(), steps=layers.steps,
+        histories=torch.stack([g.history for g in layers.gemms]).clone())))
+    out: Dict[str, Any] = dict(registered=record.end_step_hooks == [layers.end_step],
+                               adopted=finalizer.end_step_hooks[0] == layers.end_step,
+                               before=[g.history is None and g.scales is None for g in layers.gemms])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    record.main_params.attach(optimizer)
+    gen = torch.Generator().manual_seed(100 + rank)   # each rank its own tokens: its own amaxes
+    scales = []
+    for step in range(steps + 1):
+        if step == steps:   # FP8's update has no other way in than its hook
+            finalizer.end_step_hooks.remove(layers.end_step)
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=gen) * (step + 1) % cfg.vocab_size
+        model(ids[:, :-1], None, ids[:, 1:]).mean().backward()
+        finalizer.finalize(num_microbatches=3)   # pp = 1: the hooks are given None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scales.append(torch.stack([torch.stack(g.scales) for g in layers.gemms]).clone())
+    out.update(probes=probes, scales=scales, steps=layers.steps, histories=layers.state_dict(),
+               checkpoint=layers.checkpoint_state())
+    name = layers.gemm_names[0]
+    layers.load_checkpoint_state({Float8Layers.CHECKPOINT_KEY: {name: torch.full((3, 2), 3.0)}})
+    out["loaded_scales"] = torch.stack(layers.gemms[0].scales[:3])
+    return out
+
+
+def test_the_finaliser_runs_end_step_hooks_and_fp8_scales_move_through_its_hook():
+    """The gradient finaliser knows nothing of FP8: the conversion's handle registers its delayed-scaling update as
+    an end-of-step hook of the parallelised model, which the finaliser runs after the gradient reductions, each hook
+    given ``num_microbatches`` (None without pipeline parallelism), in the order registered. Two gloo ranks (dp=2),
+    different tokens on each, 3 SGD steps: inside a probe hook added after FP8's, the gradient is already the
+    data-parallel average (equal on both ranks) and FP8's update of that step has already run (its histories hold
+    the step, equal on both ranks: amaxes reduced over dp); the histories roll step by step and the scales move; a
+    fourth step with FP8's hook taken out of the finaliser leaves histories and scales as they were. The handle's
+    checkpoint state is its histories, and loading one sets the scales it gives."""
+    steps = 3
+    ranks = run_distributed(_end_step_hooks_run, 2, steps)
+    for r in ranks:
+        assert r["registered"] and r["adopted"] and all(r["before"]), r
+        assert [p["num_microbatches"] for p in r["probes"]] == [None] * (steps + 1)
+        # FP8's hook ran before the probe; the last step, without it, did not update
+        assert [p["steps"] for p in r["probes"]] == list(range(1, steps + 1)) + [steps] and r["steps"] == steps
+        assert torch.equal(r["probes"][steps]["histories"], r["probes"][steps - 1]["histories"])
+        assert torch.equal(r["scales"][steps], r["scales"][steps - 1])
+        assert set(r["checkpoint"]) == {Float8Layers.CHECKPOINT_KEY}
+        assert r["checkpoint"][Float8Layers.CHECKPOINT_KEY].keys() == r["histories"].keys()
+        three = torch.tensor(3.0)   # hybrid: inputs and weights in e4m3, output gradients in e5m2
+        want = torch.stack([scale_from_amax(three, E4M3), scale_from_amax(three, E4M3), scale_from_amax(three, E5M2)])
+        assert torch.equal(r["loaded_scales"], want), r["loaded_scales"]
+    zero, one = ranks
+    for a, b in zip(zero["probes"], one["probes"]):
+        assert torch.equal(a["grad"], b["grad"])             # after the data-parallel average
+        assert torch.equal(a["histories"], b["histories"])   # amaxes reduced over dp
+    histories = [p["histories"] for p in zero["probes"][:steps]]
+    for before, after in zip(histories, histories[1:]):
+        assert torch.equal(after[:, :, 1], before[:, :, 0])  # the newest entry rolled one place on
+    assert any(not torch.equal(a, b) for a, b in zip(zero["scales"], zero["scales"][1:steps])), zero["scales"]
 
 
 def test_delayed_last_microbatches_beyond_the_ring():

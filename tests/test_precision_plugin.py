@@ -228,3 +228,43 @@ def test_fp16_scales_the_moe_aux_loss_gradient():
     for name, want in fp32.items():
         assert _rel(without_aux[name], want) > 0.5, name  # the aux loss dominates these gradients
         assert _rel(fp16[name], want) < 1e-2, (name, _rel(fp16[name], want))
+
+
+def test_param_precision_is_read_in_one_typed_place():
+    """``params_dtype`` / ``store_param_remainders`` reach the strategy as one frozen :class:`ParamPrecision`,
+    resolved against the layout: as given (remainders on by default with bf16 parameters), the parameters' own dtype
+    under FSDP's sharding levels (an explicit ``store_param_remainders=True`` there refused), the default for
+    Lightning's own plugins."""
+    import dataclasses
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_megatron import ParallelConfig, ParamPrecision
+    from lightning_megatron.precision.plugin import param_precision_for
+
+    bf16 = MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16)
+    assert bf16.param_precision(ParallelConfig()) == ParamPrecision(torch.bfloat16, True)
+    assert MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16, store_param_remainders=False
+                             ).param_precision(ParallelConfig()) == ParamPrecision(torch.bfloat16, False)
+    assert MegatronPrecision("bf16-mixed").param_precision(ParallelConfig()) == ParamPrecision(None, False)
+    fsdp = ParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
+    assert bf16.param_precision(fsdp) == ParamPrecision(None, False)
+    with pytest.raises(ValueError, match="store_param_remainders=True.*FSDP2 holds the fp32 main parameters"):
+        MegatronPrecision("bf16-mixed", params_dtype=torch.bfloat16, store_param_remainders=True).param_precision(fsdp)
+    assert param_precision_for(Precision(), ParallelConfig()) == ParamPrecision()
+    assert param_precision_for(bf16, ParallelConfig()) == bf16.param_precision(ParallelConfig())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bf16.param_precision().params_dtype = None
+
+
+def test_attach_fp8_layers_is_a_deprecated_alias_of_the_step_handing_its_handle_over():
+    """``attach_fp8_layers`` (the strategy used to hand the FP8 layers back) still makes them the plugin's handle,
+    with a DeprecationWarning naming what replaces it."""
+    from lightning_megatron.precision.fp8 import Float8Config, Float8Layers
+
+    plugin = MegatronPrecision(fp8="hybrid")
+    layers = Float8Layers(config=Float8Config(backend="torch"))
+    with pytest.warns(DeprecationWarning, match="parallelize_step"):
+        plugin.attach_fp8_layers(layers)
+    assert plugin.fp8_layers is layers
+    assert plugin.parallelize_step(torch.device("cpu")).layers is None   # a new step: nothing converted yet

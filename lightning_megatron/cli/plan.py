@@ -208,8 +208,8 @@ def plan_from_args(args: argparse.Namespace) -> PretrainPlan:
     if precision_kwargs is not None:
         try:
             plugin = MegatronPrecision(**precision_kwargs)
-            if args.accelerator == "cpu" and plugin.fp8_config is not None:
-                plugin.fp8_config.resolve_backend(torch.device("cpu"))
+            if args.accelerator == "cpu":
+                plugin.check_device(torch.device("cpu"))
         except ValueError as e:
             raise FlagError(f"precision flags: {e}") from e
     gpt_data = args.data_path is not None

@@ -2,7 +2,7 @@
 does not do, and clipping by the true global norm (Megatron's ``finalize_model_grads`` + ``clip_grad_norm``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Set
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Set
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,8 @@ class ParallelizedParts(Protocol):
     expert_params: List[nn.Parameter]
     pipeline: Any
     main_params: Any
+    #: work each optimizer step ends with (``hook(num_microbatches)``), e.g. FP8's amax update (none if absent)
+    end_step_hooks: List[Callable[[Optional[int]], None]]
 
 
 class GradientFinalizer:
@@ -49,11 +51,18 @@ class GradientFinalizer:
     data-parallel reductions are FSDP's (the dense gradients averaged over dp x cp, the experts' over edp when edp > 1);
     the tensor-parallel and embedding sums act on each rank's gradient shards, and the norm sums the shards' squares
     over dp x cp (experts: edp) too.
+
+    End-of-step hooks: :meth:`finalize` ends by calling every hook of :attr:`end_step_hooks` in order (those of
+    ``parallelized.end_step_hooks`` when the finaliser is built, then those :meth:`add_end_step_hook` adds), each
+    ``hook(num_microbatches)``. The finaliser knows nothing of what they do (FP8's delayed-scaling amax update
+    registers itself there: :meth:`~lightning_megatron.precision.fp8.Float8Layers.install`).
     """
 
     def __init__(self, parallelized: ParallelizedParts, mesh: ParallelMesh,
                  fsdp: Optional["FSDPModel"] = None) -> None:
         self.parallelized, self.mesh, self.fsdp = parallelized, mesh, fsdp
+        #: called in order at the end of :meth:`finalize`, ``hook(num_microbatches)`` (:meth:`add_end_step_hook`)
+        self.end_step_hooks: List[Callable[[Optional[int]], None]] = list(getattr(parallelized, "end_step_hooks", ()))
         config = mesh.config
         self.reduce_dtype: Optional[torch.dtype] = torch.bfloat16 if config.grad_reduce_in_bf16 else None
         self.experts: Set[int] = {id(p) for p in parallelized.expert_params}
@@ -79,6 +88,13 @@ class GradientFinalizer:
             dense = [q for q in parallelized.module.parameters() if id(q) not in self.experts]
             self.reducer = GradBucketReducer(dense, mesh.group("dp_cp"), config.bucket_size, self.reduce_dtype, uses)
 
+    def add_end_step_hook(self, hook: Callable[[Optional[int]], None]) -> None:
+        """Call ``hook(num_microbatches)`` at the end of every :meth:`finalize`, after the gradient reductions and
+        the hooks added before it. ``num_microbatches``: the step's micro-batch count under pipeline parallelism
+        (whose schedule may run extra metadata-inference passes a hook must not count), else None. A hook that
+        communicates must be registered on every rank it communicates with."""
+        self.end_step_hooks.append(hook)
+
     def reduces_grads(self) -> bool:
         """Whether :meth:`finalize` changes gradients in this layout: a data-parallel reduction (dp x cp, FSDP's, a
         pipeline's), the experts' over expert data parallel, the sequence-parallel parameters' over tp."""
@@ -101,9 +117,9 @@ class GradientFinalizer:
         """Switch bf16 parameters to their fp32 main view (``p.grad`` the fp32 main gradient; a step that kept its bf16
         gradients: those, in the compute view, :meth:`MainParams.finish_backward`), reduce what DDP does not (the
         dp_cp average of pipeline stages and of main gradients, which are not wrapped in DDP; edp / tp / embedding
-        groups as they apply), then the FP8 delayed-scaling amax update (over tp and dp_cp;
-        ``num_microbatches``: the step's micro-batches, under pipeline parallelism, whose schedule may run extra
-        metadata-inference passes)."""
+        groups as they apply), then the end-of-step hooks (:attr:`end_step_hooks`, e.g. the FP8 delayed-scaling amax
+        update over tp and dp_cp), each given ``num_microbatches``, the step's micro-batches, under pipeline
+        parallelism (whose schedule may run extra metadata-inference passes), else None."""
         p, mesh = self.parallelized, self.mesh
         if p.main_params is not None:   # bf16 parameters: from here on fp32 main parameters and main gradients
             p.main_params.finish_backward()
@@ -131,8 +147,8 @@ class GradientFinalizer:
                 # FSDP: both stages hold the same dp x cp shard of the weight (same shape, same dp rank)
                 grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
                 dist.all_reduce(grad, group=group)
-        if p.fp8 is not None:   # FP8 delayed scaling: the step's amaxes, reduced, join the histories
-            p.fp8.end_step(num_microbatches if p.pipeline is not None else None)
+        for hook in self.end_step_hooks:   # e.g. FP8 delayed scaling: the step's amaxes, reduced, join the histories
+            hook(num_microbatches if p.pipeline is not None else None)
 
     def clip(self, params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip ``params``' gradients to global L2 norm ``max_norm``; returns the norm before clipping.

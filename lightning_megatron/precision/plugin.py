@@ -12,12 +12,20 @@
 * ``fp8``: the linear layers' GEMMs in FP8 (:mod:`lightning_megatron.precision.fp8`), applied by
   :func:`lightning_megatron.parallelize` in its ``apply_fp8`` step; the torch-native backend
   (``torch._scaled_mm``, also on CPU) or Transformer Engine (imported only when asked for).
+
+What a strategy reads of this plugin goes through two typed entry points, and nothing outside this package reads its
+fields: :meth:`MegatronPrecision.param_precision` (:class:`ParamPrecision`: how parameters are stored, resolved
+against the layout) and :meth:`MegatronPrecision.parallelize_step` (binds the plugin to its device and mesh and
+gives ``parallelize`` the FP8 step, whose handle the plugin then keeps for its compile stance and checkpoint
+state).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Optional, Union
 
 import torch
@@ -35,15 +43,35 @@ from lightning_megatron.precision.fp8 import (
     FP8_RECIPES,
     Float8Config,
     Float8Layers,
+    Float8Step,
     fp8_forward_context,
 )
 from lightning_megatron.utils.keywords import check_keywords
 
 if TYPE_CHECKING:
+    from lightning_megatron.parallel.config import ParallelConfig
     from lightning_megatron.parallel.mesh import ParallelMesh
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParamPrecision:
+    """How the parameter-and-gradient buffer (:class:`~lightning_megatron.parallel.main_grad.MainParams`) stores
+    the parameters of a run: the precision plugin's ``params_dtype`` / ``store_param_remainders`` resolved against
+    the layout (:meth:`MegatronPrecision.param_precision`), read in this one place and passed on by the strategy.
+
+    Attributes:
+        params_dtype: ``torch.bfloat16``: Megatron's bf16 parameters held by the buffer, with fp32 main parameters
+            and fp32 main gradients; None: the parameters in their own dtype (fp32; also under FSDP's sharding
+            levels, where FSDP2's mixed-precision policy holds bf16 compute copies instead).
+        store_param_remainders: the fp32 main parameters held as bf16 copy plus int16 remainder (only with
+            ``params_dtype=torch.bfloat16``).
+    """
+
+    params_dtype: Optional[torch.dtype] = None
+    store_param_remainders: bool = False
 
 
 class MegatronPrecision(MixedPrecision):
@@ -186,7 +214,8 @@ class MegatronPrecision(MixedPrecision):
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._fp8_context: Callable[[], Any] = contextlib.nullcontext
         self._amax_group: Any = None
-        self._fp8_layers: Optional[Float8Layers] = None
+        #: the FP8 step this plugin handed ``parallelize`` (:meth:`parallelize_step`), holding its handle
+        self._fp8_step: Optional[Float8Step] = None
         self._bound = False
 
     # ------------------------------------------------------------------ binding to the layout / device
@@ -216,6 +245,48 @@ class MegatronPrecision(MixedPrecision):
             self._amax_group = mesh.dense["dp", "cp", "tp"]._flatten("fp8_amax").get_group()
         self._fp8_context = fp8_forward_context(self.fp8_config, self._amax_group)
         return self.fp8_config
+
+    def parallelize_step(self, device: torch.device, mesh: Optional["ParallelMesh"] = None) -> Optional[Float8Step]:
+        """The one call a strategy makes before :func:`lightning_megatron.parallelize`: :meth:`bind` to ``device``
+        and ``mesh`` (collective with the Transformer Engine backend: call on every rank), and the FP8 step to pass
+        as ``parallelize(fp8=...)`` (None without FP8). ``parallelize`` converts the model with it and the step keeps
+        the handle (:class:`~lightning_megatron.precision.fp8.Float8Layers`), which this plugin then reads for its
+        compile stance (:meth:`forward_context`) and its checkpoint state (:meth:`state_dict`); the handle registers
+        its end-of-step work with the gradient finaliser itself."""
+        config = self.bind(device, mesh)
+        self._fp8_step = Float8Step(config) if config is not None else None
+        return self._fp8_step
+
+    @property
+    def fp8_layers(self) -> Optional[Float8Layers]:
+        """The FP8 conversion's handle (:class:`~lightning_megatron.precision.fp8.Float8Layers`) once
+        ``parallelize`` ran this plugin's :meth:`parallelize_step`, else None."""
+        return self._fp8_step.layers if self._fp8_step is not None else None
+
+    def param_precision(self, config: Optional["ParallelConfig"] = None) -> ParamPrecision:
+        """How the parameters are stored under the layout ``config`` (:class:`ParamPrecision`): ``params_dtype``
+        and ``store_param_remainders`` as given, except under FSDP's sharding levels (``config.fsdp``), where FSDP2
+        holds the fp32 main parameters (its mixed-precision policy gathers bf16 compute copies): then None / False.
+
+        Raises:
+            ValueError: ``store_param_remainders=True`` given explicitly under an FSDP sharding level (FSDP2's shards
+                have no bf16 halves to complete).
+        """
+        if config is not None and config.fsdp:
+            if self.params_dtype is not None and self.store_param_remainders_given and self.store_param_remainders:
+                raise ValueError(
+                    f"MegatronPrecision(store_param_remainders=True) with data_parallel_sharding_strategy="
+                    f"{config.data_parallel_sharding_strategy!r}: FSDP2 holds the fp32 main parameters as dp-sharded "
+                    "tensors of its own, which have no bf16 halves to complete; drop store_param_remainders (or use "
+                    "'no_shard' / 'optim' to keep them)")
+            return ParamPrecision()
+        return ParamPrecision(self.params_dtype, self.store_param_remainders)
+
+    def check_device(self, device: torch.device) -> None:
+        """Check, without binding the plugin, that its FP8 backend can run on ``device`` (e.g. an explicit
+        ``fp8_backend='te'`` on a CPU run: ValueError naming the fix)."""
+        if self.fp8_config is not None:
+            self.fp8_config.resolve_backend(torch.device(device))
 
     def _ensure_scaler(self) -> None:
         if self.precision == "16-mixed" and self.scaler is None:
@@ -247,7 +318,8 @@ class MegatronPrecision(MixedPrecision):
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast (bf16 / fp16; none for fp32), Transformer Engine's autocast with its backend, and with the torch
         backend's delayed recipe eager compiled layers until its first update (:meth:`Float8Layers.compile_stance`)."""
-        stance = self._fp8_layers.compile_stance() if self._fp8_layers is not None else contextlib.nullcontext()
+        layers = self.fp8_layers
+        stance = layers.compile_stance() if layers is not None else contextlib.nullcontext()
         with self.autocast_context_manager(), self._fp8_context(), stance:
             yield
 
@@ -312,35 +384,37 @@ class MegatronPrecision(MixedPrecision):
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def attach_fp8_layers(self, layers: Optional[Float8Layers]) -> None:
-        """The FP8 layers whose delayed-scaling state (amax histories) checkpoints carry."""
-        self._fp8_layers = layers
+        """Deprecated: the FP8 step of :meth:`parallelize_step` hands its handle to this plugin by itself. Makes
+        ``layers`` this plugin's FP8 handle."""
+        warnings.warn("MegatronPrecision.attach_fp8_layers is deprecated: pass parallelize(fp8=plugin.parallelize_step"
+                      "(device, mesh)), whose step hands the FP8 handle to the plugin", DeprecationWarning, stacklevel=2)
+        if layers is None:
+            self._fp8_step = None
+        else:
+            self._fp8_step = self._fp8_step or Float8Step(layers.config)
+            self._fp8_step.adopt(layers)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The fp16 loss scaler's state and, under the FP8 delayed recipe, ``"fp8_amax_history"``: every converted
-        layer's (and routed expert's) amax history by name, gathered from all ranks (pipeline stages and expert
-        parallel ranks hold different ones; collective on every rank), so a resumed run scales exactly as the
-        uninterrupted one."""
+        """The fp16 loss scaler's state and the FP8 handle's checkpoint state
+        (:meth:`~lightning_megatron.precision.fp8.Float8Layers.checkpoint_state`: under the delayed recipe
+        ``"fp8_amax_history"``, every converted layer's amax history, gathered from all ranks; collective on every
+        rank)."""
         self._ensure_scaler()
         state = dict(super().state_dict())
-        layers = self._fp8_layers
-        if layers is not None and layers.config.recipe == "delayed":
-            history = layers.state_dict()
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                parts: list = [None] * dist.get_world_size()
-                dist.all_gather_object(parts, history)
-                history = {k: v for part in parts for k, v in part.items()}
-            if history:
-                state["fp8_amax_history"] = history
+        layers = self.fp8_layers
+        if layers is not None:
+            state.update(layers.checkpoint_state())
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s (FP8 amax histories onto the bound device)."""
+        """Restore :meth:`state_dict`'s (the FP8 handle restores its own part onto the bound device)."""
         self._ensure_scaler()
         state_dict = dict(state_dict)
-        history = state_dict.pop("fp8_amax_history", None)
-        layers = self._fp8_layers
-        if history is not None and layers is not None:
-            layers.load_state_dict(history, self._device)
+        fp8_state = {Float8Layers.CHECKPOINT_KEY: state_dict.pop(Float8Layers.CHECKPOINT_KEY)} \
+            if Float8Layers.CHECKPOINT_KEY in state_dict else {}
+        layers = self.fp8_layers
+        if fp8_state and layers is not None:
+            layers.load_checkpoint_state(fp8_state, self._device)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
@@ -354,6 +428,15 @@ class MegatronPrecision(MixedPrecision):
 #: the user and is not replaced silently (:func:`megatron_precision_for`)
 _DEFAULT_SCALER = {"_init_scale": 2.0 ** 16, "_growth_factor": 2.0, "_backoff_factor": 0.5, "_growth_interval": 2000,
                    "_enabled": True}
+
+
+def param_precision_for(plugin: Optional[Precision], config: Optional["ParallelConfig"] = None) -> ParamPrecision:
+    """The :class:`ParamPrecision` a run with ``plugin`` under the layout ``config`` uses: the
+    :class:`MegatronPrecision`'s (:meth:`MegatronPrecision.param_precision`), else the default (parameters in their
+    own dtype, no remainders)."""
+    if isinstance(plugin, MegatronPrecision):
+        return plugin.param_precision(config)
+    return ParamPrecision()
 
 
 def megatron_precision_for(plugin: Optional[Precision]) -> Optional[Precision]:
@@ -396,4 +479,4 @@ def megatron_precision_for(plugin: Optional[Precision]) -> Optional[Precision]:
     return MegatronPrecision(plugin.precision)
 
 
-__all__ = ["MegatronPrecision", "PRECISIONS", "megatron_precision_for"]
+__all__ = ["MegatronPrecision", "PRECISIONS", "ParamPrecision", "megatron_precision_for", "param_precision_for"]

@@ -43,7 +43,8 @@ from lightning_megatron.parallel.layout_rules import min_microbatches
 from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
 from lightning_megatron.parallelize import ParallelizedModel, parallelize
-from lightning_megatron.precision.plugin import MegatronPrecision, megatron_precision_for
+from lightning_megatron.precision.plugin import (MegatronPrecision, ParamPrecision, megatron_precision_for,
+                                                 param_precision_for)
 from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.lightning_features import (attach_weight_averages, check_lightning_features,
@@ -203,13 +204,14 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         the process group, build the mesh, check the model's shape, seed the RNG streams."""
         module = self.lightning_module
         if module is not None and module._trainer is not None:
-            check_lightning_features(module.trainer, module, self.parallel_config, self._params_dtype())
+            check_lightning_features(module.trainer, module, self.parallel_config,
+                                     self._param_precision().params_dtype)
             self._add_long_run_hooks(module.trainer)
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
         if self.parallel_config.enable_cuda_graph:   # before the model exists: nothing to undo
-            check_cuda_graph_run(self.lightning_module, self.root_device, self._params_dtype())
+            check_cuda_graph_run(self.lightning_module, self.root_device, self._param_precision().params_dtype)
         self._start_sharded_io(self._timeout)
         if isinstance(self.lightning_module, ConfiguredModule):
             self.parallel_config.validate_model(self.lightning_module.config)
@@ -341,17 +343,16 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         cfg, mesh = self.parallel_config, self.mesh
         check_pipeline_module(module, cfg)
         plugin = self.precision_plugin
-        fp8 = plugin.bind(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
+        # the precision's one step: the FP8 conversion, whose handle registers its end-of-step hook and is the
+        # plugin's checkpoint state (precision/fp8/apply.py)
+        fp8 = plugin.parallelize_step(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
         self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed, tp_rng=self.tp_rng,
                                         forward_context=plugin.forward_context, fp8=fp8)
         plugin.convert_module(module)   # before the buffer takes the parameters' storage (64-true: .double())
-        params_dtype = self._params_dtype()
-        if params_dtype is not None or not cfg.fsdp:   # the buffer owns the gradients (FSDP2 at its levels)
-            self.parallelized.hold_in_buffer(params_dtype, cfg.bucket_size,
-                                             getattr(plugin, "store_param_remainders", False))
-        if isinstance(plugin, MegatronPrecision):   # checkpoints carry the FP8 delayed-scaling state
-            plugin.attach_fp8_layers(self.parallelized.fp8)
-        self._grads = GradientFinalizer(self.parallelized, mesh)
+        params = self._param_precision()
+        if params.params_dtype is not None or not cfg.fsdp:   # the buffer owns the gradients (FSDP2 at its levels)
+            self.parallelized.hold_in_buffer(params.params_dtype, cfg.bucket_size, params.store_param_remainders)
+        self._grads = GradientFinalizer(self.parallelized, mesh)   # with the record's end-of-step hooks
         self._grads.guard.grads = not self._loss_scaled()
         stages = self.parallelized.pipeline
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
@@ -361,23 +362,12 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             module.set_parallel_context(self._context)
         return self.parallelized
 
-    def _params_dtype(self) -> Optional[torch.dtype]:
-        """Megatron's bf16 parameters (``MegatronPrecision(params_dtype=...)``) held by ``MainParams``, else None.
-        Under an FSDP sharding level FSDP2 holds them instead (fp32 sharded main parameters, bf16 compute copies
-        gathered per unit by its mixed-precision policy, :func:`~lightning_megatron.parallel.fsdp.
-        mixed_precision_policy`): None."""
-        plugin, cfg = self.precision_plugin, self.parallel_config
-        if not isinstance(plugin, MegatronPrecision):
-            return None
-        if cfg.fsdp:
-            if plugin.params_dtype is not None and plugin.store_param_remainders_given and plugin.store_param_remainders:
-                raise ValueError(
-                    f"MegatronPrecision(store_param_remainders=True) with data_parallel_sharding_strategy="
-                    f"{cfg.data_parallel_sharding_strategy!r}: FSDP2 holds the fp32 main parameters as dp-sharded "
-                    "tensors of its own, which have no bf16 halves to complete; drop store_param_remainders (or use "
-                    "'no_shard' / 'optim' to keep them)")
-            return None
-        return plugin.params_dtype
+    def _param_precision(self) -> ParamPrecision:
+        """How ``MainParams`` stores the parameters (:meth:`MegatronPrecision.param_precision`, read in this one
+        place): Megatron's bf16 parameters (``params_dtype``) and remainders, or, under an FSDP sharding level, where
+        FSDP2 holds them (fp32 sharded main parameters, bf16 compute copies gathered per unit by its mixed-precision
+        policy, :func:`~lightning_megatron.parallel.fsdp.mixed_precision_policy`), the parameters' own dtype."""
+        return param_precision_for(self.precision_plugin, self.parallel_config)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then under cp > 1 keep this rank's load-balanced part of every sequence

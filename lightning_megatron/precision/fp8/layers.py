@@ -1,12 +1,14 @@
-"""Converting a model's linear layers to FP8 GEMMs (:func:`convert_to_fp8`) and the record of what was converted
-(:class:`Float8Layers`: the GEMMs, the delayed recipe's per-step update, its checkpointed histories)."""
+"""Converting a model's linear layers to FP8 GEMMs (:func:`convert_to_fp8`) and the handle of what was converted
+(:class:`Float8Layers`: the GEMMs, the delayed recipe's per-step update as an end-of-step hook, its checkpoint
+state)."""
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.contract import PipelineModel
@@ -38,8 +40,21 @@ class Float8Linear(nn.Linear):
 
 @dataclass
 class Float8Layers:
-    """What :func:`convert_to_fp8` converted. ``converted`` / ``kept``: module names (relative to the module given to
-    :func:`convert_to_fp8`) of the layers whose GEMMs run in FP8 / the linear layers left as they were, with why."""
+    """The handle of an FP8 conversion (:func:`convert_to_fp8`; in ``parallelize``:
+    :func:`~lightning_megatron.precision.fp8.apply.apply_fp8`), which owns FP8 from then on:
+
+    * :meth:`install` (after materialisation): this pipeline stage's GEMMs, their records on the device, and
+      :meth:`end_step` registered as an end-of-step hook of the parallelised model, which the gradient finaliser
+      runs once per optimizer step;
+    * :meth:`compile_stance`: the context the forward passes run in (the precision plugin enters it);
+    * :meth:`checkpoint_state` / :meth:`load_checkpoint_state`: the delayed recipe's amax histories, the whole
+      model's, as checkpoints carry them (the precision plugin's ``state_dict`` holds them).
+
+    ``converted`` / ``kept``: module names (relative to the module given to :func:`convert_to_fp8`) of the layers
+    whose GEMMs run in FP8 / the linear layers left as they were, with why."""
+
+    #: the key of :meth:`checkpoint_state` in the precision plugin's state (as checkpoints have always held it)
+    CHECKPOINT_KEY = "fp8_amax_history"
 
     config: Float8Config
     converted: List[str] = field(default_factory=list)
@@ -55,6 +70,8 @@ class Float8Layers:
     expert_amax_groups: List[Any] = field(default_factory=list)
     #: optimizer steps whose amaxes joined the delayed recipe's histories (a loaded checkpoint with histories counts)
     steps: int = 0
+    #: where the delayed recipe's records and histories live (:meth:`install`), None before
+    device: Optional[torch.device] = None
 
     @contextlib.contextmanager
     def compile_stance(self) -> Iterator[None]:
@@ -89,6 +106,20 @@ class Float8Layers:
             if isinstance(gemm, Float8Gemm):
                 gemm.allocate(device, ring=ring, static=static)
 
+    def install(self, parallelized: Any, device: torch.device, static: bool = False) -> None:
+        """Settle the conversion into the parallelised model, after materialisation and before the first forward:
+        keep the GEMMs of the layers still in ``parallelized.module`` (:meth:`retain`: the pipeline split dropped
+        the other stages'), allocate the delayed recipe's records on ``device`` (:meth:`allocate`; with the rings of
+        the last uses when ``parallelized.pipeline`` is set, as static inputs of CUDA graphs with ``static``), and
+        register :meth:`end_step` as an end-of-step hook of ``parallelized``
+        (``parallelized.add_end_step_hook``: :class:`~lightning_megatron.parallelize.ParallelizedModel`), which the
+        gradient finaliser runs once per optimizer step with the step's micro-batch count under pipeline parallelism
+        (None otherwise). No collective."""
+        self.retain(parallelized.module)
+        self.device = torch.device(device)
+        self.allocate(self.device, ring=parallelized.pipeline is not None, static=static)
+        parallelized.add_end_step_hook(self.end_step)
+
     def _named_gemms(self) -> List[Tuple[str, Any]]:
         return list(zip(self.gemm_names, self.gemms)) + list(zip(self.expert_gemm_names, self.expert_gemms))
 
@@ -121,6 +152,28 @@ class Float8Layers:
             gemm.forget_uses()
             self.steps = max(self.steps, 1)
         _refresh_scales([gemm for _, gemm in self._named_gemms() if isinstance(gemm, Float8Gemm)])
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """What checkpoints carry of FP8: under the delayed recipe ``{CHECKPOINT_KEY: histories}``, every converted
+        layer's (and routed expert's) amax history ``[3, amax_history_len]`` by name (:meth:`state_dict`), gathered
+        from all ranks of the default group (pipeline stages and expert-parallel ranks hold different ones;
+        ``all_gather_object``, collective on every rank), so a resumed run scales exactly as the uninterrupted one.
+        Empty for other recipes and before the first step."""
+        if self.config.recipe != "delayed":
+            return {}
+        history = self.state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, history)
+            history = {k: v for part in parts for k, v in part.items()}
+        return {self.CHECKPOINT_KEY: history} if history else {}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any], device: Optional[torch.device] = None) -> None:
+        """Restore :meth:`checkpoint_state`'s histories (those of this rank's layers; :meth:`load_state_dict`) onto
+        ``device`` (default: :attr:`device`). A state without them changes nothing. No collective."""
+        history = state.get(self.CHECKPOINT_KEY)
+        if history is not None:
+            self.load_state_dict(history, device if device is not None else self.device)
 
     def end_step(self, num_microbatches: Optional[int] = None) -> None:
         """The delayed recipe's per-step amax update: per GEMM the largest amax its training uses recorded this
