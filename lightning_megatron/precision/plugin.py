@@ -58,7 +58,7 @@ _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 @dataclass(frozen=True)
 class ParamPrecision:
-    """How the parameter-and-gradient buffer (:class:`~lightning_megatron.parallel.main_grad.MainParams`) stores
+    """How the parameter-and-gradient buffer (:class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`) stores
     the parameters of a run: the precision plugin's ``params_dtype`` / ``store_param_remainders`` resolved against
     the layout (:meth:`MegatronPrecision.param_precision`), read in this one place and passed on by the strategy.
 
