@@ -103,7 +103,9 @@ def test_cuda_graph_layers_train_as_the_compiled_layers(case, measured):
     measured(**{f"{case} loss diff": worst, f"{case} graph launches": float(graphed["launches"])})
     assert len(graphed["losses"]) == len(plain["losses"]) == STEPS
     assert worst <= 1e-6, (graphed["losses"], plain["losses"])
-    assert graphed["val"] and graphed["val"] == pytest.approx(plain["val"], abs=1e-6)
+    # the validation (no-grad) graphs are compiled and autotuned apart in each run, so their reductions may sum in
+    # another order: 3.3e-6 relative measured on a cold compile cache (0 on a warm one), the training losses equal
+    assert graphed["val"] and graphed["val"] == pytest.approx(plain["val"], rel=1e-5)
     assert graphed["skips"] == 0, "Inductor skipped a layer's CUDA graph"
     # the batches' position ids are arange (left out on the host) and the RoPE tables of the default positions are
     # kept at a fixed address (GPTModel.rotary): no layer's graph copies them in at each replay (before: two per
