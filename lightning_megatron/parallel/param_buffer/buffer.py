@@ -73,7 +73,6 @@ from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
-from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_into, reduce_scatter_into
 
 __all__ = ["MainParams", "BucketShard", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
@@ -630,7 +629,9 @@ class MainParams:
                 raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each "
                                    "bucket over the group that reduces it (dp x cp; routed experts: edp)")
             run = flat[shard.start:shard.start + shard.length]
-            bucket.work = reduce_scatter_into(run, flat, group=group, async_op=True)
+            # torch's reduce_scatter_tensor: the asynchronous reduce_scatter_single of torch 2.13 on gloo leaves
+            # the process to abort at exit
+            bucket.work = dist.reduce_scatter_tensor(run, flat, group=group, async_op=True)
         else:
             bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
@@ -875,7 +876,7 @@ class MainParams:
                     whole = mine.clone()
                 else:
                     whole = torch.empty(shard.size * shard.length, dtype=mine.dtype, device=bucket.device)
-                    all_gather_into(whole, mine, group=shard.group)
+                    dist.all_gather_into_tensor(whole, mine, group=shard.group)
                 wholes.append(whole)
         for p in self.params:
             index, offset = self._where[id(p)]

@@ -42,7 +42,6 @@ from torch.optim import Optimizer
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_groups import constructor_kwargs, indexed_param_groups
 from lightning_megatron.parallel.param_buffer.buffer import MainParams
-from lightning_megatron.parallel.tensor_parallel.mappings import all_gather_into
 
 __all__ = ["DistributedOptimizer", "BucketParamGather", "WholeStateView", "ELEMENTWISE_OPTIMIZERS", "elementwise"]
 
@@ -181,7 +180,7 @@ class DistributedOptimizer(Optimizer):
                 continue
             mine = bucket.compute[shard.start:shard.start + shard.length]
             async_op = self.param_gather is not None
-            work = all_gather_into(bucket.compute, mine, group=shard.group, async_op=async_op)
+            work = dist.all_gather_into_tensor(bucket.compute, mine, group=shard.group, async_op=async_op)
             if async_op:
                 works.append((index, work))
         if self.param_gather is not None:
@@ -236,7 +235,7 @@ class DistributedOptimizer(Optimizer):
                             run[frag.lo - shard.start:frag.hi - shard.start] = value
                     if shard.size > 1:
                         whole = torch.empty(shard.size * shard.length, dtype=dtype, device=bucket.device)
-                        all_gather_into(whole, run, group=shard.group)
+                        dist.all_gather_into_tensor(whole, run, group=shard.group)
                     else:
                         whole = run
                     wholes[k] = whole.cpu()
