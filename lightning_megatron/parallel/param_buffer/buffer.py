@@ -624,15 +624,14 @@ class MainParams:
         shard = bucket.shard
         if size == 1:   # expert data parallel of one: the scaling only (finish_reduction)
             return
-        if shard is not None and shard.size > 1:
+        if shard is not None and shard.size > 1 and dist.get_backend(group) == dist.Backend.NCCL:
             if shard.size != size:
                 raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each "
                                    "bucket over the group that reduces it (dp x cp; routed experts: edp)")
             run = flat[shard.start:shard.start + shard.length]
-            # torch's reduce_scatter_tensor: the asynchronous reduce_scatter_single of torch 2.13 on gloo leaves
-            # the process to abort at exit
             bucket.work = dist.reduce_scatter_tensor(run, flat, group=group, async_op=True)
-        else:
+        else:   # gloo: an all-reduce, of which the shard keeps its run (its asynchronous reduce-scatter can leave a
+            # rank to abort at exit under torch 2.13)
             bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
     @torch.no_grad()
