@@ -73,6 +73,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.optimizer import PrecisionAwareAdamW
 from lightning_megatron.optimizer.param_remainders import join_fp32, split_fp32
+from lightning_megatron.parallel.tensor_parallel.mappings import reduce_scatter_into
 
 __all__ = ["MainParams", "BucketShard", "PARAMS_DTYPES", "DEFAULT_BUCKET_ELEMENTS"]
 
@@ -110,6 +111,8 @@ class _Bucket:
     #: the bucket's reduction in flight: its work and the tensor reduced (the gradients or a bf16 copy)
     work: Any = None
     flat: Optional[Tensor] = None
+    #: a sharded bucket's reduce-scatter output (its run of the sum) while the reduction is in flight
+    scattered: Optional[Tensor] = None
     #: the distributed optimizer's shard of the bucket (:meth:`MainParams.shard`), else None
     shard: Optional["BucketShard"] = None
     #: with a shard: the fp32 main parameters of the shard's elements (``shard.length``; with remainders only while
@@ -624,14 +627,14 @@ class MainParams:
         shard = bucket.shard
         if size == 1:   # expert data parallel of one: the scaling only (finish_reduction)
             return
-        if shard is not None and shard.size > 1 and dist.get_backend(group) == dist.Backend.NCCL:
+        if shard is not None and shard.size > 1:
             if shard.size != size:
                 raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each "
                                    "bucket over the group that reduces it (dp x cp; routed experts: edp)")
-            run = flat[shard.start:shard.start + shard.length]
-            bucket.work = dist.reduce_scatter_tensor(run, flat, group=group, async_op=True)
-        else:   # gloo: an all-reduce, of which the shard keeps its run (its asynchronous reduce-scatter can leave a
-            # rank to abort at exit under torch 2.13)
+            # into a run of its own, not the bucket's (gloo's reduce-scatter must not write into its input)
+            bucket.scattered = torch.empty(shard.length, dtype=flat.dtype, device=flat.device)
+            bucket.work = reduce_scatter_into(bucket.scattered, flat, group=group, async_op=True)
+        else:
             bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
     @torch.no_grad()
@@ -660,6 +663,9 @@ class MainParams:
             assert grad is not None
             scattered = shard is not None and shard.size > 1
             lo, hi = (shard.start, shard.start + shard.length) if scattered else (0, grad.numel())
+            if bucket.scattered is not None:   # this rank's run of the sum, beside the bucket
+                flat[lo:hi].copy_(bucket.scattered)
+                bucket.scattered = None
             if flat is not grad:
                 grad[lo:hi].copy_(flat[lo:hi])
             elif reduce.reduce_dtype is None:   # else divided before the sum (_launch)
