@@ -91,12 +91,25 @@ class ReducedGradients(pl.Callback):
                         for b in buffer.buckets if b.grad is not None]
 
 
-def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> list:
-    pl.seed_everything(SEED, verbose=False)
-    module, seen = new_module(tiny_config(), 2), ReducedGradients()
-    trainer = trainer_for(world, MegatronStrategy(**kwargs), 1, callbacks=[seen])
-    trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
-    return seen.buckets
+def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> Dict[str, Any]:
+    from lightning_megatron.parallel.param_buffer import buffer
+
+    scatters = []   # the buffer's reduce-scatters (real collectives, counted on their way through)
+    real = buffer.reduce_scatter_into
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        scatters.append(args[0].numel())
+        return real(*args, **kw)
+
+    buffer.reduce_scatter_into = counted
+    try:
+        pl.seed_everything(SEED, verbose=False)
+        module, seen = new_module(tiny_config(), 2), ReducedGradients()
+        trainer = trainer_for(world, MegatronStrategy(**kwargs), 1, callbacks=[seen])
+        trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    finally:
+        buffer.reduce_scatter_into = real
+    return {"buckets": seen.buckets, "scatters": scatters, "steps": trainer.global_step}
 
 
 def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards():
@@ -104,9 +117,13 @@ def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards():
     run and zeros elsewhere (a reduce-scatter, half an all-reduce's traffic); the two runs together are the average
     the all-reduce of the same step leaves on every rank (dp2 without the distributed optimizer)."""
     samples = make_samples(tiny_config(), 8)
-    scattered = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples)
-    whole = run_distributed(_reduced, 2, dict(bucket_size=3000), samples)
+    runs = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples)
+    plain = run_distributed(_reduced, 2, dict(bucket_size=3000), samples)
+    scattered, whole = [r["buckets"] for r in runs], [r["buckets"] for r in plain]
     assert len(scattered[0]) > 2 and len(scattered[0]) == len(whole[0])
+    # one reduce-scatter per bucket and step, each into a run of the bucket's; none without the distributed optimizer
+    assert len(runs[0]["scatters"]) == runs[0]["steps"] * len(scattered[0]), (runs[0]["scatters"], runs[0]["steps"])
+    assert plain[0]["scatters"] == []
     for index, (average, run) in enumerate(whole[0]):
         assert run is None and torch.equal(average, whole[1][index][0])
         parts = [rank[index][0] for rank in scattered]
