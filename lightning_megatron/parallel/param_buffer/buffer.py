@@ -1,64 +1,39 @@
-"""Megatron's bf16 semantics: parameters stored in bf16, fp32 main parameters stepped by the optimizer and fp32
-gradient accumulation (``main_grad``, Megatron's ``--accumulate-allreduce-grads-in-fp32``).
+"""The parameter-and-gradient buffer (Megatron's ``ParamAndGradBuffer``): every floating-point parameter of a module,
+its main parameter and its gradient are views of contiguous buckets, one buffer per (device, dtype) bucket.
 
-:class:`MainParams` keeps, for every floating-point parameter ``p`` of a module, two persistent tensors: the
-compute copy (``params_dtype``, bf16) and the fp32 main parameter. The ``nn.Parameter`` object itself stays the
-one identity that the optimizer, the gradient reductions, clipping and checkpoints refer to; only what it holds
-(``p.data``) switches between two views::
+:class:`MainParams` holds the parameters in one of two ways:
 
-    compute view  (forward / backward)   p.data = bf16 copy   p.grad = None (bf16 grads are moved out at once)
-    main view     (reduce / clip / step)  p.data = fp32 main   p.grad = fp32 main_grad
+* ``params_dtype=None`` (:attr:`MainParams.keeps_dtype`): the parameters are their own main parameters (fp32,
+  fp64). ``p.grad`` becomes the parameter's view of the bucket's gradient buffer at its first gradient of a step
+  (torch DDP's ``gradient_as_bucket_view``); later micro-batches accumulate into it in place.
+* ``params_dtype=torch.bfloat16`` (Megatron's bf16): bf16 compute copies, fp32 main parameters (or, with
+  ``store_param_remainders``, the bf16 copy plus an int16 remainder: the same 32 bits in 2 bytes) and fp32 main
+  gradients (Megatron's ``main_grad``; bf16 buffers with ``grad_reduce_in_bf16`` under the distributed optimizer).
+  The ``nn.Parameter`` stays the one identity the optimizer, reductions, clipping and checkpoints refer to; only
+  ``p.data`` switches view::
 
-* Forward and backward run on the bf16 copy: no per-forward fp32 -> bf16 cast under autocast (for a bf16 weight
-  autocast's cast is a no-op), activations and GEMMs as in Megatron's ``Float16Module``.
-* A post-accumulate-grad hook on every parameter adds its bf16 gradient into the fp32 ``main_grad`` (created at
-  the first micro-batch of a step) and frees it, so micro-batches accumulate in fp32. A step's first gradients are
-  copied in per bucket, once all of the bucket's have arrived: one multi-tensor copy (``torch._foreach_copy_``, which
-  converts bf16 to fp32 with vectorised loads) instead of one copy kernel per parameter; the bf16 gradients wait
-  for it (at most about a bucket of them) and anything that reads a main gradient first copies its bucket's.
-* A step whose gradients nothing accumulates, reduces or scales (one micro-batch, no data-parallel, expert,
-  sequence-parallel or embedding reduction, no clipping, no loss scaling: :meth:`start_step` with ``direct=True``)
-  keeps the bf16 gradients as the backward left them: no fp32 main gradients, no copy. The step then runs in the
-  compute view with ``p.grad`` the bf16 gradient (:meth:`finish_backward`), and the optimizer steps the fp32 main
-  parameters (:meth:`PrecisionAwareAdamW.step_main_params`) with each gradient converted to fp32 in its update,
-  exactly as it would step them with the fp32 copy of that gradient: the same numbers, without the copy's pass over
-  the gradients and with half the bytes for the checks to read. Should a second gradient of a parameter arrive in
-  such a step after all, the kept ones become fp32 main gradients first and the step accumulates in fp32 as usual.
-* :meth:`to_main` (the first thing of ``GradientFinalizer.finalize``) switches to the main view: everything after it
-  (data / sequence / expert parallel reductions, the tied-embedding sum, the global-norm clip, the non-finite
-  guard, the optimizer and the distributed optimizer's states and broadcasts) sees fp32 parameters and fp32
-  gradients; the tensor to reduce is ``p.grad`` there (equal to :meth:`main_grad` of ``p``).
-* :meth:`to_compute` (an optimizer step post-hook, and the start of every training step) copies the stepped fp32
-  main parameters into the bf16 copies and switches back.
-* :meth:`main_view` (a context) is the main view without gradients, for checkpoints: a checkpoint holds the fp32
-  main parameters as the parameters (resume is exact; it loads into the default fp32 path), and loading writes
-  them (the bf16 copies follow when the context exits). Optimizer states are loaded in that view too (torch
-  casts loaded states to the parameter's dtype).
+      compute view  (forward / backward)   p.data = bf16 copy   p.grad = None (each gradient moved out at once)
+      main view     (reduce / clip / step)  p.data = fp32 main   p.grad = fp32 main gradient
 
-Contiguous buffers (Megatron's ``ParamAndGradBuffer``): the compute copies, the main parameters and the main
-gradients are views into flat buffers, cut into buckets of about ``bucket_size`` elements (Megatron's default 40M):
-the matrices in the module's parameter order, then the vectors (norm weights, biases: no weight decay) in one bucket
-of their own. A bucket's main gradients are one allocation, made when its first
-gradient of the step arrives (backward fills the buckets from the last to the first, so memory grows as it did per
-parameter) and freed when the step is over. Work over many of these tensors then runs over a few flat ones
-(:func:`~lightning_megatron.utils.tensors.coalesce`): the copy back to bf16 is one operation over the buckets, and
-the optimizer (:class:`~lightning_megatron.optimizer.PrecisionAwareAdamW`), clipping and the data-parallel
-reduction each see one flat tensor per bucket and parameter group instead of one per parameter (the global norm and
-the non-finite check, one multi-tensor pass either way, keep per-parameter norms for the non-finite verdict).
+  :meth:`~MainParams.to_main` (the start of ``GradientFinalizer.finalize``) and :meth:`~MainParams.to_compute` (an
+  optimizer step post-hook) switch; :meth:`~MainParams.main_view` is the main view for checkpoints and imports.
 
-Memory per parameter: 2 bytes (bf16 copy) + 4 (fp32 main) + 4 (fp32 main grad during a step that accumulates,
-reduces or clips; a direct step keeps the 2-byte bf16 gradient instead), Megatron's.
+Gradients reach the buffer by one post-accumulate-grad hook per parameter, and the zero-bubble schedules' separate
+weight-gradient pass by :meth:`~MainParams.weight_grads`. A step's first gradients of a bucket are copied in together
+(one multi-tensor copy). A step that nothing accumulates, reduces, clips or scales (``direct``) keeps the gradients
+as the backward left them.
 
-Remainders (``store_param_remainders=True``, Megatron's ``--store-param-remainders``): the fp32 main parameter is held
-as the bf16 copy plus a 16-bit remainder (:mod:`~lightning_megatron.optimizer.param_remainders`), the same 32 bits
-for 2 bytes instead of 4. The bf16 copy is then the main parameter rounded to nearest with ties away from zero (not
-to even: one bf16 step apart at exact ties only). :class:`~lightning_megatron.optimizer.PrecisionAwareAdamW` steps
-the two halves in place (:meth:`~lightning_megatron.optimizer.PrecisionAwareAdamW.step_param_remainders`);
-:meth:`to_main` joins them into fp32 main parameters for the main view (one pass, memory for the view's duration)
-and :meth:`to_compute` splits them back where anything else wrote the main parameters. A direct step never joins
-them: the whole step is the optimizer's pass over the halves.
-No communication here; the gradients are reduced by the caller over its groups (the step path does not wrap
-torch DDP around a module with main parameters: its reducer would own the bf16 gradients).
+Data parallelism (:meth:`~MainParams.overlap_reduction`): each bucket is averaged over its group (dp x cp; routed
+experts summed over edp and divided by dp x cp), by one all-reduce, or under the distributed optimizer
+(:meth:`~MainParams.shard`) one reduce-scatter that leaves each rank its run; started inside the backward once the
+bucket's last gradient of the step has arrived (``overlap_grad_reduce``), else after it. The replicas start equal
+(:meth:`~MainParams.broadcast_replicas`).
+
+Buckets hold about ``bucket_size`` elements (Megatron's default 40M): the matrices in the module's order, the
+vectors (norms, biases) in a bucket of their own, routed experts' after the rest, a tied word embedding alone. A
+bucket's gradient buffer is allocated at its first gradient of a step and freed at the step's end. Memory per bf16
+parameter: 2 (bf16 copy) + 4 (fp32 main; 2 with remainders) + 4 (fp32 main gradient during a step), Megatron's;
+the distributed optimizer keeps only this rank's run of the main parameters (:mod:`.optimizer`).
 """
 from __future__ import annotations
 
