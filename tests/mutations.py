@@ -269,6 +269,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "                pass\n"),),
         ("tests/test_main_grad.py::test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result",)),
     Mutation(
+        "run-start-step-not-armed", "the run's start_step leaves the buffer's reductions unarmed: every bucket waits "
+        "for finalize instead of starting inside the backward (no overlap, same numbers)",
+        (Edit("lightning_megatron/run/parallel_run.py", "        if num_microbatches is not None:\n",
+              "        if False:\n"),),
+        ("tests/test_parallel_run.py::test_plain_loop_over_the_run_matches_one_process",)),
+    Mutation(
         "direct-step-despite-a-reduction", "a step keeps its bf16 gradients although the finaliser averages them over "
         "data parallel (the reduction would then run in bf16)",
         (Edit("lightning_megatron/parallel/finalize_grads.py",
