@@ -70,6 +70,12 @@ class ParallelRun:
         self.sharded_io: Optional["ShardedCheckpointIO"] = None
 
     # ------------------------------------------------------------------------------------------ building
+    def rebind(self, mesh: ParallelMesh) -> None:
+        """A later run over the same model (Lightning's ``setup_environment`` of another ``fit`` / ``validate``): the
+        new grid; the record, the FSDP2 units and the parameter gathers stay (:meth:`parallelize` returns the same
+        record and builds the finaliser over the new grid; :meth:`shard_optimizers` removes the earlier gathers)."""
+        self.mesh = mesh
+
     def parallelize(self, module: nn.Module, *, seed: int, tp_rng: Optional[TensorParallelRNG] = None,
                     forward_context: Callable[[], ContextManager] = contextlib.nullcontext, fp8: Any = None,
                     convert: Optional[Callable[[nn.Module], Any]] = None, params_dtype: Optional[torch.dtype] = None,

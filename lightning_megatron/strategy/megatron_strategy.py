@@ -223,7 +223,10 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
         mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
-        self.run = ParallelRun(mesh, self.root_device, self.parallel_config)
+        if self.run is None:
+            self.run = ParallelRun(mesh, self.root_device, self.parallel_config)
+        else:   # a later fit / validate of this strategy: its record, FSDP units and gathers stay
+            self.run.rebind(mesh)
         if self.parallel_config.enable_cuda_graph:   # before the model exists: nothing to undo
             check_cuda_graph_run(self.lightning_module, self.root_device, self._param_precision().params_dtype)
         self.run.start_sharded_io(self._timeout)
