@@ -3,11 +3,13 @@
     torchrun --nproc_per_node=2 examples/run_simple_train_loop.py            # tp=2, CPU (gloo) or GPUs (nccl)
     torchrun --nproc_per_node=4 examples/run_simple_train_loop.py --tp 2      # tp=2 x dp=2
 
-Builds the process grid (:class:`ParallelMesh`), a tiny GPT on the meta device, and calls the same functions the
-Lightning strategy calls: :func:`parallelize` (tensor + sequence parallelism, then materialisation and
-layout-independent initialisation; ``param_buffer=True``: the parameters and gradients in the contiguous buffer
-that reduces them over the dp x cp group) and a :class:`GradientFinalizer` (the once-per-step reductions). Trains a few steps on mock data (the same
-batch on TP peers, different ones across data-parallel ranks) and prints the loss, the same on every rank.
+Builds the process grid (:class:`ParallelMesh`), a tiny GPT on the meta device, and drives the same run object the
+Lightning strategy drives, :class:`ParallelRun`: ``parallelize`` (tensor + sequence parallelism, materialisation and
+layout-independent initialisation; the parameters and gradients in the contiguous buffer that reduces them over the
+dp x cp group; the gradient finaliser), ``prepare_data_parallel`` and ``shard_optimizers`` (the replicas equal, the
+post-step hook of the buffer), then per step ``start_step`` and ``finalize`` (the once-per-step reductions). Trains a
+few steps on mock data (the same batch on TP peers, different ones across data-parallel ranks) and prints the loss,
+the same on every rank.
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from lightning_megatron import GPTConfig, GPTModel, ParallelConfig, ParallelMesh, parallelize
-from lightning_megatron.parallel.finalize_grads import GradientFinalizer
+from lightning_megatron import GPTConfig, GPTModel, ParallelConfig, ParallelMesh, ParallelRun
 
 
 def main() -> None:
@@ -45,10 +46,11 @@ def main() -> None:
     with torch.device("meta"):
         model = GPTModel(config)
     # the same weights at any layout, held in the buffer that averages the gradients over dp x cp
-    parallelized = parallelize(model, mesh, mesh.config, device=device, seed=seed, param_buffer=True)
-    gradients = GradientFinalizer(parallelized, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    parallelized.main_params.attach(optimizer)  # after each step the buffer starts the next one afresh
+    run = ParallelRun(mesh, device)
+    run.parallelize(model, seed=seed)
+    run.prepare_data_parallel(model)   # the data-parallel replicas made equal
+    # after each step the buffer starts the next one afresh (and the distributed optimizer's shards, if asked for)
+    optimizer, = run.shard_optimizers([torch.optim.AdamW(model.parameters(), lr=1e-3)], model)
 
     # Mock data: a fixed stream of batches, sharded by data-parallel rank (TP peers read the same one).
     gen = torch.Generator().manual_seed(0)
@@ -56,9 +58,10 @@ def main() -> None:
     for step in range(args.steps):
         ids = torch.randint(0, config.vocab_size, (dp, args.micro_batch_size, config.seq_length + 1), generator=gen)
         ids = ids[dp_rank].to(device)
+        run.start_step(1)   # one micro-batch: the buffer's buckets reduce in the backward as they complete
         loss = model(ids[:, :-1], None, ids[:, 1:]).mean()
         loss.backward()
-        gradients.finalize()
+        run.finalize()   # the step's reductions (dp x cp, SP parameters over tp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         shown = loss.detach().clone()

@@ -42,6 +42,7 @@ _EXPORTS: Dict[str, str] = {
     "vocab_parallel_cross_entropy": "lightning_megatron.parallel.tensor_parallel",
     "parallelize": "lightning_megatron.parallelize",
     "ParallelizedModel": "lightning_megatron.parallelize",
+    "ParallelRun": "lightning_megatron.run",
     "MegatronStrategy": "lightning_megatron.strategy",
     "REQUEUE_EXIT_CODE": "lightning_megatron.strategy.resilience",
     "MegatronPrecision": "lightning_megatron.precision",

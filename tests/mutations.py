@@ -263,6 +263,18 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        return local_tensor(p)\n"),),
         ("tests/test_main_grad.py::test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result",)),
     Mutation(
+        "run-optimizer-not-attached", "the run shards the optimizers but does not attach the parameter buffer's "
+        "post-step hook (PrecisionAwareAdamW then steps the bf16 copies, not the fp32 main parameters)",
+        (Edit("lightning_megatron/run/parallel_run.py", "                main_params.attach(optimizer)\n",
+              "                pass\n"),),
+        ("tests/test_main_grad.py::test_a_step_nothing_accumulates_keeps_its_bf16_gradients_with_the_same_result",)),
+    Mutation(
+        "run-start-step-not-armed", "the run's start_step leaves the buffer's reductions unarmed: every bucket waits "
+        "for finalize instead of starting inside the backward (no overlap, same numbers)",
+        (Edit("lightning_megatron/run/parallel_run.py", "        if num_microbatches is not None:\n",
+              "        if False:\n"),),
+        ("tests/test_parallel_run.py::test_plain_loop_over_the_run_matches_one_process",)),
+    Mutation(
         "direct-step-despite-a-reduction", "a step keeps its bf16 gradients although the finaliser averages them over "
         "data parallel (the reduction would then run in bf16)",
         (Edit("lightning_megatron/parallel/finalize_grads.py",
@@ -357,7 +369,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "buffer-replicas-not-broadcast", "the data-parallel replicas are not made equal when fitting starts (torch "
         "DDP's broadcast at wrap time, which the buffer replaced)",
-        (Edit("lightning_megatron/strategy/model_setup.py",
+        (Edit("lightning_megatron/run/model_setup.py",
               "    parallelized.main_params.broadcast_replicas(lambda bucket: _bucket_group(mesh, bucket))\n",
               "    pass\n"),),
         ("tests/test_param_buffer.py::test_replicas_start_equal_from_the_first_rank",)),
@@ -419,7 +431,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
         "gathered-main-parameters-not-copied-to-bf16", "with bf16 parameters the distributed optimizer's overlapped "
         "broadcast writes the fp32 main parameters but the bf16 copies of other ranks' shards stay stale",
-        (Edit("lightning_megatron/strategy/model_setup.py",
+        (Edit("lightning_megatron/run/model_setup.py",
               "after_wait=main.adopt_broadcast if main is not None else None)", "after_wait=None)"),),
         (SHARDS + "test_sharded_step_equals_the_unsharded_step_bit_for_bit[rmsprop-fallback-param-gather]",)),
     Mutation(

@@ -54,7 +54,7 @@ class Evidence(pl.Callback):
                                if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
             "buckets": len(dense),
             "started_in_backward": buffer.started_in_backward,
-            "waited_in_forward": s._param_gather.waited_in_forward if s._param_gather is not None else None,
+            "waited_in_forward": s.run.param_gather.waited_in_forward if s.run.param_gather is not None else None,
             # elements of each bucket of matrices holding more than one parameter
             "shared_bucket_elements": [b.numel for b in dense if len(b.params) > 1 and b.params[0].dim() > 1],
         }

@@ -16,7 +16,7 @@ import pytest
 import lightning_megatron
 
 PACKAGES = ["lightning_megatron", "lightning_megatron.models", "lightning_megatron.callbacks", "lightning_megatron.moe",
-            "lightning_megatron.parallel"]
+            "lightning_megatron.parallel", "lightning_megatron.run"]
 
 
 def _python(code: str) -> str:
@@ -56,6 +56,14 @@ def test_import_and_planner_load_neither_torch_nor_lightning():
     assert out.split("\n")[:2] == ["after import False False", "after plan False False"], out
 
 
+def test_the_run_object_loads_without_lightning():
+    """The Lightning-free run (:class:`~lightning_megatron.run.ParallelRun`) that the strategy and the plain loop
+    share imports neither Lightning nor the strategy."""
+    out = _python("import sys\nfrom lightning_megatron.run import ParallelRun\nParallelRun.start_step\n"
+                  "print('lightning' in sys.modules, 'lightning_megatron.strategy.megatron_strategy' in sys.modules)\n")
+    assert out.split() == ["False", "False"], out
+
+
 def test_planner_cli_wall_time_under_5s():
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "lightning_megatron.planner", "--model", "gpt3_175b", "--gpus", "512",
@@ -86,7 +94,7 @@ def test_strategy_names_registered_whichever_package_loads_first(first):
 #: the package's layers, lowest first: a module may import from its own layer and the layers below it only
 #: (docs/architecture.md, "The tree")
 LAYERS = [{"utils"}, {"contract"}, {"parallel", "data", "optimizer"}, {"moe"}, {"models"}, {"precision"},
-          {"parallelize"}, {"checkpoint"}, {"callbacks"}, {"planner"}, {"strategy"}, {"hf", "cli"},
+          {"parallelize"}, {"checkpoint"}, {"run"}, {"callbacks"}, {"planner"}, {"strategy"}, {"hf", "cli"},
           {"__init__", "__main__"}]
 
 

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
@@ -166,6 +165,8 @@ def is_sharded_optimizer(optimizer: Any) -> bool:
 
 def _gathered(zero: ZeroRedundancyOptimizer) -> Dict[str, Any]:
     """``zero``'s whole state (consolidated) on every rank of its group, on CPU."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device   # only here: the run needs no Lightning
+
     group = zero.process_group
     cpu = torch.device("cpu")
     payload: List[Any] = [move_data_to_device(zero.state_dict(), cpu) if dist.get_rank(group) == 0 else None]

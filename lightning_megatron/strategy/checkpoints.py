@@ -32,8 +32,9 @@ __all__ = ["CheckpointHooks"]
 
 class CheckpointHooks:
     """Lightning's checkpoint hooks for :class:`~lightning_megatron.strategy.MegatronStrategy` (which provides
-    ``mesh``, ``parallel_config``, ``parallelized``, ``lightning_module``, ``optimizers`` and the Lightning strategy
-    base these methods' ``super()`` calls reach)."""
+    ``run``: its :class:`~lightning_megatron.run.ParallelRun`, the sharded writer, the main view, the pipeline group;
+    ``parallel_config``, ``lightning_module``, ``optimizers`` and the Lightning strategy base these methods'
+    ``super()`` calls reach)."""
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -41,23 +42,17 @@ class CheckpointHooks:
         them is a silent no-op) and not yet sharded."""
         return True
 
-    def _start_sharded_io(self, timeout: Any) -> None:
-        """With ``ckpt_format="torch_dist"``: the sharded checkpoint writer, with ``async_save`` on a gloo group of
-        its own (background saves must not share the training's process group); nothing for ``"torch"``."""
-        cfg = self.parallel_config
-        if cfg.ckpt_format != "torch_dist":
-            return
-        from lightning_megatron.checkpoint.distributed import ShardedCheckpointIO
-
-        group = torch.distributed.new_group(backend="gloo", timeout=timeout) if cfg.async_save else None
-        self._sharded_io = ShardedCheckpointIO(cfg.async_save, group)
+    def _sharded_writer(self) -> Any:
+        """The run's sharded checkpoint writer (``ckpt_format="torch_dist"``, :meth:`ParallelRun.start_sharded_io`),
+        else None."""
+        return self.run.sharded_io if self.run is not None else None
 
     def _main_view(self) -> Any:
         """bf16 parameters: a context in which they hold their fp32 main values (checkpoints), else nothing."""
-        return self.parallelized.main_view() if self.parallelized is not None else contextlib.nullcontext()
+        return self.run.main_view() if self.run is not None else contextlib.nullcontext()
 
     def _pp_group(self) -> Any:
-        return self.mesh.group("pp") if self.mesh is not None and self.parallel_config.pp > 1 else None
+        return self.run.pp_group() if self.run is not None else None
 
     @property
     def sharded_checkpoints(self) -> bool:
@@ -65,12 +60,13 @@ class CheckpointHooks:
         return self.parallel_config.ckpt_format == "torch_dist"
 
     def _check_weights(self) -> None:
-        if self._grads is not None:
+        guard = self.run.guard if self.run is not None else None
+        if guard is not None:
             self.settle_non_finite(log_skip=False)   # a device-decided non-finite step raises before anything is written
             trainer = self.lightning_module._trainer
-            self._grads.guard.step = trainer.global_step if trainer is not None else None
+            guard.step = trainer.global_step if trainer is not None else None
             with self._main_view():
-                self._grads.guard.check_weights()
+                guard.check_weights()
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """The model state for a checkpoint; non-finite weights raise
@@ -118,12 +114,8 @@ class CheckpointHooks:
             raise TypeError("ckpt_format='torch_dist' does not take storage_options")
         from lightning_megatron.checkpoint.distributed import save_sharded
 
-        save_sharded(self._sharded_io, checkpoint, str(filepath), self.global_rank, self._layout_signature(),
-                     self.root_device, self.tp_rng)
-
-    def _layout_signature(self) -> Dict[str, int]:
-        c = self.mesh.config
-        return {"world": self.world_size, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "etp": c.etp}
+        save_sharded(self._sharded_writer(), checkpoint, str(filepath), self.global_rank,
+                     self.run.layout_signature(self.world_size), self.root_device, self.tp_rng)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A file: Lightning's load (full tensors, sharded by :meth:`load_model_state_dict`). A sharded directory:
@@ -131,19 +123,21 @@ class CheckpointHooks:
         (:func:`~lightning_megatron.checkpoint.distributed.load_sharded`; collective)."""
         from lightning_megatron.checkpoint.distributed import ShardedCheckpointIO, is_sharded_checkpoint, load_sharded
 
+        writer = self._sharded_writer()
         if not is_sharded_checkpoint(checkpoint_path):
-            if self._sharded_io is not None:
-                self._sharded_io.wait()
+            if writer is not None:
+                writer.wait()
             if os.path.isdir(str(checkpoint_path)):
                 from lightning_megatron.checkpoint.distributed import verify_checkpoint
 
                 verify_checkpoint(str(checkpoint_path))   # raises: a directory without complete metadata
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        io = self._sharded_io if self._sharded_io is not None else ShardedCheckpointIO()
+        io = writer if writer is not None else ShardedCheckpointIO()
         with self._main_view():   # bf16 parameters: the shards are read into the fp32 main parameters
             return load_sharded(io, str(checkpoint_path), self.lightning_module, self.optimizers if fitting else [],
-                                self.global_rank, self._layout_signature(), self.root_device, self.tp_rng)
+                                self.global_rank, self.run.layout_signature(self.world_size), self.root_device,
+                                self.tp_rng)
 
     def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
         """Load a full checkpoint, keeping this rank's shards, or this rank's shards read from a sharded one;
@@ -181,14 +175,16 @@ class CheckpointHooks:
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a checkpoint file or sharded directory (rank 0); while a background save runs, once it is
         complete (an older checkpoint outlives its successor's write)."""
-        if self._sharded_io is not None:
+        writer = self._sharded_writer()
+        if writer is not None:
             if self.is_global_zero:
-                self._sharded_io.remove_checkpoint(str(filepath))
+                writer.remove_checkpoint(str(filepath))
             return
         super().remove_checkpoint(filepath)
 
     def finish_checkpoints(self) -> None:
         """Wait for a background checkpoint save to complete (every rank; raises its error)."""
-        if self._sharded_io is not None:
-            self._sharded_io.wait()
+        writer = self._sharded_writer()
+        if writer is not None:
+            writer.wait()
             self.barrier("finish_checkpoints")

@@ -1,6 +1,6 @@
 """The gradient hooks of :class:`~lightning_megatron.strategy.MegatronStrategy` (a mixin it inherits): after an
-optimizer step's backward, finish the gradients (:class:`~lightning_megatron.parallel.finalize_grads.GradientFinalizer`:
-the reductions DDP does not do, the non-finite check), clip them by their global norm over every model-parallel
+optimizer step's backward, finish the gradients (the run's :meth:`~lightning_megatron.run.ParallelRun.finalize`:
+the reductions DDP does not do; the non-finite check), clip them by their global norm over every model-parallel
 group, count the steps ``check_for_nan_in_loss_and_grad="skip"`` dropped, and replay a non-finite step once under
 ``"rerun"``."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["GradientHooks"]
 
 class GradientHooks:
     """Lightning's ``optimizer_step`` and gradient clipping for :class:`~lightning_megatron.strategy.MegatronStrategy`
-    (which provides ``_grads``, ``_steps``, ``precision_plugin``, ``lightning_module``, ``wait_for_parameters`` and
+    (which provides ``run``, ``_steps``, ``precision_plugin``, ``lightning_module``, ``wait_for_parameters`` and
     the Lightning strategy base these methods' ``super()`` calls reach, and ``skipped_steps``)."""
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -31,7 +31,7 @@ class GradientHooks:
         non-finite checks are decided on the device (:meth:`NonFiniteGuard.start_step`): the previous step's verdict
         is settled once this step's forward and backward are queued, before its gradients are finished (by then the
         GPU is past the previous step's checks, so the host does not wait for it)."""
-        guard = self._grads.guard if self._grads is not None else None
+        guard = self.run.guard if self.run is not None else None
 
         def closure_then_finalize() -> Any:
             result = closure()
@@ -57,7 +57,7 @@ class GradientHooks:
                 return None
             result = self._replay(optimizer, closure_then_finalize, model, skipped, rng, **kwargs)
         if guard is not None:
-            guard.end_step()
+            self.run.end_step()
         return result
 
     def _step_once(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
@@ -74,7 +74,7 @@ class GradientHooks:
         same batch; the RNG states as the first time) and the optimizer step again. A non-finite value again raises
         :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` (naming step, ranks and parameter); a finite
         replay steps, and the fault is counted (``rerun_steps``) and logged on rank 0."""
-        guard = self._grads.guard
+        guard = self.run.guard
         if self.is_global_zero:
             log.warning("%s; replaying the step from the same inputs", str(fault).split(". The step was skipped")[0])
         set_rng_state(rng, self.root_device, self.tp_rng)
@@ -94,10 +94,11 @@ class GradientHooks:
         :class:`~lightning_megatron.parallel.nonfinite.NonFiniteError` for a non-finite step (its update was skipped
         on the device), or counts it in ``skip`` mode (logged as ``skipped_steps`` when ``log_skip``). Called at the
         next optimizer step, at the end of training and before a checkpoint is written; collective on every rank."""
-        if self._grads is None:
+        guard = self.run.guard if self.run is not None else None
+        if guard is None:
             return
         try:
-            self._grads.guard.settle()
+            guard.settle()
         except NonFiniteStepSkipped as skipped:
             self._count_skipped(skipped, log_skip)
 
@@ -124,27 +125,28 @@ class GradientHooks:
     _finalized = False
 
     def finalize_gradients(self) -> None:
-        """Gradient reductions DDP does not do, once per optimizer step (:class:`GradientFinalizer`): before the
-        optimizer step, or before clipping when the user clips first (manual optimization calls
-        ``self.clip_gradients`` before ``optimizer.step()``); the second call of a step does nothing."""
-        assert self._grads is not None
+        """Gradient reductions DDP does not do, once per optimizer step (:meth:`ParallelRun.finalize`, after waiting
+        for parameter gathers in flight): before the optimizer step, or before clipping when the user clips first
+        (manual optimization calls ``self.clip_gradients`` before ``optimizer.step()``); the second call of a step
+        does nothing."""
+        run = self.run
+        assert run is not None and run.guard is not None
         if self._finalized:
             return
         self._finalized = True
-        self.wait_for_parameters()   # before the step writes the parameters again
-        self._grads.finalize(self._steps.step_microbatches if self._steps is not None else None)
-        self._grads.guard.step = self.lightning_module.trainer.global_step
+        run.finalize(self._steps.step_microbatches if self._steps is not None else None)
+        run.guard.step = self.lightning_module.trainer.global_step
         if not self._clips_by_norm():   # clipping checks the global norm it computes anyway
-            self._grads.guard.check_grads()
+            run.guard.check_grads()
 
     def keeps_grads_as_computed(self, num_microbatches: int) -> bool:
         """Whether a step of ``num_microbatches`` leaves the gradients as the backward computed them: one micro-batch,
-        no clipping, no loss scaling and no reduction in this layout (:meth:`GradientFinalizer.reduces_grads`). bf16
+        no clipping, no loss scaling and no reduction in this layout (:meth:`ParallelRun.reduces_grads`). bf16
         parameters then keep their bf16 gradients instead of fp32 main gradients (:meth:`MainParams.start_step`),
         with the same update."""
         trainer = self.lightning_module.trainer
         return (num_microbatches == 1 and not trainer.gradient_clip_val and not self._loss_scaled()
-                and self._grads is not None and not self._grads.reduces_grads())
+                and self.run is not None and self.run.finalizer is not None and not self.run.reduces_grads())
 
     def _clips_by_norm(self) -> bool:
         trainer = self.lightning_module.trainer
@@ -166,6 +168,6 @@ class GradientHooks:
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to global L2 norm ``clip_val``; returns the norm before clipping. The
         step's gradients are finished first (reduced over every group), if they are not yet."""
-        assert self._grads is not None
+        assert self.run is not None
         self.finalize_gradients()
-        return self._grads.clip([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))
+        return self.run.clip([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))

@@ -1,8 +1,9 @@
 """``MegatronStrategy``: Lightning's hooks, translated into the library's calls.
 
-``setup_environment`` starts the process group and builds the :class:`ParallelMesh` and RNG streams; ``setup``
-calls :func:`~lightning_megatron.parallelize.parallelize`, then :mod:`~lightning_megatron.strategy.model_setup`
-(data parallelism, the distributed optimizer). Training runs every layout through one step path
+The strategy is Lightning's face over one :class:`~lightning_megatron.run.ParallelRun` (``strategy.run``: the mesh,
+the parallelised model, the gradient finaliser, the optimizers' sharding, checkpoint I/O), which the plain quick-start
+loop uses too. ``setup_environment`` starts the process group and builds the :class:`ParallelMesh` (and the run over
+it) and RNG streams; ``setup`` calls the run's ``parallelize``, ``prepare_data_parallel`` and ``shard_optimizers``. Training runs every layout through one step path
 (:class:`~lightning_megatron.strategy.step_path.StepPath`) that calls the module's own step hooks; under pipeline
 parallelism the schedule runs the step's forward and backward and the strategy's ``backward`` only fires Lightning's
 hooks (the one place its loop is bypassed). Lightning features a layout cannot run are refused at
@@ -36,23 +37,21 @@ from lightning_megatron.contract import ConfiguredModule, ParallelLightningModul
 from lightning_megatron.parallel.context_parallel.layout import split_batch
 from lightning_megatron.parallel.compile import check_cuda_graph_run
 from lightning_megatron.parallel.dry_run import DryRun, init_fake_process_group
-from lightning_megatron.parallel.finalize_grads import GradientFinalizer
 from lightning_megatron.parallel.fsdp import FSDPModel
 from lightning_megatron.parallel.mesh import ParallelMesh
 from lightning_megatron.parallel.layout_rules import min_microbatches
-from lightning_megatron.parallel.param_gather import OverlappedParamGather
 from lightning_megatron.parallel.tensor_parallel.random import TensorParallelRNG, seed_rank_streams
-from lightning_megatron.parallelize import ParallelizedModel, parallelize
+from lightning_megatron.parallelize import ParallelizedModel
 from lightning_megatron.precision.plugin import (MegatronPrecision, ParamPrecision, megatron_precision_for,
                                                  param_precision_for)
+from lightning_megatron.run import ParallelRun
+from lightning_megatron.run.model_setup import check_pipeline_module, parallel_context
 from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.lightning_features import (attach_weight_averages, check_lightning_features,
                                                           check_short_pipeline_steps)
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
                                                   kill_launched, restart_safe_store)
-from lightning_megatron.strategy.model_setup import (check_pipeline_module, parallel_context, shard_fsdp,
-                                                     shard_optimizer_states, equalize_replicas)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
@@ -94,8 +93,9 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             (collectives return at once, memory and compute are that rank's; the non-finite checks are off, losses
             meaningless). ``docs/planner.md`` ("Dry runs").
 
-    ``strategy.mesh`` exists after ``setup_environment``. Data is sharded by data-parallel rank (CP ranks then keep
-    their part, :meth:`batch_to_device`). A :class:`~lightning_megatron.contract.ParallelLightningModule` (as
+    ``strategy.run`` (:class:`~lightning_megatron.run.ParallelRun`) and ``strategy.mesh`` exist after
+    ``setup_environment``, ``strategy.parallelized`` after ``setup``. Data is sharded by data-parallel rank (CP ranks
+    then keep their part, :meth:`batch_to_device`). A :class:`~lightning_megatron.contract.ParallelLightningModule` (as
     :class:`ParallelGPTModule`) trains through the one step path under every layout (``train_loss``: the step's
     global token-mean); other LightningModules through Lightning's own loop (pp == 1).
     """
@@ -147,16 +147,13 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                              "the start again; set auto_resume=True (and a ModelCheckpoint that saves)")
         #: spawn / fork: how often the launcher starts every rank again after one failed (:class:`MegatronMultiProcessingLauncher`)
         self.max_restarts = max_restarts
-        self.mesh: Optional[ParallelMesh] = None
+        #: the Lightning-free run (mesh, parallelised model, finaliser, sharded optimizers, checkpoint I/O), built at
+        #: ``setup_environment``
+        self.run: Optional[ParallelRun] = None
         self.tp_rng: Optional[TensorParallelRNG] = None
         self.seed: int = global_seed()
-        self.parallelized: Optional[ParallelizedModel] = None
-        self._grads: Optional[GradientFinalizer] = None
         self._steps: Optional[StepPath] = None
         self._context: Optional[Any] = None   # the ParallelContext the module was told (with the step path)
-        self.fsdp: Optional[FSDPModel] = None   # FSDP units (optim_grads / optim_grads_params), after fit's setup
-        self._param_gather: Optional[OverlappedParamGather] = None
-        self._sharded_io: Optional[Any] = None
         self.skipped_steps: int = 0   # steps dropped by check_for_nan_in_loss_and_grad="skip" (logged as such)
         self._skips_unlogged = False   # a skip counted outside an optimizer step, logged at the next one
         self.dry_run: Optional[DryRun] = dry_run
@@ -165,6 +162,22 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                              "results unfilled, so losses and gradients of a dry run are meaningless; drop it")
         self.rerun_steps: int = 0   # non-finite steps replayed finite by check_for_nan_in_loss_and_grad="rerun"
         self._exit_signals: Optional[ExitSignalHandler] = None   # exit_signal_handler=True: during fit
+
+    @property
+    def mesh(self) -> Optional[ParallelMesh]:
+        """The process grid (the run's), after ``setup_environment``."""
+        return self.run.mesh if self.run is not None else None
+
+    @property
+    def parallelized(self) -> Optional[ParallelizedModel]:
+        """What :func:`~lightning_megatron.parallelize.parallelize` did to the module (the run's record), after
+        ``setup``."""
+        return self.run.parallelized if self.run is not None else None
+
+    @property
+    def fsdp(self) -> Optional[FSDPModel]:
+        """The FSDP2 units (``optim_grads`` / ``optim_grads_params``, the run's), after fit's ``setup``."""
+        return self.run.fsdp if self.run is not None else None
 
     @property
     def precision_plugin(self) -> Precision:
@@ -209,15 +222,19 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
             self._add_long_run_hooks(module.trainer)
         guard_processes(self._launcher, self.cluster_environment, self.num_processes * self.num_nodes)
         super().setup_environment()
-        self.mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
+        mesh = ParallelMesh(self.parallel_config, device_type=self.root_device.type, timeout=self._timeout)
+        if self.run is None:
+            self.run = ParallelRun(mesh, self.root_device, self.parallel_config)
+        else:   # a later fit / validate of this strategy: its record, FSDP units and gathers stay
+            self.run.rebind(mesh)
         if self.parallel_config.enable_cuda_graph:   # before the model exists: nothing to undo
             check_cuda_graph_run(self.lightning_module, self.root_device, self._param_precision().params_dtype)
-        self._start_sharded_io(self._timeout)
+        self.run.start_sharded_io(self._timeout)
         if isinstance(self.lightning_module, ConfiguredModule):
             self.parallel_config.validate_model(self.lightning_module.config)
         self.seed = global_seed()
-        self.tp_rng = seed_rank_streams(self.seed, self.mesh.rank("tp"), self.mesh.rank("pp"), self.root_device)
-        log.info("lightning-megatron mesh: %r", self.mesh)
+        self.tp_rng = seed_rank_streams(self.seed, mesh.rank("tp"), mesh.rank("pp"), self.root_device)
+        log.info("lightning-megatron mesh: %r", mesh)
 
     def _add_long_run_hooks(self, trainer: "pl.Trainer") -> None:
         """``auto_resume``: the newest complete checkpoint when ``fit`` got no ``ckpt_path``;
@@ -303,27 +320,16 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         """Parallelise and materialise the model (its parameters in the contiguous buffer, which reduces the gradients
         over dp x cp, or FSDP2 units at the FSDP levels) when fitting, set up optimizers."""
-        assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        assert self.accelerator is not None and self.model is not None and self.run is not None
         self.accelerator.setup(trainer)
         self.parallelize(self.lightning_module)   # the precision plugin converts the module there
         self.model_to_device()
         self._install_global_norm_clipping()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        parallelized, cfg, mesh = self.parallelized, self.parallel_config, self.mesh
-        if fitting and cfg.fsdp and self.fsdp is None:   # FSDP once; the finaliser then works on the shards
-            self.fsdp = shard_fsdp(self.lightning_module, parallelized, mesh, cfg, self.precision_plugin.precision)
-            guard_grads = self._grads.guard.grads
-            self._grads = GradientFinalizer(parallelized, mesh, self.fsdp)
-            self._grads.guard.grads = guard_grads
-        elif fitting and not cfg.fsdp:   # the buffer reduces the gradients: the replicas start equal
-            equalize_replicas(parallelized, mesh)
-        if fitting:
+        if fitting:   # FSDP2 units once (the finaliser then works on the shards), or the replicas made equal
+            self.run.prepare_data_parallel(self.lightning_module, self.precision_plugin.precision)
             self.setup_optimizers(trainer)
-            self.optimizers, self._param_gather = shard_optimizer_states(
-                self.optimizers, self.lr_scheduler_configs, self.model, parallelized, mesh, cfg, self._param_gather)
-            if parallelized.main_params is not None:   # the optimizer stepped the fp32 main parameters: back to bf16
-                for optimizer in self.optimizers:
-                    parallelized.main_params.attach(optimizer)
+            self.optimizers = self.run.shard_optimizers(self.optimizers, self.model, self.lr_scheduler_configs)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -334,33 +340,32 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         """With ``overlap_param_gather``: wait for the distributed optimizer's parameter broadcasts still in flight
         (this rank's weights are then the current ones). Forward waits per module by itself; call this before reading
         weights elsewhere between steps (e.g. in a callback)."""
-        if self._param_gather is not None:
-            self._param_gather.wait_all()
+        if self.run is not None:
+            self.run.wait_for_parameters()
 
     def parallelize(self, module: "pl.LightningModule") -> ParallelizedModel:
         """:func:`~lightning_megatron.parallelize.parallelize` ``module`` over the mesh, and tell it the layout."""
-        assert self.mesh is not None
-        cfg, mesh = self.parallel_config, self.mesh
+        assert self.run is not None
+        cfg, mesh = self.parallel_config, self.run.mesh
         check_pipeline_module(module, cfg)
         plugin = self.precision_plugin
         # the precision's one step: the FP8 conversion, whose handle registers its end-of-step hook and is the
         # plugin's checkpoint state (precision/fp8/apply.py)
         fp8 = plugin.parallelize_step(self.root_device, mesh) if isinstance(plugin, MegatronPrecision) else None
-        self.parallelized = parallelize(module, mesh, cfg, device=self.root_device, seed=self.seed, tp_rng=self.tp_rng,
-                                        forward_context=plugin.forward_context, fp8=fp8)
-        plugin.convert_module(module)   # before the buffer takes the parameters' storage (64-true: .double())
         params = self._param_precision()
-        if params.params_dtype is not None or not cfg.fsdp:   # the buffer owns the gradients (FSDP2 at its levels)
-            self.parallelized.hold_in_buffer(params.params_dtype, cfg.bucket_size, params.store_param_remainders)
-        self._grads = GradientFinalizer(self.parallelized, mesh)   # with the record's end-of-step hooks
-        self._grads.guard.grads = not self._loss_scaled()
-        stages = self.parallelized.pipeline
+        # convert_module before the buffer takes the parameters' storage (64-true: .double())
+        parallelized = self.run.parallelize(module, seed=self.seed, tp_rng=self.tp_rng,
+                                            forward_context=plugin.forward_context, fp8=fp8,
+                                            convert=plugin.convert_module, params_dtype=params.params_dtype,
+                                            store_param_remainders=params.store_param_remainders,
+                                            check_grads=not self._loss_scaled())
+        stages = parallelized.pipeline
         pipeline = stages.runner(mesh.group("pp"), mesh.ranks("pp"), self.root_device) if stages else None
         self._steps = StepPath(self, pipeline) if isinstance(module, ParallelLightningModule) else None
         if isinstance(module, ParallelLightningModule):   # its step hooks reach the step path through the context
             self._context = dataclasses.replace(parallel_context(mesh, cfg), step=self._steps)
             module.set_parallel_context(self._context)
-        return self.parallelized
+        return parallelized
 
     def _param_precision(self) -> ParamPrecision:
         """How ``MainParams`` stores the parameters (:meth:`MegatronPrecision.param_precision`, read in this one

@@ -32,22 +32,20 @@ from torch import Tensor
 from lightning_megatron.parallel import forward_backward as step
 from lightning_megatron.parallel.compile import mark_step
 from lightning_megatron.parallel.pipeline import PipelineRunner
+from lightning_megatron.run import ParallelRun
 
 
 class StepHost(Protocol):
     """What the step path reads of its strategy (:class:`~lightning_megatron.strategy.MegatronStrategy`), declared
-    here so that this module does not import the strategy that owns it."""
+    here so that this module does not import the strategy that owns it: Lightning's side (the module, the precision
+    plugin, the optimizers) and the run (``run``: the mesh, the parameter buffer, the finaliser)."""
 
     lightning_module: Any
     precision_plugin: Any
     parallel_config: Any
-    parallelized: Any
-    model: Any
-    mesh: Any
-    fsdp: Any
     optimizers: List[Any]
     root_device: torch.device
-    _grads: Any
+    run: Optional[ParallelRun]
 
     def keeps_grads_as_computed(self, num_microbatches: int) -> bool: ...
 
@@ -87,6 +85,12 @@ class StepPath:
         self._stash: List[Tuple[Tensor, Tensor]] = []   # pp: gradients kept out of a following zero_grad's reach
 
     # ------------------------------------------------------------------------------------------ shared pieces
+    def _run(self) -> ParallelRun:
+        """The strategy's run (set up before any step path exists)."""
+        run = self.strategy.run
+        assert run is not None, "the step path runs after the strategy's setup_environment"
+        return run
+
     def functions(self, context: Callable[[], Any] = contextlib.nullcontext) -> step.StepFunctions:
         """The module's step pieces; without a pipeline its forward and loss run inside ``context`` (pipeline stages
         enter the precision plugin's forward context themselves); the loss is scaled by the precision plugin's loss
@@ -140,18 +144,16 @@ class StepPath:
         self._last = manual or not lm.trainer.fit_loop._should_accumulate()
         if self._open:
             return
-        strategy = self.strategy
+        strategy, run = self.strategy, self._run()
         self._open, self._parts = True, []
-        main_params = strategy.parallelized.main_params
-        if main_params is not None:   # bf16 parameters (a skipped optimizer step left the fp32 main view on)
-            main_params.to_compute()
-            single = self._last and not manual
-            main_params.start_step(direct=single and strategy.keeps_grads_as_computed(1))
-        if not manual:   # the buckets' reductions start inside the step's last backward (overlap_grad_reduce)
-            strategy._grads.start_step(lm.trainer.accumulate_grad_batches)
+        single = self._last and not manual
+        # bf16 parameters back to their compute copies (a skipped optimizer step left the fp32 main view on); not
+        # manual: the buckets' reductions start inside the step's last backward (overlap_grad_reduce)
+        run.start_step(None if manual else lm.trainer.accumulate_grad_batches,
+                       direct=single and strategy.keeps_grads_as_computed(1))
         # Lightning divides the returned loss by accumulate_grad_batches (automatic optimization); the aux losses too
         divisor = 1 if manual else lm.trainer.accumulate_grad_batches
-        lm.set_moe_aux_loss_scale(strategy.mesh.size("dp_cp") / divisor * self._loss_scale())
+        lm.set_moe_aux_loss_scale(run.mesh.size("dp_cp") / divisor * self._loss_scale())
 
     def end_step(self) -> None:
         """After an optimizer step (taken or skipped): the next micro-batch starts a new step."""
@@ -167,7 +169,7 @@ class StepPath:
                     "there, not from a training_step called elsewhere")
             return self._replay[self._replay_index]
         strategy = self.strategy
-        lm, mesh, device = strategy.lightning_module, strategy.mesh, strategy.root_device
+        lm, mesh, device = strategy.lightning_module, self._run().mesh, strategy.root_device
         fns = self.functions()   # inside Lightning's training_step: the precision context is on already
         loss_sum = fns.loss_sum(fns.forward(batch), batch)
         dp, cp = mesh.size("dp_cp"), mesh.size("cp")
@@ -189,8 +191,7 @@ class StepPath:
     def _end_microbatches(self) -> None:
         """At the step's last micro-batch (pp = 1): the step's loss (mean over its micro-batches of each one's global
         token-mean, the same on every rank) checked for NaN / inf and logged once (``log_train_step``)."""
-        strategy = self.strategy
-        lm, mesh = strategy.lightning_module, strategy.mesh
+        mesh = self._run().mesh
         parts, self._parts = self._parts, []
         m = len(parts)
         self.step_microbatches = m
@@ -202,7 +203,7 @@ class StepPath:
     def _check_and_log(self, loss: Tensor, m: int) -> None:
         strategy = self.strategy
         lm = strategy.lightning_module
-        guard = strategy._grads.guard
+        guard = self._run().guard
         guard.step = lm.trainer.global_step
         guard.check_loss(loss)   # NaN/inf: every rank raises here, before the optimizer step
         lm.log_train_step(loss, m)
@@ -246,20 +247,19 @@ class StepPath:
         """Forward and backward of the step's micro-batches through the schedule. Returns the step's loss (the same
         on every rank) and each micro-batch's loss of this data-parallel rank's batch, ``[M]``, on every rank."""
         strategy = self.strategy
-        lm, mesh, device = strategy.lightning_module, strategy.mesh, strategy.root_device
+        run = self._run()
+        lm, mesh, device = strategy.lightning_module, run.mesh, strategy.root_device
         m, dp = len(batches), mesh.size("dp_cp")
         self.step_microbatches = m
-        main_params = strategy.parallelized.main_params
-        if main_params is not None:   # bf16 parameters (a skipped optimizer step left the fp32 main view on)
-            main_params.to_compute()
-            main_params.start_step(direct=strategy.keeps_grads_as_computed(m))
         for optimizer in strategy.optimizers:   # before the schedule (Lightning's zero_grad may come after it)
             optimizer.zero_grad(set_to_none=True)
+        # bf16 parameters back to their compute copies (a skipped optimizer step left the fp32 main view on); the
+        # buckets' reductions armed for the step's micro-batches
+        run.start_step(m, direct=strategy.keeps_grads_as_computed(m))
         # forward_backward divides each micro-batch's loss by M; Lightning divides by accumulate_grad_batches, also
         # in a shorter step (an epoch's last, fast_dev_run): that, as pp = 1 and Lightning's DDP do; the aux too
         accumulate = lm.trainer.accumulate_grad_batches
         lm.set_moe_aux_loss_scale(dp / accumulate * self._loss_scale())
-        strategy._grads.start_step(m)
         fns = self.functions()
         if m != accumulate:
             scale, ratio = fns.scale_loss, m / accumulate
@@ -338,11 +338,11 @@ class StepPath:
     def evaluate(self, batch: Any) -> Tuple[Tensor, Tensor]:
         """``(totals, loss)`` of one evaluation batch (:class:`StepRunner`): this rank's ``[loss_sum, token_count]``
         and this data-parallel rank's token-mean loss, on every rank."""
-        strategy = self.strategy
-        totals = step.eval_totals(batch, self.functions(), device=strategy.root_device, pipeline=self.pipeline)
+        mesh = self._run().mesh
+        totals = step.eval_totals(batch, self.functions(), device=self.strategy.root_device, pipeline=self.pipeline)
         whole = totals.clone()
-        if strategy.mesh.size("cp") > 1:
-            dist.all_reduce(whole, group=strategy.mesh.group("cp"))
+        if mesh.size("cp") > 1:
+            dist.all_reduce(whole, group=mesh.group("cp"))
         return totals, whole[0] / whole[1].clamp(min=1.0)
 
     def predict(self, batch: Any) -> Tensor:

@@ -75,7 +75,7 @@ def test_nan_step_is_skipped_on_the_device_and_raised_naming_it():
     with pytest.raises(NonFiniteError, match=r"at step 1 \(trainer.global_step\): a gradient is nan.*gradient of "
                                              r"model\.decoder\.layers\.1\.mlp\.linear_fc2\.weight \(nan\)"):
         trainer.fit(module, data)
-    assert strategy._grads.guard.on_device
+    assert strategy.run.guard.on_device
     assert torch.equal(weights.after_step[0], weights.after_step[1]) and torch.isfinite(weights.after_step[1]).all()
 
 
@@ -83,7 +83,7 @@ def test_skip_mode_drops_the_step_and_goes_on():
     weights = WeightsAfterStep()
     strategy, trainer, data, module = _fit("skip", [PoisonGradientOnce(0, 1), weights])
     trainer.fit(module, data)
-    assert strategy._grads.guard.on_device and strategy.skipped_steps == 1
+    assert strategy.run.guard.on_device and strategy.skipped_steps == 1
     assert float(trainer.callback_metrics["skipped_steps"]) == 1.0
     w = weights.after_step
     assert [not torch.equal(w[i], w[i + 1]) for i in range(3)] == [False, True, True]
@@ -96,11 +96,11 @@ def test_finite_steps_make_no_synchronising_call(measured):
     watch = _SyncWatch()
     strategy, trainer, data, module = _fit(True, [watch], steps=6)
     trainer.fit(module, data)
-    assert strategy._grads.guard.on_device
+    assert strategy.run.guard.on_device
     plain = _SyncWatch()
     strategy_plain, trainer_plain, data, module = _fit(True, [plain], steps=6, adamw="foreach")
     trainer_plain.fit(module, data)
-    assert not strategy_plain._grads.guard.on_device
+    assert not strategy_plain.run.guard.on_device
     measured(sync_calls_fused=float(len(watch.seen)), sync_calls_plain_adamw=float(len(plain.seen)))
     assert watch.seen == [], "\n".join(watch.seen)
     assert len(plain.seen) >= 3, plain.seen   # at least the loss check's read, each step

@@ -1,14 +1,15 @@
-"""What :meth:`MegatronStrategy.setup <lightning_megatron.strategy.MegatronStrategy.setup>` does to a parallelised
-model after :func:`~lightning_megatron.parallelize.parallelize` when fitting, one function per concern: the data
+"""What :class:`~lightning_megatron.run.ParallelRun` does to a parallelised model after
+:func:`~lightning_megatron.parallelize.parallelize` when fitting, one function per concern: the data
 parallel replicas made equal (the parameter-and-gradient buffer broadcast over dp x cp, or FSDP2 at the sharding
 level asked for), the distributed optimizer's sharded states with their overlapped parameter gathers, and bf16
 parameters' hook that copies the stepped fp32 main parameters back."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.contract import ParallelContext, ParallelLightningModule, TiedWeightsModel
@@ -91,7 +92,7 @@ def shard_optimizer_states(optimizers: List[Any], lr_scheduler_configs: List[Any
         return shard_main_params(optimizers, lr_scheduler_configs, model, parallelized, mesh, cfg, previous_gather)
     if main is not None:
         names = [type(getattr(o, "_optimizer", o)).__name__ for o in optimizers]
-        rank_zero_warn(f"use_distributed_optimizer with bf16 parameters and {names}: not elementwise optimizers "
+        _warn_on_first_rank(f"use_distributed_optimizer with bf16 parameters and {names}: not elementwise optimizers "
                        f"(only {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]} step shards of a parameter), so the "
                        "optimizer states are sharded per whole parameter (ZeroRedundancyOptimizer) and the fp32 main "
                        "parameters stay whole on every rank")
@@ -141,3 +142,9 @@ def tied_head_waits(models: List[nn.Module]) -> Dict[Any, List[Any]]:
         if isinstance(model, TiedWeightsModel):
             waits.update(model.tied_weight_readers())
     return waits
+
+
+def _warn_on_first_rank(message: str) -> None:
+    """A warning on the world's first rank only (every rank reaches the same verdict)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
