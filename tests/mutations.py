@@ -389,6 +389,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        if False:\n            if shard.size != size:"),),
         ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",)),
     Mutation(
+        "refit-finaliser-without-fsdp", "a second fit under FSDP rebuilds the gradient finaliser without the FSDP "
+        "units, so it clips by this rank's shard",
+        (Edit("lightning_megatron/run/parallel_run.py",
+              "        self.finalizer = GradientFinalizer(self.parallelized, self.mesh, self.fsdp)   # a later fit",
+              "        self.finalizer = GradientFinalizer(self.parallelized, self.mesh)   # a later fit"),),
+        ("tests/test_fsdp.py::test_a_second_fit_under_fsdp_clips_by_the_whole_norm",)),
+    Mutation(
         "scattered-norm-not-summed-over-dp", "the clip norm of reduce-scattered gradients counts this rank's runs only",
         (Edit("lightning_megatron/parallel/finalize_grads.py",
               "        scattered = main is not None and main.scatters ",

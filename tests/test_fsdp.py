@@ -261,3 +261,27 @@ def test_mixed_precision_policy_from_the_precision_setting():
     assert mixed_precision_policy("32-true", ParallelConfig()) is None
     assert mixed_precision_policy("32-true", ParallelConfig(grad_reduce_in_bf16=True)).reduce_dtype == torch.bfloat16
     assert mixed_precision_policy("bf16-true", ParallelConfig()) is None
+
+
+def _fit_twice_or_once(rank: int, world: int, twice: bool, samples) -> Dict[str, torch.Tensor]:
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(tiny_config(), 2, adamw="sgd")   # stateless: a second fit's new optimizer changes nothing
+    strategy = MegatronStrategy(data_parallel_sharding_strategy="optim_grads")
+    data = DataLoader(ListDataset(samples), batch_size=2, shuffle=False)
+    trainer = trainer_for(world, strategy, 1 if twice else 2, gradient_clip_val=0.05)
+    trainer.fit(module, data)
+    if twice:
+        trainer.fit_loop.epoch_loop.max_steps = 2
+        trainer.fit(module, data)
+    return {k: v.detach().cpu().clone() for k, v in strategy.lightning_module_state_dict().items()}
+
+
+def test_a_second_fit_under_fsdp_clips_by_the_whole_norm():
+    """FSDP dp2 with clipping, plain SGD, every batch the same: one step, then a second ``fit`` of the same strategy
+    for the next, ends bit-equal to two steps in one ``fit`` (the second fit's gradient finaliser keeps the FSDP
+    units, so its clip norm sums the shards over dp; without them it clips by this rank's shard: 1.7e-3 off)."""
+    samples = make_samples(tiny_config(), 1) * 8
+    twice = run_distributed(_fit_twice_or_once, 2, True, samples)
+    once = run_distributed(_fit_twice_or_once, 2, False, samples)
+    for name, value in once[0].items():
+        assert torch.equal(twice[0][name], value), (name, float((twice[0][name] - value).abs().max()))

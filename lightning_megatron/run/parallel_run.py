@@ -96,7 +96,7 @@ class ParallelRun:
             convert(module)
         if params_dtype is not None or not cfg.fsdp:   # the buffer owns the gradients (FSDP2 at its levels)
             self.parallelized.hold_in_buffer(params_dtype, cfg.bucket_size, store_param_remainders)
-        self.finalizer = GradientFinalizer(self.parallelized, self.mesh)
+        self.finalizer = GradientFinalizer(self.parallelized, self.mesh, self.fsdp)   # a later fit: its units
         self.finalizer.guard.grads = check_grads
         return self.parallelized
 
