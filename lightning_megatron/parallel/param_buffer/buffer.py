@@ -602,14 +602,15 @@ class MainParams:
         shard = bucket.shard
         if size == 1:   # expert data parallel of one: the scaling only (finish_reduction)
             return
-        if shard is not None and shard.size > 1:
-            if shard.size != size:
-                raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each "
-                                   "bucket over the group that reduces it (dp x cp; routed experts: edp)")
-            # into a run of its own, not the bucket's (gloo's reduce-scatter must not write into its input)
+        if shard is not None and shard.size != size:
+            raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each bucket "
+                               "over the group that reduces it (dp x cp; routed experts: edp)")
+        if shard is not None and shard.size > 1 and dist.get_backend(group) == dist.Backend.NCCL:
+            # into a run of its own, copied into the bucket by finish_reduction
             bucket.scattered = torch.empty(shard.length, dtype=flat.dtype, device=flat.device)
             bucket.work = reduce_scatter_into(bucket.scattered, flat, group=group, async_op=True)
-        else:
+        else:   # gloo: an all-reduce, of which a shard keeps its run (an asynchronous reduce-scatter on gloo under
+            # torch 2.13 can leave a rank to abort at exit)
             bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
     @torch.no_grad()
