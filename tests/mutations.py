@@ -382,6 +382,20 @@ MUTATIONS: Tuple[Mutation, ...] = (
         ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",
          sharp("dp2-distopt-clip"))),
     Mutation(
+        "distributed-optimizer-all-reduces", "under the distributed optimizer with reduce_scatter=True (NCCL's "
+        "default) each bucket is all-reduced whole (twice a reduce-scatter's traffic) and the shard keeps its run",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
+              "        if shard is not None and shard.size > 1 and scatter:\n",
+              "        if False:\n"),),
+        ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",)),
+    Mutation(
+        "scattered-run-not-copied", "the reduce-scattered run stays beside the bucket: the main gradients keep this "
+        "rank's own unreduced sums",
+        (Edit("lightning_megatron/parallel/param_buffer/buffer.py",
+              "                flat[lo:hi].copy_(bucket.scattered)\n",
+              "                pass\n"),),
+        ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",)),
+    Mutation(
         "refit-finaliser-without-fsdp", "a second fit under FSDP rebuilds the gradient finaliser without the FSDP "
         "units, so it clips by this rank's shard",
         (Edit("lightning_megatron/run/parallel_run.py",

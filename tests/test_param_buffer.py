@@ -6,9 +6,10 @@ buffer (its storage is the buffer's); every gradient route of a step reaches it 
 against one process, in ``tests/test_parity_tp_dp.py``, ``test_parity_pp.py``, ``test_overlap.py``)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -80,8 +81,12 @@ class ReducedGradients(pl.Callback):
     """Before the first optimizer step: each bucket's reduced gradients (the whole buffer, on CPU) and its shard's
     run ``(start, length)`` (None without the distributed optimizer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reduce_scatter: Optional[bool] = None) -> None:
         self.buckets: list = []
+        self.reduce_scatter = reduce_scatter
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.strategy.parallelized.main_params.reduce_scatter = self.reduce_scatter
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.buckets:
@@ -91,7 +96,8 @@ class ReducedGradients(pl.Callback):
                         for b in buffer.buckets if b.grad is not None]
 
 
-def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> Dict[str, Any]:
+def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples,
+             reduce_scatter: Optional[bool] = None) -> Dict[str, Any]:
     from lightning_megatron.parallel.param_buffer import buffer
 
     scatters = []   # the buffer's reduce-scatters (real collectives, counted on their way through)
@@ -104,7 +110,7 @@ def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> Dict[str
     buffer.reduce_scatter_into = counted
     try:
         pl.seed_everything(SEED, verbose=False)
-        module, seen = new_module(tiny_config(), 2), ReducedGradients()
+        module, seen = new_module(tiny_config(), 2), ReducedGradients(reduce_scatter)
         trainer = trainer_for(world, MegatronStrategy(**kwargs), 1, callbacks=[seen])
         trainer.fit(module, DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
     finally:
@@ -112,18 +118,21 @@ def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples) -> Dict[str
     return {"buckets": seen.buckets, "scatters": scatters, "steps": trainer.global_step}
 
 
-def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards():
+@pytest.mark.parametrize("reduce_scatter", [True, None], ids=["reduce-scatter", "gloo-default-all-reduce"])
+def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards(reduce_scatter):
     """dp2 with the distributed optimizer: each rank's gradient buckets hold the data-parallel average in its shard's
-    run and zeros elsewhere (on NCCL a reduce-scatter, half an all-reduce's traffic; on gloo an all-reduce of which
-    the run is kept); the two runs together are the average the all-reduce of the same step leaves on every rank (dp2
-    without the distributed optimizer)."""
+    run and zeros elsewhere; the two runs together are the average the all-reduce of the same step leaves on every
+    rank (dp2 without the distributed optimizer). ``reduce_scatter=True`` (NCCL's default): one reduce-scatter per
+    bucket and step, half an all-reduce's traffic; None on gloo: an all-reduce of which each rank keeps its run."""
     samples = make_samples(tiny_config(), 8)
-    runs = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples)
-    plain = run_distributed(_reduced, 2, dict(bucket_size=3000), samples)
+    runs = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples,
+                           reduce_scatter)
+    plain = run_distributed(_reduced, 2, dict(bucket_size=3000), samples, True)
     scattered, whole = [r["buckets"] for r in runs], [r["buckets"] for r in plain]
     assert len(scattered[0]) > 2 and len(scattered[0]) == len(whole[0])
-    # gloo all-reduces and each rank keeps its run (NCCL reduce-scatters: the same numbers, half the traffic)
-    assert runs[0]["scatters"] == [] and plain[0]["scatters"] == []
+    expected = runs[0]["steps"] * len(scattered[0]) if reduce_scatter else 0
+    assert len(runs[0]["scatters"]) == expected, (runs[0]["scatters"], runs[0]["steps"])
+    assert plain[0]["scatters"] == []   # unsharded buckets are all-reduced whatever reduce_scatter says
     for index, (average, run) in enumerate(whole[0]):
         assert run is None and torch.equal(average, whole[1][index][0])
         parts = [rank[index][0] for rank in scattered]

@@ -142,17 +142,17 @@ class ParallelConfig:
         recompute_num_layers: with ``"full"``: layers per group (uniform) or per stage (block).
         recompute_modules: with ``"selective"``: Megatron's names, any of ``"core_attn"`` (the default),
             ``"mlp"``, ``"layernorm"``, ``"moe"``, ``"moe_act"``, ``"shared_experts"``.
-        overlap_grad_reduce: data-parallel gradient reduction in buckets launched during backward
-            (``--overlap-grad-reduce``; :mod:`lightning_megatron.parallel.grad_buckets`). None (default): each
-            path's own default, overlapped for pp = 1 (torch DDP's buckets) and one reduction after the schedule
-            for pp > 1; True / False force it on both paths.
-        bucket_size: elements per gradient bucket (``--ddp-bucket-size``); None: torch DDP's 25 MiB (pp = 1),
-            40M elements (pp > 1, overlapped) or 64 MiB (pp > 1, after the schedule). With bf16 parameters it also
-            sizes the buckets of the contiguous parameter and gradient buffers (None: 40M elements;
-            :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`).
-        overlap_param_gather: with the distributed optimizer, the parameter broadcast after the optimizer step is
-            launched without waiting and each module waits for its own parameters in the next forward
-            (``--overlap-param-gather``; :mod:`lightning_megatron.parallel.param_gather`).
+        overlap_grad_reduce: each bucket of the parameter-and-gradient buffer starts its data-parallel reduction
+            as soon as the step's last gradient of its parameters has arrived, during backward
+            (``--overlap-grad-reduce``; :class:`~lightning_megatron.parallel.param_buffer.buffer.MainParams`). None
+            (default): on for pp = 1, one reduction after the schedule for pp > 1; True / False force it. (A loop
+            that builds no buffer, ``parallelize`` without ``param_buffer=True``, gets torch DDP's buckets for pp = 1 and
+            :mod:`lightning_megatron.parallel.grad_buckets` for pp > 1.)
+        bucket_size: elements per bucket of the parameter-and-gradient buffer (``--ddp-bucket-size``); None: 40M
+            elements (:data:`~lightning_megatron.parallel.param_buffer.buffer.DEFAULT_BUCKET_ELEMENTS`).
+        overlap_param_gather: with the distributed optimizer, each bucket's all-gather of the stepped parameters is
+            launched after the optimizer step without waiting, and each module waits for its own buckets in the next
+            forward (``--overlap-param-gather``; :mod:`lightning_megatron.parallel.param_buffer.optimizer`).
         tp_comm_overlap: under sequence parallelism, the all-gather before column-parallel GEMMs and the
             reduce-scatter after row-parallel GEMMs run as a ring of chunked GEMMs and point-to-point exchanges,
             forward and backward (``--tp-comm-overlap``;

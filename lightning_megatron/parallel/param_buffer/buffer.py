@@ -235,6 +235,11 @@ class MainParams:
         experts = {id(p) for p in expert_params or []}
         #: the overlapped data-parallel reduction of the dense buckets (:meth:`overlap_reduction`), or None
         self._reduce: Optional[_Reduction] = None
+        #: how a sharded bucket is reduced: True a reduce-scatter into this rank's run, False an all-reduce of which
+        #: this rank keeps its run (the same numbers, twice the traffic); None (default): a reduce-scatter where the
+        #: group's backend is NCCL (on gloo an asynchronous reduce-scatter under torch 2.13 can leave a rank to abort
+        #: at exit)
+        self.reduce_scatter: Optional[bool] = None
         #: this step's backward passes per parameter (:meth:`arm_reduction`), None when not armed
         self._expected: Optional[int] = None
         self._arrivals: Dict[int, int] = {}
@@ -506,8 +511,9 @@ class MainParams:
         its every parameter has arrived (Megatron's ``overlap_grad_reduce``, once :meth:`arm_reduction` announced the
         step), from the last bucket of a kind to the first (the order the backward completes them, the same on every
         rank of the group); :meth:`finish_reduction` starts the rest and waits. A sharded bucket (:meth:`shard`: the
-        distributed optimizer) is reduce-scattered: each rank receives only its run of the average, the only part
-        its optimizer reads, for half an all-reduce's traffic; elsewhere its gradients are zero then. ``uses``:
+        distributed optimizer) is reduce-scattered (:attr:`reduce_scatter`): each rank receives only its run of the
+        average, the only part its optimizer reads, for half an all-reduce's traffic; elsewhere its gradients are zero
+        then. ``uses``:
         backward passes per micro-batch of a parameter used by more than one pipeline stage on this rank (default
         1); ``reduce_dtype``: communicate in that dtype (``grad_reduce_in_bf16``: a bf16 copy, divided before the
         sum)."""
@@ -605,12 +611,14 @@ class MainParams:
         if shard is not None and shard.size != size:
             raise RuntimeError(f"a bucket sharded over {shard.size} ranks is reduced over {size}: shard each bucket "
                                "over the group that reduces it (dp x cp; routed experts: edp)")
-        if shard is not None and shard.size > 1 and dist.get_backend(group) == dist.Backend.NCCL:
+        scatter = self.reduce_scatter
+        if scatter is None:
+            scatter = dist.get_backend(group) == dist.Backend.NCCL
+        if shard is not None and shard.size > 1 and scatter:
             # into a run of its own, copied into the bucket by finish_reduction
             bucket.scattered = torch.empty(shard.length, dtype=flat.dtype, device=flat.device)
             bucket.work = reduce_scatter_into(bucket.scattered, flat, group=group, async_op=True)
-        else:   # gloo: an all-reduce, of which a shard keeps its run (an asynchronous reduce-scatter on gloo under
-            # torch 2.13 can leave a rank to abort at exit)
+        else:   # whole: a shard keeps its run (finish_reduction)
             bucket.work = dist.all_reduce(flat, group=group, async_op=True)
 
     @torch.no_grad()
