@@ -396,6 +396,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "                pass\n"),),
         ("tests/test_param_buffer.py::test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards",)),
     Mutation(
+        "compiled-module-not-adopted", "a module passed through torch.compile keeps its whole steps compiled (dynamo "
+        "traces the step path and fails)",
+        (Edit("lightning_megatron/strategy/megatron_strategy.py",
+              "        adopt_compiled_module(model, self.parallel_config)\n",
+              "        pass\n"),),
+        ("tests/test_compile.py::test_a_module_passed_through_torch_compile_trains_with_its_layers_compiled",)),
+    Mutation(
         "refit-finaliser-without-fsdp", "a second fit under FSDP rebuilds the gradient finaliser without the FSDP "
         "units, so it clips by this rank's shard",
         (Edit("lightning_megatron/run/parallel_run.py",

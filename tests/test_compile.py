@@ -202,3 +202,47 @@ def test_cuda_graph_step_path_starts_a_generation_before_every_forward(monkeypat
     # every micro-batch of the 3 steps, and the 2 validation batches after the second step
     assert graphed_marks == steps * accumulate + val_batches, graphed_marks
     assert len(graphed) == steps and graphed == pytest.approx(plain, rel=1e-6)
+
+
+def _fit_dp2(rank, world, samples, compiled):
+    """dp2 (gloo), plain SGD, 2 steps: ``trainer.fit(torch.compile(module))`` (``compiled``) or the uncompiled module
+    under ``MegatronStrategy(compile=True)``; the final weights, what the strategy made of it, the warnings."""
+    import warnings
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tests.parity import SEED, ListDataset, new_module, trainer_for
+
+    pl.seed_everything(SEED, verbose=False)
+    module = new_module(tiny_config(num_layers=2), 2, "sgd")
+    strategy = MegatronStrategy(compile=not compiled)
+    trainer = trainer_for(world, strategy, 2, callbacks=[CompiledLayers()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(torch.compile(module) if compiled else module,
+                    DataLoader(ListDataset(samples), batch_size=2, shuffle=False))
+    return {"weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "compile": strategy.parallel_config.compile, "uncompiled": module._compiler_ctx is None,
+            "warned": [str(w.message) for w in caught if "passed through torch.compile" in str(w.message)]}
+
+
+def test_a_module_passed_through_torch_compile_trains_with_its_layers_compiled():
+    """``trainer.fit(torch.compile(module))`` under MegatronStrategy (dp2, plain SGD): Lightning would hand over the
+    module with its whole steps compiled (dynamo then traces the step path and fails); the strategy takes it back
+    uncompiled, compiles its layers instead (``compile=True``, said in a warning), and ends with the final weights of
+    the same run under ``MegatronStrategy(compile=True)``, bit for bit."""
+    import torch
+
+    from tests._dist import run_distributed
+    from tests.parity import make_samples
+
+    samples = make_samples(tiny_config(num_layers=2), 8)
+    via_torch = run_distributed(_fit_dp2, 2, samples, True)
+    via_flag = run_distributed(_fit_dp2, 2, samples, False)
+    for rank in range(2):
+        assert via_torch[rank]["compile"] and via_torch[rank]["uncompiled"]
+        assert via_flag[rank]["warned"] == []
+        for name, value in via_flag[rank]["weights"].items():
+            assert torch.equal(via_torch[rank]["weights"][name], value), name
+    assert len(via_torch[0]["warned"]) == 1 and "compile=True" in via_torch[0]["warned"][0]

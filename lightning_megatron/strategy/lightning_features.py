@@ -1,7 +1,8 @@
 """Lightning features :class:`~lightning_megatron.strategy.MegatronStrategy` cannot run under some layouts, refused
 before anything runs (:func:`check_lightning_features`, at ``setup_environment``, from the configuration alone, so
-every rank raises at once and none waits in a collective), and ``StochasticWeightAveraging`` made to average the
-parameters that exist after the model is built (:func:`attach_weight_averages`)."""
+every rank raises at once and none waits in a collective), ``StochasticWeightAveraging`` made to average the
+parameters that exist after the model is built (:func:`attach_weight_averages`), and a module compiled with
+``torch.compile`` trained with its transformer layers compiled instead (:func:`adopt_compiled_module`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -9,10 +10,14 @@ from typing import Any, Callable, List, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_megatron.contract import ParallelLightningModule
+
 __all__ = ["check_lightning_features", "check_short_pipeline_steps", "attach_weight_averages", "AveragedParameters",
-           "layout_name"]
+           "layout_name", "adopt_compiled_module"]
 
 
 def layout_name(cfg: Any) -> str:
@@ -130,3 +135,23 @@ def attach_weight_averages(trainer: "pl.Trainer", module: nn.Module, before_read
     for callback in callbacks:
         callback._average_model = AveragedParameters(module, before_read)
     return callbacks
+
+
+def adopt_compiled_module(module: "pl.LightningModule", cfg: Any) -> bool:
+    """``trainer.fit(torch.compile(module))`` for a :class:`~lightning_megatron.contract.ParallelLightningModule`:
+    Lightning hands the strategy the module with its step methods compiled whole, which would trace the step path
+    (its collectives, the pipeline schedule, the non-finite checks). The module is taken back uncompiled (Lightning's
+    ``to_uncompiled``) and ``cfg.compile`` turned on: each transformer layer, the head and the loss are compiled
+    instead (``apply_compile``, with the library's Inductor options; the ``torch.compile`` arguments are not used),
+    with a warning that says so. Other modules (Lightning's own loop) keep their compiled steps. Returns whether the
+    module was compiled."""
+    if getattr(module, "_compiler_ctx", None) is None or not isinstance(module, ParallelLightningModule):
+        return False
+    to_uncompiled(module)
+    rank_zero_warn(
+        f"{type(module).__name__} was passed through torch.compile: MegatronStrategy trains it uncompiled around its "
+        "step path and compiles each transformer layer, the head and the loss instead (compile=True; the arguments "
+        "given to torch.compile are not used). Pass the module itself and MegatronStrategy(compile=True) to say so.",
+        category=UserWarning)
+    cfg.compile = True
+    return True

@@ -48,8 +48,8 @@ from lightning_megatron.run import ParallelRun
 from lightning_megatron.run.model_setup import check_pipeline_module, parallel_context
 from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
-from lightning_megatron.strategy.lightning_features import (attach_weight_averages, check_lightning_features,
-                                                          check_short_pipeline_steps)
+from lightning_megatron.strategy.lightning_features import (adopt_compiled_module, attach_weight_averages,
+                                                          check_lightning_features, check_short_pipeline_steps)
 from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
                                                   kill_launched, restart_safe_store)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
@@ -302,6 +302,13 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         if self._exit_signals is not None:
             self._exit_signals.uninstall()
         kill_launched(self._launcher, wait=isinstance(exception, Preempted))
+
+    def connect(self, model: "pl.LightningModule") -> None:
+        """Lightning's ``connect``; a module passed through ``torch.compile`` is trained with its transformer layers
+        compiled instead of its whole steps (:func:`~lightning_megatron.strategy.lightning_features.
+        adopt_compiled_module`)."""
+        adopt_compiled_module(model, self.parallel_config)
+        super().connect(model)
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
