@@ -259,3 +259,18 @@ def test_embedding_group(meshes):
             assert m["size"]["embedding"] == 2 and m["rank"]["embedding"] == (stage == 3)
         else:
             assert m["ranks"]["embedding"] == [] and m["size"]["embedding"] == 0 and m["rank"]["embedding"] == -1
+
+
+def test_parallel_config_fields_come_in_sections_by_concern():
+    """Every option of ParallelConfig belongs to exactly one section of ``SECTIONS``, and the fields are declared in
+    the sections' order (the docstring's and the validation's), so a new flag has to be placed by its concern."""
+    import dataclasses
+
+    from lightning_megatron.parallel.config import SECTIONS
+
+    declared = [f.name for f in dataclasses.fields(ParallelConfig) if f.init]
+    by_section = [name for names in SECTIONS.values() for name in names]
+    assert by_section == declared
+    doc = ParallelConfig.__doc__
+    for name in declared:   # documented (a pair such as the uneven stages' two sizes shares one entry)
+        assert re.search(rf"\n        ([a-z_0-9]+, )*{name}(, [a-z_0-9]+)*:", doc), name
