@@ -5,7 +5,9 @@ the guards that end a job as a whole (no rank left waiting, no orphan process):
 - :func:`die_with_parent`: a launched rank gets SIGKILL when the process that started it exits;
 - :func:`watch_children`: the launching rank ends every rank (and itself) when a rank it started exits non-zero;
 - :func:`watch_signals`: SIGTERM / SIGINT end the process after a short grace, even when its main thread is
-  blocked in a collective, where Python-level handlers (Lightning's) cannot run.
+  blocked in a collective, where Python-level handlers (Lightning's) cannot run;
+- :func:`end_process_groups`: at the process's exit the process groups are destroyed after gloo's worker threads
+  have let go of their last collective's tensors.
 
 Killing one rank is enough: its peers' next (or current) collective fails at once on the closed connection, and
 the processes it started get SIGKILL from :func:`die_with_parent`.
@@ -134,6 +136,24 @@ def watch_signals(grace_s: float = SIGNAL_GRACE_S) -> bool:
 
     threading.Thread(target=run, name="lightning-megatron-signals", daemon=True).start()
     return True
+
+
+#: how long the main thread yields at exit, with the GIL released, before the process groups are destroyed
+GLOO_SETTLE_S = 0.05
+
+
+def end_process_groups() -> None:
+    """At the process's exit (``atexit``, registered by ``MegatronStrategy.setup_distributed``): destroy every process
+    group while the interpreter is whole. Under gloo the main thread first sleeps :data:`GLOO_SETTLE_S` with the GIL
+    released: a gloo worker thread releases a collective's tensors only after the caller's wait has returned, and a
+    release that needs the GIL (a tensor with a Python object) once the interpreter is being torn down aborts the
+    process ("terminate called without an active exception", torch 2.13) -- seen on a rank whose last collective
+    came right before its exit."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == dist.Backend.GLOO:
+        time.sleep(GLOO_SETTLE_S)
+    dist.destroy_process_group()
 
 
 def restart_safe_store(main_address: str, main_port: int, timeout: timedelta) -> Optional[dist.Store]:

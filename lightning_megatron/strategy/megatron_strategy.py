@@ -24,7 +24,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -50,8 +49,8 @@ from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.lightning_features import (adopt_compiled_module, attach_weight_averages,
                                                           check_lightning_features, check_short_pipeline_steps)
-from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, global_seed, guard_processes,
-                                                  kill_launched, restart_safe_store)
+from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, end_process_groups, global_seed,
+                                                  guard_processes, kill_launched, restart_safe_store)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
@@ -266,7 +265,9 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         ``dry_run.world_size`` ranks (Lightning itself sees one process: it logs and prints as rank 0). Under
         torchrun with its shared rendezvous store the group starts on a store prefixed by the restart attempt, so
         that a job restarted in place (``--max-restarts``) never reads the dead attempt's keys
-        (:func:`~lightning_megatron.strategy.launcher.restart_safe_store`)."""
+        (:func:`~lightning_megatron.strategy.launcher.restart_safe_store`). Every backend's groups are destroyed at
+        the process's exit (:func:`~lightning_megatron.strategy.launcher.end_process_groups`; Lightning does so for
+        NCCL only)."""
         if self.dry_run is not None:
             reset_seed()
             self.set_world_ranks()
@@ -277,6 +278,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
         store = None
         if not torch.distributed.is_initialized() and env is not None:
             store = restart_safe_store(env.main_address, env.main_port, self._timeout or default_pg_timeout)
+        atexit.unregister(end_process_groups)   # once however many fits
+        atexit.register(end_process_groups)
         if store is None:
             return super().setup_distributed()
         reset_seed()
@@ -287,8 +290,6 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                  self.global_rank, self.global_rank + 1, self.world_size)
         torch.distributed.init_process_group(self._process_group_backend, store=store, rank=self.global_rank,
                                              world_size=self.world_size, timeout=self._timeout, device_id=device_id)
-        if self._process_group_backend == "nccl":   # as Lightning: destroyed at exit (torch warns otherwise)
-            atexit.register(_destroy_dist_connection)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; in a dry run the object itself (Lightning sees one process; a fake broadcast of

@@ -237,8 +237,7 @@ class MainParams:
         self._reduce: Optional[_Reduction] = None
         #: how a sharded bucket is reduced: True a reduce-scatter into this rank's run, False an all-reduce of which
         #: this rank keeps its run (the same numbers, twice the traffic); None (default): a reduce-scatter where the
-        #: group's backend is NCCL (on gloo an asynchronous reduce-scatter under torch 2.13 can leave a rank to abort
-        #: at exit)
+        #: group's backend is NCCL, an all-reduce on gloo (CPU runs, where traffic matters little)
         self.reduce_scatter: Optional[bool] = None
         #: this step's backward passes per parameter (:meth:`arm_reduction`), None when not armed
         self._expected: Optional[int] = None
