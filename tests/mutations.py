@@ -403,6 +403,21 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "        pass\n"),),
         ("tests/test_compile.py::test_a_module_passed_through_torch_compile_trains_with_its_layers_compiled",)),
     Mutation(
+        "script-launcher-with-lightnings-observer", "under popen the launching rank keeps Lightning's script launcher, "
+        "whose child observer SIGKILLs the job when a rank exits with the requeue code",
+        (Edit("lightning_megatron/strategy/megatron_strategy.py",
+              "            self._launcher = MegatronScriptLauncher(self.cluster_environment, self.num_processes, "
+              "self.num_nodes)\n",
+              "            pass\n"),),
+        ("tests/test_long_runs.py::test_the_script_launcher_lets_a_requeue_exit_go_and_ends_the_job_on_a_failure",)),
+    Mutation(
+        "requeue-exit-counted-as-failure", "the launching rank's watcher ends the job when a rank exits with the "
+        "requeue code of an exit-signal checkpoint",
+        (Edit("lightning_megatron/strategy/launcher.py",
+              "p.poll() not in (None, 0, REQUEUE_EXIT_CODE)]",
+              "p.poll() not in (None, 0)]"),),
+        ("tests/test_long_runs.py::test_the_script_launcher_lets_a_requeue_exit_go_and_ends_the_job_on_a_failure",)),
+    Mutation(
         "refit-finaliser-without-fsdp", "a second fit under FSDP rebuilds the gradient finaliser without the FSDP "
         "units, so it clips by this rank's shard",
         (Edit("lightning_megatron/run/parallel_run.py",

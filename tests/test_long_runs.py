@@ -330,3 +330,35 @@ def test_rerun_replays_a_non_finite_step_and_stops_only_when_it_repeats():
         assert isinstance(persistent, str) and "NonFiniteError" in persistent and "at step 1" in persistent \
             and "rank 1: gradient of model.decoder.layers.1.mlp.linear_fc2.weight (nan)" in persistent, persistent
         assert "NonFiniteStepSkipped" not in persistent.splitlines()[-1], persistent
+
+
+def test_the_script_launcher_lets_a_requeue_exit_go_and_ends_the_job_on_a_failure(monkeypatch):
+    """Under ``start_method="popen"`` the launching rank watches the ranks it started with ``watch_children``, not
+    with Lightning's observer, which SIGKILLs the job (the launching rank too: exit -9) as soon as any rank exits
+    non-zero, the requeue code 75 of an exit-signal checkpoint included. Real child processes: one exiting 75 is let
+    go; one exiting 3 makes the watcher kill the others and end this (here: stand-in) process with code 1."""
+    from lightning_megatron.strategy import launcher as launch
+
+    strategy = MegatronStrategy()
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)   # configures the launcher
+    assert type(strategy.launcher) is launch.MegatronScriptLauncher
+    ended = []
+
+    def end(code, reason):   # in place of ending this process: record, and stop the watching thread
+        ended.append(code)
+        raise SystemExit
+
+    monkeypatch.setattr(launch, "_installed", [])
+    monkeypatch.setattr(launch, "_end", end)
+    requeue = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = [requeue, sleeper]
+    launch.watch_children(lambda: procs, poll_s=0.05)
+    requeue.wait()
+    time.sleep(0.5)
+    assert ended == [] and sleeper.poll() is None   # 75 is not a failure
+    procs.append(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]))
+    deadline = time.time() + 20
+    while not ended and time.time() < deadline:
+        time.sleep(0.05)
+    assert ended == [1] and sleeper.wait(timeout=20) == -9

@@ -27,7 +27,9 @@ from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
 import lightning.pytorch as pl
@@ -182,7 +184,6 @@ def guard_processes(launcher: Any, cluster_environment: Any, world_size: int) ->
     launcher dies with its parent (:func:`die_with_parent`); with ``world_size`` > 1, SIGTERM and SIGINT end the
     process after a short grace (:func:`watch_signals`; a one-process run, a notebook, keeps its own Ctrl-C)."""
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     if isinstance(launcher, _SubprocessScriptLauncher) and getattr(launcher, "procs", None):
         watch_children(lambda: launcher.procs)
@@ -191,6 +192,23 @@ def guard_processes(launcher: Any, cluster_environment: Any, world_size: int) ->
         die_with_parent()
     if world_size > 1:
         watch_signals()
+
+
+class MegatronScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (``start_method="popen"``: the user's script run again per rank) without
+    Lightning's child-process observer, which SIGKILLs every rank, the launching one too, as soon as one rank exits
+    with any non-zero code: a rank that saved on an exit signal and exits with
+    :data:`~lightning_megatron.strategy.resilience.REQUEUE_EXIT_CODE` ("requeue me", as every rank does) would turn
+    the job's exit into -9. The launching rank watches its ranks with :func:`watch_children` instead
+    (:func:`guard_processes`), which lets the requeue code go."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        """Start the other ranks (unless the cluster starts them), then run ``function`` in this process."""
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 def kill_launched(launcher: Any, wait: bool = False, wait_s: float = 60.0) -> None:

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
 import lightning.pytorch as pl
@@ -49,8 +50,9 @@ from lightning_megatron.strategy.checkpoints import CheckpointHooks
 from lightning_megatron.strategy.gradients import GradientHooks
 from lightning_megatron.strategy.lightning_features import (adopt_compiled_module, attach_weight_averages,
                                                           check_lightning_features, check_short_pipeline_steps)
-from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, end_process_groups, global_seed,
-                                                  guard_processes, kill_launched, restart_safe_store)
+from lightning_megatron.strategy.launcher import (MegatronMultiProcessingLauncher, MegatronScriptLauncher,
+                                                  end_process_groups, global_seed, guard_processes, kill_launched,
+                                                  restart_safe_store)
 from lightning_megatron.strategy.options import (LAYOUT_OPTIONS, STRATEGY_KEYWORDS, parallel_config_from_options,
                                                  signature_with_layout_options)
 from lightning_megatron.strategy.registry import register_strategy_names
@@ -207,6 +209,8 @@ class MegatronStrategy(CheckpointHooks, GradientHooks, DDPStrategy):
                              f"{self.num_processes} device(s) x {self.num_nodes} node(s): use Trainer(devices=1, "
                              "num_nodes=1)")
         super()._configure_launcher()   # popen (Lightning's); spawn / fork hand the weights back to the main process
+        if isinstance(self._launcher, _SubprocessScriptLauncher):   # popen, the requeue exit code let through
+            self._launcher = MegatronScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         if self._start_method != "popen":
             self._launcher = MegatronMultiProcessingLauncher(self, start_method=self._start_method,
                                                              max_restarts=self.max_restarts)
