@@ -30,8 +30,10 @@ Data parallelism is left to the caller: the buffer reduces the gradients over dp
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, List, Optional, Set, Union
+from typing import Any, Callable, ContextManager, List, Optional, Set, Union
 
 import torch
 from torch import nn
@@ -234,3 +236,16 @@ def _layout(config: ParallelConfig) -> str:
     return (f"tp={c.tp} pp={c.pp} vp={c.vp} cp={c.cp} ep={c.ep} etp={c.etp} sp={c.sequence_parallel} "
             f"schedule={c.pipeline_schedule} first/last={c.num_layers_in_first_pipeline_stage}/"
             f"{c.num_layers_in_last_pipeline_stage} world={c.world_size if c._resolved else None}")
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as its :func:`parallelize`. The package exports the function under the module's own
+    name, and Python binds ``lightning_megatron.parallelize`` to this module once anything imports the module (as
+    ``MegatronStrategy`` does); ``from lightning_megatron import parallelize`` then gives this module, which must
+    work as the function does."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ParallelizedModel:
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -418,6 +418,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
               "p.poll() not in (None, 0)]"),),
         ("tests/test_long_runs.py::test_the_script_launcher_lets_a_requeue_exit_go_and_ends_the_job_on_a_failure",)),
     Mutation(
+        "parallelize-module-not-callable", "lightning_megatron.parallelize stays a plain module: after the strategy's "
+        "import, `from lightning_megatron import parallelize` gives a module that cannot be called",
+        (Edit("lightning_megatron/parallelize.py",
+              "sys.modules[__name__].__class__ = _CallableModule\n",
+              "pass\n"),),
+        ("tests/test_package.py::test_parallelize_parallelises_whatever_was_imported_first",)),
+    Mutation(
         "refit-finaliser-without-fsdp", "a second fit under FSDP rebuilds the gradient finaliser without the FSDP "
         "units, so it clips by this rank's shard",
         (Edit("lightning_megatron/run/parallel_run.py",

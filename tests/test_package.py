@@ -44,6 +44,17 @@ def test_top_level_names_are_the_defining_objects():
     assert lightning_megatron.ParallelConfig is ParallelConfig
 
 
+@pytest.mark.parametrize("first", ["", "from lightning_megatron import MegatronStrategy\n"],
+                         ids=["alone", "after-the-strategy"])
+def test_parallelize_parallelises_whatever_was_imported_first(first):
+    """``from lightning_megatron import parallelize`` calls the function, also after an import of the module
+    ``lightning_megatron/parallelize.py`` (``MegatronStrategy``'s) bound the package attribute to the module: the
+    call reaches the function (its own error for missing arguments), never "'module' object is not callable"."""
+    out = _python(first + "from lightning_megatron import parallelize\n"
+                  "try:\n    parallelize()\nexcept TypeError as e:\n    print(e)\n")
+    assert "parallelize() missing 3 required positional arguments" in out, out
+
+
 def test_import_and_planner_load_neither_torch_nor_lightning():
     out = _python(
         "import contextlib, io, sys\n"
