@@ -150,7 +150,8 @@ def end_process_groups() -> None:
     released: a gloo worker thread releases a collective's tensors only after the caller's wait has returned, and a
     release that needs the GIL (a tensor with a Python object) once the interpreter is being torn down aborts the
     process ("terminate called without an active exception", torch 2.13) -- seen on a rank whose last collective
-    came right before its exit."""
+    came right before its exit, and on one whose last was a barrier (a gloo barrier holds the collectives before
+    it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_backend() == dist.Backend.GLOO:
@@ -261,12 +262,9 @@ class MegatronMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(*args, **kwargs)
-        # Tear the process groups down before the worker exits: left to interpreter shutdown, the gloo threads
-        # of the mesh's subgroups abort the worker now and then ("terminate called without an active
-        # exception", SIGABRT), which fails the whole run after training succeeded.
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        # the process groups torn down before the worker exits, as at any exit; no barrier first: a gloo barrier
+        # holds the collectives before it until its worker thread lets go of it, which can be during teardown
+        end_process_groups()
 
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
         strategy = self._strategy
