@@ -118,8 +118,15 @@ def _reduced(rank: int, world: int, kwargs: Dict[str, Any], samples,
     return {"buckets": seen.buckets, "scatters": scatters, "steps": trainer.global_step}
 
 
+@pytest.fixture(scope="module")
+def all_reduced():
+    """dp2 without the distributed optimizer, the same step: every rank's buckets hold the whole average (one run for
+    both of the test's cases)."""
+    return run_distributed(_reduced, 2, dict(bucket_size=3000), make_samples(tiny_config(), 8), True)
+
+
 @pytest.mark.parametrize("reduce_scatter", [True, None], ids=["reduce-scatter", "gloo-default-all-reduce"])
-def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards(reduce_scatter):
+def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards(reduce_scatter, all_reduced):
     """dp2 with the distributed optimizer: each rank's gradient buckets hold the data-parallel average in its shard's
     run and zeros elsewhere; the two runs together are the average the all-reduce of the same step leaves on every
     rank (dp2 without the distributed optimizer). ``reduce_scatter=True`` (NCCL's default): one reduce-scatter per
@@ -127,7 +134,7 @@ def test_distributed_optimizer_reduce_scatters_each_bucket_into_the_shards(reduc
     samples = make_samples(tiny_config(), 8)
     runs = run_distributed(_reduced, 2, dict(use_distributed_optimizer=True, bucket_size=3000), samples,
                            reduce_scatter)
-    plain = run_distributed(_reduced, 2, dict(bucket_size=3000), samples, True)
+    plain = all_reduced
     scattered, whole = [r["buckets"] for r in runs], [r["buckets"] for r in plain]
     assert len(scattered[0]) > 2 and len(scattered[0]) == len(whole[0])
     expected = runs[0]["steps"] * len(scattered[0]) if reduce_scatter else 0

@@ -1,5 +1,5 @@
 """The parallel layout and its options (Megatron's flags, :class:`ParallelConfig`), in sections by concern
-(:data:`SECTIONS`), and their validation: one check per section, one clear error per broken rule."""
+(:data:`SECTIONS`), and their validation: checks by concern, one clear error per broken rule."""
 from __future__ import annotations
 
 import signal
@@ -69,7 +69,7 @@ def check_cp_kernel_options(attention_kernel: Any, compile_merge: Any, sm_carveo
         )
 
 
-#: the sections of :class:`ParallelConfig`'s fields by concern, in the order they are validated
+#: the sections of :class:`ParallelConfig`'s fields by concern, in the order they are declared and documented
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "layout": ("tp", "pp", "vp", "cp", "ep", "etp", "sequence_parallel"),
     "pipeline": ("pipeline_schedule", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"),
@@ -93,9 +93,10 @@ class ParallelConfig:
     Dense grid: ``world = pp * dp * cp * tp`` (dp is derived). Expert grid (Megatron's "MoE parallel
     folding"): ``world = pp * edp * ep * etp``, so ``ep`` is carved out of the dp x cp x tp ranks.
 
-    The fields come in sections by concern (:data:`SECTIONS`), each validated by a check of its own, in this
-    order; they stay one flat record because they are Megatron's flags, the keywords ``MegatronStrategy`` takes and
-    ``strategy.parallel_config.<flag>`` reads back.
+    The fields come in sections by concern (:data:`SECTIONS`), declared and documented in that order, and are
+    validated by checks by concern (in the order of what each reads from another: the sharding level before the
+    delayed weight gradients, say); they stay one flat record because they are Megatron's flags, the keywords
+    ``MegatronStrategy`` takes and ``strategy.parallel_config.<flag>`` reads back.
 
     Layout (the grid's sizes):
         tp: tensor-model-parallel size (``--tensor-model-parallel-size``).
@@ -255,7 +256,7 @@ class ParallelConfig:
         if self.delay_wgrad_compute is not None and not isinstance(self.delay_wgrad_compute, bool):
             raise ValueError(f"delay_wgrad_compute={self.delay_wgrad_compute!r} must be None (where it applies), "
                              "True or False")
-        # one check per section; a later one may read what an earlier one resolved (the sharding level, the schedule)
+        # checks by concern; a later one may read what an earlier one resolved (the sharding level, the schedule)
         self._check_layout()
         self._check_context_parallel_comm()
         self._check_pipeline()

@@ -145,8 +145,8 @@ GLOO_SETTLE_S = 0.05
 
 
 def end_process_groups() -> None:
-    """At the process's exit (``atexit``, registered by ``MegatronStrategy.setup_distributed``): destroy every process
-    group while the interpreter is whole. Under gloo the main thread first sleeps :data:`GLOO_SETTLE_S` with the GIL
+    """At the process's exit (``atexit``, registered by ``MegatronStrategy.setup_distributed``; a spawned worker's
+    end, :class:`MegatronMultiProcessingLauncher`): destroy every process group while the interpreter is whole. Under gloo the main thread first sleeps :data:`GLOO_SETTLE_S` with the GIL
     released: a gloo worker thread releases a collective's tensors only after the caller's wait has returned, and a
     release that needs the GIL (a tensor with a Python object) once the interpreter is being torn down aborts the
     process ("terminate called without an active exception", torch 2.13) -- seen on a rank whose last collective

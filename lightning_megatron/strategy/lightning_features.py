@@ -137,16 +137,15 @@ def attach_weight_averages(trainer: "pl.Trainer", module: nn.Module, before_read
     return callbacks
 
 
-def adopt_compiled_module(module: "pl.LightningModule", cfg: Any) -> bool:
+def adopt_compiled_module(module: "pl.LightningModule", cfg: Any) -> None:
     """``trainer.fit(torch.compile(module))`` for a :class:`~lightning_megatron.contract.ParallelLightningModule`:
     Lightning hands the strategy the module with its step methods compiled whole, which would trace the step path
     (its collectives, the pipeline schedule, the non-finite checks). The module is taken back uncompiled (Lightning's
     ``to_uncompiled``) and ``cfg.compile`` turned on: each transformer layer, the head and the loss are compiled
     instead (``apply_compile``, with the library's Inductor options; the ``torch.compile`` arguments are not used),
-    with a warning that says so. Other modules (Lightning's own loop) keep their compiled steps. Returns whether the
-    module was compiled."""
+    with a warning that says so. Other modules (Lightning's own loop) keep their compiled steps."""
     if getattr(module, "_compiler_ctx", None) is None or not isinstance(module, ParallelLightningModule):
-        return False
+        return
     to_uncompiled(module)
     rank_zero_warn(
         f"{type(module).__name__} was passed through torch.compile: MegatronStrategy trains it uncompiled around its "
@@ -154,4 +153,3 @@ def adopt_compiled_module(module: "pl.LightningModule", cfg: Any) -> bool:
         "given to torch.compile are not used). Pass the module itself and MegatronStrategy(compile=True) to say so.",
         category=UserWarning)
     cfg.compile = True
-    return True
